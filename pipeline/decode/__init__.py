@@ -1,0 +1,1 @@
+"""Speculative decoding engine: drafters, batched verification, cost-aware gamma."""

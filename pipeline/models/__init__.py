@@ -1,0 +1,1 @@
+"""Model loading, named model pairs and offline installation of real weights."""
