@@ -1,0 +1,147 @@
+"""A causal LM plus a ragged, rollback-able KV cache for a batch of rows.
+
+Speculative decoding makes every row of a batch advance by a different number of tokens per
+round, and throws away the cache entries of rejected draft tokens. Instead of re-laying the
+cache out after every round, the cache here is an append-only rectangle of *slots*: each
+forward pass appends one block of columns for the whole batch, and a per-row validity mask
+says which slots hold tokens of that row's current sequence. Rejected tokens and padding
+simply become invalid slots (holes). Keys already carry their rotary position, so holes cost
+nothing but memory and attention width; `compact()` squeezes them out when they pile up.
+
+Every row's tokens in a block come first and padding last ("right padding"), so every query
+of every block can attend to at least one valid key and no attention row is fully masked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+class BatchedLM:
+    """Runs `model` over ragged blocks of tokens for a batch of rows, keeping a slot cache."""
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.forward_passes = 0
+        self.forward_seconds = 0.0
+        self.reset(0)
+
+    def reset(self, batch_size: int) -> None:
+        """Start an empty cache for `batch_size` rows."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
+        self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
+        self.slots: list[list[int]] = [[] for _ in range(batch_size)]
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def sync(self, seqs: list[list[int]]) -> list[list[int]]:
+        """Roll each row's cache back to its longest prefix agreeing with `seqs[i]`.
+
+        Returns, per row, the tokens of `seqs[i]` that are not in the cache yet (what the next
+        `forward` must feed; at least the last token, whose logits the caller wants). This one
+        rule covers rejected drafts, bonus tokens and rows whose drafts came from elsewhere.
+        """
+        unfed = []
+        for i, seq in enumerate(seqs):
+            cached = self.tokens[i]
+            keep = 0
+            limit = min(len(cached), len(seq) - 1)
+            while keep < limit and cached[keep] == seq[keep]:
+                keep += 1
+            if keep < len(cached):
+                dropped = self.slots[i][keep:]
+                self.mask[i, dropped] = 0
+                del cached[keep:]
+                del self.slots[i][keep:]
+            unfed.append(seq[keep:])
+        return unfed
+
+    @torch.no_grad()
+    def forward(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
+        """Append one block per row to the cache and return the logits each row asks for.
+
+        `blocks[i]` must be non-empty; `logits_per_row[i]` is how many trailing positions of
+        row i need next-token logits (float32, shape [n_i, vocab]). Only those positions go
+        through the LM head, which matters for long prompts and large vocabularies.
+        """
+        assert len(blocks) == len(self.tokens) and all(blocks), "one non-empty block per row"
+        width = max(len(b) for b in blocks)
+        batch = len(blocks)
+        ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((batch, width), dtype=torch.long)
+        block_mask = torch.zeros((batch, width), dtype=torch.long)
+        wanted: list[list[int]] = []
+        for i, block in enumerate(blocks):
+            n = len(block)
+            start = len(self.tokens[i])
+            ids[i, :n] = torch.tensor(block)
+            positions[i, :n] = torch.arange(start, start + n)
+            positions[i, n:] = start + n - 1
+            block_mask[i, :n] = 1
+            wanted.append(list(range(n - logits_per_row[i], n)))
+        columns = sorted({c for cols in wanted for c in cols})
+        column_index = {c: k for k, c in enumerate(columns)}
+
+        base = self.width
+        attention = torch.cat([self.mask, block_mask.to(self.device)], dim=1)
+        began = time.perf_counter()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=attention,
+            position_ids=positions.to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(columns, device=self.device),
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - began
+        self.forward_passes += 1
+
+        self.mask = attention
+        for i, block in enumerate(blocks):
+            self.tokens[i].extend(block)
+            self.slots[i].extend(range(base, base + len(block)))
+        logits = out.logits.float()
+        return [logits[i, [column_index[c] for c in cols]] for i, cols in enumerate(wanted)]
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only `rows` (finished rows stop costing compute)."""
+        if len(rows) == len(self.tokens):
+            return
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.width:
+            self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.tokens = [self.tokens[r] for r in rows]
+        self.slots = [self.slots[r] for r in rows]
+        self.compact()
+
+    def compact(self, slack: float = 1.5, min_width: int = 64) -> None:
+        """Squeeze out holes once the cache is much wider than the longest row needs."""
+        longest = max((len(t) for t in self.tokens), default=0)
+        if self.width <= max(min_width, slack * longest):
+            return
+        gather = torch.zeros(len(self.tokens), longest, dtype=torch.long)
+        mask = torch.zeros(len(self.tokens), longest, dtype=torch.long)
+        for i, slots in enumerate(self.slots):
+            gather[i, : len(slots)] = torch.tensor(slots, dtype=torch.long)
+            mask[i, : len(slots)] = 1
+            self.slots[i] = list(range(len(slots)))
+        gather = gather.to(self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise ValueError("sliding-window attention caches are not supported by the speculative engine")
+            idx = gather[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, idx)
+            idx = gather[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[-1])
+            layer.values = layer.values.gather(2, idx)
+        self.mask = mask.to(self.device)

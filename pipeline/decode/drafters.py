@@ -1,0 +1,147 @@
+"""Drafters: anything that proposes the next few tokens of each row for the target to check.
+
+A drafter sees the rows' full token sequences (prompt + output so far) and proposes up to
+`gamma` tokens per row. It may propose fewer (prompt lookup without a match proposes none).
+Drafters that sample report the distribution each token came from, so that speculative
+sampling stays exact; deterministic drafters report None (a point mass).
+
+Adding a drafter (say layer-skip self-speculation) means writing one more class with these
+methods; the decoding loop does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.sampling import SamplingParams, choose
+
+
+@dataclass
+class Proposal:
+    """Per row: drafted tokens and, for sampled drafts, their distributions [n, V] (else None)."""
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None]
+    model_passes: int = 0
+    seconds: float = 0.0
+
+
+class Drafter(Protocol):
+    name: str
+    costs_a_pass: bool  # does proposing run a model forward (the cost model must account for it)?
+
+    def start(self, prompts: list[list[int]]) -> None:
+        """A new batch of rows begins."""
+
+    def propose(
+        self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Propose up to `gamma` tokens after each sequence."""
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (the others finished)."""
+
+
+@dataclass
+class PromptLookupDrafter:
+    """Copy what followed the most recent earlier occurrence of the row's last n tokens.
+
+    Summaries and extractions copy spans of their input; when the last n generated tokens
+    appeared before (in the prompt or the output), the tokens that followed are a free, often
+    correct guess. Longest n-gram first, most recent occurrence first. No model pass.
+    """
+
+    ngram_max: int = 4
+    ngram_min: int = 1
+    name: str = "prompt_lookup"
+    costs_a_pass: bool = False
+    _index: list[dict[tuple[int, ...], int]] = field(default_factory=list, repr=False)
+    _indexed: list[int] = field(default_factory=list, repr=False)
+    matched_ngram: list[int] = field(default_factory=list, repr=False)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self._index = [{} for _ in prompts]
+        self._indexed = [0 for _ in prompts]
+        self.matched_ngram = [0 for _ in prompts]
+
+    def _update_index(self, row: int, seq: list[int]) -> None:
+        """Record n-grams that end before the last token, each mapped to where its follower is."""
+        index = self._index[row]
+        for end in range(max(self._indexed[row], 1), len(seq)):
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if end - n >= 0:
+                    index[tuple(seq[end - n : end])] = end
+        self._indexed[row] = max(len(seq), 1)
+
+    def propose(
+        self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        tokens = []
+        for row, seq in enumerate(seqs):
+            self._update_index(row, seq)
+            draft: list[int] = []
+            self.matched_ngram[row] = 0
+            for n in range(min(self.ngram_max, len(seq)), self.ngram_min - 1, -1):
+                follower = self._index[row].get(tuple(seq[-n:]))
+                if follower is not None:
+                    draft = seq[follower : follower + gamma]
+                    self.matched_ngram[row] = n
+                    break
+            tokens.append(draft if gamma else [])
+        return Proposal(tokens=tokens, probs=[None] * len(seqs))
+
+    def select(self, rows: list[int]) -> None:
+        self._index = [self._index[r] for r in rows]
+        self._indexed = [self._indexed[r] for r in rows]
+        self.matched_ngram = [self.matched_ngram[r] for r in rows]
+
+
+class DraftModelDrafter:
+    """A small LM sharing the target's tokenizer proposes `gamma` tokens, one pass per token.
+
+    Its cache is synced to each row's accepted sequence at the start of every proposal, so
+    tokens it never saw (bonus tokens, drafts from prompt lookup) are fed in the first pass.
+    """
+
+    name = "draft_model"
+    costs_a_pass = True
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int):
+        self.lm = BatchedLM(model, pad_token_id)
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.lm.reset(len(prompts))
+
+    def propose(
+        self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        if gamma == 0:
+            return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs))
+        passes, seconds = self.lm.forward_passes, self.lm.forward_seconds
+        drafts: list[list[int]] = [[] for _ in seqs]
+        dists: list[list[torch.Tensor]] = [[] for _ in seqs]
+        blocks = self.lm.sync(seqs)
+        for _ in range(gamma):
+            logits = self.lm.forward(blocks, [1] * len(seqs))
+            blocks = []
+            for i, row_logits in enumerate(logits):
+                token, probs = choose(row_logits[-1], params, generator)
+                drafts[i].append(token)
+                if probs is not None:
+                    dists[i].append(probs)
+                blocks.append([token])
+        probs_out = [torch.stack(d) if d else None for d in dists]
+        return Proposal(
+            tokens=drafts,
+            probs=probs_out,
+            model_passes=self.lm.forward_passes - passes,
+            seconds=self.lm.forward_seconds - seconds,
+        )
+
+    def select(self, rows: list[int]) -> None:
+        self.lm.select(rows)

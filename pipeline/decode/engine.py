@@ -1,0 +1,385 @@
+"""The speculative decoder: a batch of prompts in, the target model's own completions out.
+
+One round, for every unfinished row at once:
+  1. drafters propose up to gamma tokens per row (prompt lookup first, the draft model for rows
+     without a lookup match), gamma chosen from measured costs and acceptance;
+  2. ONE target forward pass over each row's unfed tokens plus its drafts;
+  3. each row keeps the drafts the target agrees with (greedy: equal to its argmax; sampling:
+     the accept/resample rule) plus one token from the target itself;
+  4. rows that hit EOS, a stop string or max_new_tokens leave the batch.
+The caches are rolled back lazily at the start of the next round (`BatchedLM.sync`).
+With the drafter "none" the same loop is plain target-only decoding: the baseline for speedups.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.costs import CostModel, RunningRate, alpha_from_tau, expected_tokens
+from pipeline.decode.drafters import DraftModelDrafter, PromptLookupDrafter, Proposal
+from pipeline.decode.sampling import SamplingParams, choose, verify
+
+DRAFTERS = ("auto", "draft_model", "prompt_lookup", "none")
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot decode (empty, or too long and the caller chose to refuse)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to speculate. `adaptive=False` always drafts `gamma_max` tokens (fixed gamma)."""
+
+    drafter: str = "auto"
+    gamma_max: int = 8
+    adaptive: bool = True
+    ngram_min: int = 1
+    ngram_max: int = 4
+    probe_every: int = 32  # rounds without the draft model before trying it again
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if not 0 <= self.gamma_max <= 64:
+            raise ValueError(f"gamma_max must be in 0..64, got {self.gamma_max}")
+
+
+@dataclass
+class RowStats:
+    """What speculation did for one row. Invariant: new_tokens == accepted + target_tokens."""
+
+    new_tokens: int = 0
+    target_passes: int = 0  # target forward passes this row took part in (prefill included)
+    draft_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_tokens: int = 0  # tokens the target chose itself: corrections, bonuses, the first
+    gamma_sum: int = 0  # sum over rounds of the gamma offered to this row
+    drafted_by: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0  # from the batch start until this row finished
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance rate per drafted token."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per target pass."""
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        rounds = self.target_passes - 1
+        return self.gamma_sum / rounds if rounds > 0 else 0.0
+
+    @property
+    def alpha_leviathan(self) -> float:
+        """The i.i.d. acceptance rate that explains the measured tau at the mean gamma."""
+        return alpha_from_tau(self.tau, self.mean_gamma)
+
+
+@dataclass
+class RowOutput:
+    tokens: list[int]
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: int
+    truncated_tokens: int  # prompt tokens dropped to fit the context window
+    stats: RowStats
+
+
+@dataclass
+class BatchStats:
+    """Whole-batch counters: passes here are batched passes, not per row."""
+
+    rows: int = 0
+    new_tokens: int = 0
+    target_passes: int = 0
+    draft_passes: int = 0
+    target_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    gamma_histogram: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+
+@dataclass
+class _Row:
+    """Book-keeping for one row while it decodes."""
+
+    index: int
+    seq: list[int]
+    prompt_len: int
+    stats: RowStats = field(default_factory=RowStats)
+    finish_reason: str | None = None
+
+
+class SpeculativeEngine:
+    """Speculative decoding with a target model, an optional draft model and prompt lookup.
+
+    One engine per model pair and process: it keeps the measured costs across batches, so the
+    first batch teaches it what a pass costs on this hardware.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        *,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        config: EngineConfig | None = None,
+        decode_text: Callable[[list[int]], str] | None = None,
+    ):
+        self.config = config or EngineConfig()
+        if self.config.drafter == "draft_model" and draft is None:
+            raise ValueError("drafter 'draft_model' needs a draft model")
+        self.target = BatchedLM(target, pad_token_id)
+        self.draft = DraftModelDrafter(draft, pad_token_id) if draft is not None else None
+        self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)
+        self.eos = frozenset(eos_token_ids)
+        self.decode_text = decode_text
+        self.max_context = getattr(target.config, "max_position_embeddings", None)
+        self.costs = CostModel()
+        self.alpha = {"draft_model": RunningRate(prior=0.6), "prompt_lookup": RunningRate(prior=0.5)}
+        self._rounds_without_model = 0
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        *,
+        stop_strings: Sequence[str] = (),
+        drafter: str | None = None,
+        overlong: str = "error",
+    ) -> tuple[list[RowOutput], BatchStats]:
+        """Decode every prompt; results keep the input order.
+
+        `drafter` overrides the configured one for this call ("none" gives the target-only
+        baseline). `overlong` is "error" (raise PromptError) or "truncate" (keep the last
+        tokens that fit the context with room for `max_new_tokens`, and report how many went).
+        """
+        sampling = sampling or SamplingParams()
+        drafter = drafter or self.config.drafter
+        if drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
+        if stop_strings and self.decode_text is None:
+            raise ValueError("stop strings need decode_text (a tokenizer's decode)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        use_model = drafter in ("auto", "draft_model") and self.draft is not None
+        if drafter == "draft_model" and self.draft is None:
+            raise ValueError("drafter 'draft_model' needs a draft model")
+        use_lookup = drafter in ("auto", "prompt_lookup")
+
+        rows, truncated = self._prepare(prompts, max_new_tokens, overlong)
+        generator = torch.Generator().manual_seed(sampling.seed)
+        batch = BatchStats(rows=len(rows))
+        started = time.perf_counter()
+        target_seconds0, draft_seconds0 = self.target.forward_seconds, self._draft_seconds()
+
+        # Prefill: one target pass over every prompt gives each row its first token.
+        self.target.reset(len(rows))
+        logits = self.target.forward([r.seq for r in rows], [1] * len(rows))
+        batch.target_passes += 1
+        for row, row_logits in zip(rows, logits):
+            token, _ = choose(row_logits[-1], sampling, generator)
+            self._append(row, [token], max_new_tokens, stop_strings, started)
+            row.stats.target_passes += 1
+            row.stats.target_tokens += 1
+        active = [r for r in rows if r.finish_reason is None]
+        self.lookup.start([r.seq for r in active])
+        if use_model:
+            self.draft.start([r.seq for r in active])
+        self._keep(active, [r.index for r in rows if r.finish_reason is None], use_model)
+
+        while active:
+            seqs = [r.seq for r in active]
+            room = min(max_new_tokens - r.stats.new_tokens for r in active)
+            gamma_cap = min(self.config.gamma_max, room)
+
+            # 1. Draft: prompt lookup (free) first, then the draft model for rows it left empty.
+            look = self.lookup.propose(seqs, gamma_cap if use_lookup else 0, sampling, generator)
+            look_lens = [len(t) for t in look.tokens]
+            need_model = use_model and any(n == 0 for n in look_lens)
+            look_cap, model_gamma = self._choose_gammas(len(active), look_lens, need_model, gamma_cap)
+            model = Proposal([[] for _ in active], [None] * len(active))
+            if model_gamma:
+                model = self.draft.propose(seqs, model_gamma, sampling, generator)
+                batch.draft_passes += model.model_passes
+                self.costs.observe_draft(len(active), model.model_passes, model.seconds)
+            drafts, probs, sources = [], [], []
+            for i in range(len(active)):
+                if look_lens[i] and look_cap:
+                    drafts.append(look.tokens[i][:look_cap])
+                    probs.append(None)
+                    sources.append("prompt_lookup")
+                else:
+                    drafts.append(model.tokens[i])
+                    probs.append(model.probs[i])
+                    sources.append("draft_model" if model.tokens[i] else None)
+
+            # 2. Verify: one target pass over each row's unfed tokens plus its drafts.
+            unfed = self.target.sync(seqs)
+            blocks = [u + d for u, d in zip(unfed, drafts)]
+            before = self.target.forward_seconds
+            logits = self.target.forward(blocks, [len(d) + 1 for d in drafts])
+            width = max(len(b) for b in blocks)
+            self.costs.observe_target(len(active), width, self.target.forward_seconds - before)
+            batch.target_passes += 1
+            batch.gamma_histogram[max(map(len, drafts))] = batch.gamma_histogram.get(max(map(len, drafts)), 0) + 1
+
+            # 3. Accept: per row, the agreeing drafts plus one token of the target's own.
+            round_counts = {"draft_model": [0, 0], "prompt_lookup": [0, 0]}
+            for row, draft, draft_probs, source, row_logits in zip(active, drafts, probs, sources, logits):
+                accepted, token = verify(row_logits, draft, draft_probs, sampling, generator)
+                kept = self._append(row, draft[:accepted] + [token], max_new_tokens, stop_strings, started)
+                stats = row.stats
+                stats.target_passes += 1
+                stats.draft_passes += model.model_passes
+                stats.drafted += len(draft)
+                stats.accepted += min(accepted, kept)
+                stats.target_tokens += kept - min(accepted, kept)
+                stats.gamma_sum += len(draft)
+                if source:
+                    stats.drafted_by[source] = stats.drafted_by.get(source, 0) + len(draft)
+                    round_counts[source][0] += accepted
+                    round_counts[source][1] += len(draft)
+                batch.drafted += len(draft)
+                batch.accepted += accepted
+            for name, (acc, drafted_n) in round_counts.items():
+                self.alpha[name].update(acc, drafted_n)
+
+            # 4. Finished rows leave the batch and stop costing compute.
+            keep = [i for i, r in enumerate(active) if r.finish_reason is None]
+            active = [active[i] for i in keep]
+            self._keep(active, keep, use_model)
+
+        batch.new_tokens = sum(r.stats.new_tokens for r in rows)
+        batch.wall_seconds = time.perf_counter() - started
+        batch.target_seconds = self.target.forward_seconds - target_seconds0
+        batch.draft_seconds = self._draft_seconds() - draft_seconds0
+        outputs = [
+            RowOutput(
+                tokens=r.seq[r.prompt_len :],
+                finish_reason=r.finish_reason or "length",
+                prompt_tokens=r.prompt_len,
+                truncated_tokens=cut,
+                stats=r.stats,
+            )
+            for r, cut in zip(rows, truncated)
+        ]
+        return outputs, batch
+
+    def _prepare(self, prompts, max_new_tokens: int, overlong: str) -> tuple[list[_Row], list[int]]:
+        if overlong not in ("error", "truncate"):
+            raise ValueError(f"overlong must be 'error' or 'truncate', got {overlong!r}")
+        rows, truncated = [], []
+        for i, prompt in enumerate(prompts):
+            seq = [int(t) for t in prompt]
+            if not seq:
+                raise PromptError(f"prompt {i} is empty: there is nothing to continue")
+            cut = 0
+            if self.max_context and len(seq) + max_new_tokens > self.max_context:
+                fits = self.max_context - max_new_tokens
+                if overlong == "error" or fits < 1:
+                    raise PromptError(
+                        f"prompt {i} has {len(seq)} tokens; with max_new_tokens={max_new_tokens} it "
+                        f"exceeds the model context of {self.max_context} tokens"
+                    )
+                cut = len(seq) - fits
+                seq = seq[cut:]
+            rows.append(_Row(index=i, seq=seq, prompt_len=len(seq)))
+            truncated.append(cut)
+        return rows, truncated
+
+    def _append(self, row: _Row, tokens: list[int], max_new_tokens: int, stop_strings, started: float) -> int:
+        """Add the round's tokens to a row, cutting at EOS, the length limit or a stop string.
+
+        Returns how many tokens were kept. Cutting exactly where target-only decoding would
+        have stopped keeps the output identical to it, token for token.
+        """
+        kept = 0
+        for token in tokens:
+            row.seq.append(token)
+            row.stats.new_tokens += 1
+            kept += 1
+            if token in self.eos:
+                row.finish_reason = "eos"
+            elif stop_strings and self._hits_stop(row, stop_strings):
+                row.finish_reason = "stop"
+            elif row.stats.new_tokens >= max_new_tokens:
+                row.finish_reason = "length"
+            if row.finish_reason:
+                row.stats.seconds = time.perf_counter() - started
+                break
+        return kept
+
+    def _hits_stop(self, row: _Row, stop_strings) -> bool:
+        longest = max(len(s) for s in stop_strings)
+        # a stop string can only end in the last token; a few tokens of context cover it
+        tail = self.decode_text(row.seq[max(row.prompt_len, len(row.seq) - longest - 4) :])
+        return any(s in tail for s in stop_strings)
+
+    def _keep(self, active: list[_Row], keep: list[int], use_model: bool) -> None:
+        self.target.select(keep)
+        self.lookup.select(keep)
+        if use_model:
+            self.draft.select(keep)
+
+    def _draft_seconds(self) -> float:
+        return self.draft.lm.forward_seconds if self.draft else 0.0
+
+    def _choose_gammas(self, batch: int, look_lens: list[int], need_model: bool, gamma_cap: int) -> tuple[int, int]:
+        """Pick (prompt-lookup cap, draft-model gamma) for this round to maximize tokens/s.
+
+        Rows with a lookup match take up to `cap` copied tokens; the others take `gamma` draft
+        model tokens (or none). Expected tokens come from each drafter's running acceptance;
+        round time from the measured target cost at the resulting block width plus gamma
+        draft passes. Gamma 0 for both is plain target-only decoding, always a candidate.
+        """
+        if gamma_cap <= 0:
+            return 0, 0
+        model_options = range(gamma_cap + 1) if need_model else [0]
+        look_options = range(gamma_cap + 1) if any(look_lens) else [0]
+        if not self.config.adaptive:
+            return gamma_cap, (gamma_cap if need_model else 0)
+        verify_time = self.costs.target_time(batch, 1)
+        if verify_time is None:  # nothing measured yet: start with a moderate guess
+            return gamma_cap, (min(4, gamma_cap) if need_model else 0)
+        a_model = self.alpha["draft_model"].value
+        a_look = self.alpha["prompt_lookup"].value
+        draft_time = self.costs.draft_time(batch) or 0.0
+        best, best_rate = (0, 0), 0.0
+        for cap in look_options:
+            for gamma in model_options:
+                tokens, width = 0.0, 1
+                for n in look_lens:
+                    if n and cap:
+                        tokens += expected_tokens(a_look, min(n, cap))
+                        width = max(width, min(n, cap) + 1)
+                    else:
+                        tokens += expected_tokens(a_model, gamma)
+                        width = max(width, gamma + 1)
+                seconds = gamma * draft_time + self.costs.target_time(batch, width)
+                rate = tokens / seconds
+                if rate > best_rate * 1.0001:
+                    best, best_rate = (cap, gamma), rate
+        cap, gamma = best
+        if need_model and gamma == 0:
+            self._rounds_without_model += 1
+            if self._rounds_without_model >= self.config.probe_every:
+                self._rounds_without_model, gamma = 0, 1  # re-measure the draft's acceptance
+        return cap, gamma

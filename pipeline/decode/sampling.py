@@ -1,0 +1,95 @@
+"""Token choice and the speculative acceptance rule.
+
+The same transforms (temperature, top-k, top-p) are applied to draft and target logits, so the
+accept/resample rule below reproduces sampling from the *transformed* target distribution,
+which is what a user asking for temperature/top-p from the target alone would get.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. `greedy=True` ignores every other field."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits [..., V] into the sampling distribution after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """Pick one token from logits [V]; also return its distribution (None when greedy)."""
+    if params.greedy:
+        return int(torch.argmax(logits)), None
+    probs = probabilities(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """Check one row's drafts against the target; return (accepted count, next token).
+
+    `target_logits` is [len(draft_tokens) + 1, V]: row j predicts the token after draft j-1.
+    Greedy keeps drafts while they equal the target's argmax. Sampling accepts draft x with
+    probability min(1, p(x)/q(x)) and on rejection samples from norm(max(p - q, 0)); when all
+    drafts pass, the last row gives a bonus token. `draft_probs` None means the drafter was
+    deterministic (prompt lookup): q is then a point mass on the drafted token.
+    """
+    if params.greedy:
+        predicted = torch.argmax(target_logits, dim=-1).tolist()
+        n = 0
+        while n < len(draft_tokens) and draft_tokens[n] == predicted[n]:
+            n += 1
+        return n, predicted[n]
+
+    p = probabilities(target_logits, params)
+    uniforms = torch.rand(len(draft_tokens), generator=generator).tolist()
+    for j, token in enumerate(draft_tokens):
+        q_token = 1.0 if draft_probs is None else float(draft_probs[j, token])
+        if uniforms[j] * q_token < float(p[j, token]):
+            continue
+        if draft_probs is None:
+            residual = p[j].clone()
+            residual[token] = 0.0
+        else:
+            residual = (p[j] - draft_probs[j]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
+            residual = p[j]
+        return j, int(torch.multinomial(residual, 1, generator=generator))
+    return len(draft_tokens), int(torch.multinomial(p[-1], 1, generator=generator))
