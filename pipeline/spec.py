@@ -1,0 +1,1103 @@
+"""The YAML job spec: schema, loading, placeholder rendering and readable validation errors.
+
+A job spec describes one batch run: where the Parquet shards come from, what to ask the model,
+how to decode, which target/draft models to use, how to spread the work over Ray actors and
+where to write the results. It is validated with pydantic (strict types, unknown keys are
+errors) and every problem is reported as one line ``<dotted.field.path>: <what is wrong>``.
+
+Entry points: :func:`load_spec` (a YAML file), :func:`spec_from_dict` (an already parsed
+mapping), :func:`parse_overrides` (``KEY=VALUE`` strings from the command line) and
+:func:`check_models_reachable` (an optional, slower check that loads tokenizers).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import difflib
+import os
+import posixpath
+import re
+import string
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import annotated_types
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "SpecError",
+    "JobSpec",
+    "InputSpec",
+    "TaskSpec",
+    "GenerationSpec",
+    "ModelRefSpec",
+    "ModelsSpec",
+    "DrafterSpec",
+    "ExecutionSpec",
+    "OutputSpec",
+    "DEFAULT_TEMPLATES",
+    "load_spec",
+    "spec_from_dict",
+    "parse_overrides",
+    "check_models_reachable",
+    "new_run_id",
+    "today_utc",
+]
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+class SpecError(Exception):
+    """An invalid job spec. ``errors`` holds one line per problem: ``<field.path>: <message>``."""
+
+    def __init__(self, errors: list[str] | str, source: str | None = None):
+        if isinstance(errors, str):
+            errors = [errors]
+        self.errors: list[str] = list(errors)
+        self.source: str = source if source is not None else "<dict>"
+        # keep args picklable (Ray ships exceptions between processes)
+        super().__init__(self.errors, self.source)
+
+    def __str__(self) -> str:
+        if not self.errors:
+            return f"{self.source}: invalid job spec"
+        return "\n".join(f"{self.source}: {line}" for line in self.errors)
+
+
+def _rule_error(field: str, message: str) -> PydanticCustomError:
+    """A validation error attributed to an explicit dotted field path (for cross-field rules)."""
+    return PydanticCustomError("spec_rule", "{message}", {"field": field, "message": message})
+
+
+# --------------------------------------------------------------------------------------------
+# helpers: run ids, dates, URLs, credentials
+
+SUPPORTED_SCHEMES = ("s3", "file", "memory")
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")
+_GLOB_CHARS = "*?["
+_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
+_NAME_RE = re.compile(_NAME_PATTERN)
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+INPUT_PLACEHOLDERS = ("date", "run_id")
+OUTPUT_PLACEHOLDERS = ("date", "run_id", "name")
+
+# storage_options keys that carry credentials (compared case-insensitively, at any nesting level)
+_CREDENTIAL_KEYS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "password",
+        "passwd",
+        "access_key",
+        "secret_key",
+        "session_token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "account_key",
+        "sas_token",
+        "credentials",
+    }
+)
+_CREDENTIAL_SUBSTRINGS = ("secret", "password", "passwd", "token", "credential", "access_key", "private_key")
+_CREDENTIALS_HINT = (
+    "credentials come only from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+    "AWS_SESSION_TOKEN, AWS_PROFILE) or the standard AWS config files, never from the job spec"
+)
+
+
+def new_run_id(now: dt.datetime | None = None) -> str:
+    """A timestamp-based run id such as ``20261123T081500Z`` (UTC, second resolution)."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return now.astimezone(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def today_utc() -> str:
+    """Today's date in UTC as ``YYYY-MM-DD``."""
+    return dt.datetime.now(dt.timezone.utc).date().isoformat()
+
+
+def _split_scheme(url: str) -> tuple[str | None, str]:
+    """``("s3", "bucket/key")`` for URLs, ``(None, path)`` for plain local paths."""
+    m = _SCHEME_RE.match(url)
+    if not m:
+        return None, url
+    return m.group(1), url[m.end() :]
+
+
+def _is_credential_key(key: str) -> bool:
+    k = key.lower()
+    return k in _CREDENTIAL_KEYS or any(s in k for s in _CREDENTIAL_SUBSTRINGS)
+
+
+def _find_credentials(obj: Any, prefix: str = "") -> list[str]:
+    """Dotted names of credential-looking keys (and URLs with user:password@) anywhere in obj."""
+    found: list[str] = []
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            name = f"{prefix}{k}"
+            if isinstance(k, str) and _is_credential_key(k):
+                found.append(name)
+            else:
+                found.extend(_find_credentials(v, name + "."))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found.extend(_find_credentials(v, f"{prefix}[{i}]."))
+    elif isinstance(obj, str) and _has_userinfo(obj):
+        found.append(prefix.rstrip(".") or "<value>")
+    return found
+
+
+def _has_userinfo(url: str) -> bool:
+    scheme, rest = _split_scheme(url)
+    if scheme is None:
+        return False
+    authority = rest.split("/", 1)[0]
+    return "@" in authority
+
+
+def _check_placeholders_rendered(url: str, supported: tuple[str, ...]) -> None:
+    leftovers = _PLACEHOLDER_RE.findall(url)
+    if "name" in supported and "name" in leftovers:
+        raise ValueError("placeholder {name} could not be rendered because 'name' is missing or invalid")
+    if leftovers:
+        names = ", ".join("{" + p + "}" for p in leftovers)
+        allowed = ", ".join("{" + p + "}" for p in supported)
+        raise ValueError(f"unknown placeholder {names} (supported: {allowed})")
+    if "{" in url or "}" in url:
+        raise ValueError(f"unbalanced '{{' or '}}' in {url!r} (braces are only allowed around placeholders)")
+
+
+def _check_url(url: str) -> None:
+    """Scheme and shape checks shared by input.url and output.url (after rendering)."""
+    if url != url.strip():
+        raise ValueError(f"must not start or end with whitespace, got {url!r}")
+    scheme, rest = _split_scheme(url)
+    if scheme is not None and scheme not in SUPPORTED_SCHEMES:
+        raise ValueError(
+            f"unsupported URL scheme {scheme!r} (expected s3://, file://, memory:// or a local path)"
+        )
+    if _has_userinfo(url):
+        raise ValueError(f"credentials must not be embedded in URLs; {_CREDENTIALS_HINT}")
+    if scheme in ("s3", "memory") and not rest.split("/", 1)[0]:
+        what = "a bucket" if scheme == "s3" else "a path"
+        raise ValueError(f"expected {what} after {scheme}://, got {url!r}")
+    if scheme == "file" and not rest:
+        raise ValueError(f"expected a path after file://, got {url!r}")
+
+
+def _path_segments(url: str) -> list[str]:
+    _, rest = _split_scheme(url)
+    return re.split(r"[/\\]+", rest)
+
+
+def _normalized_location(url: str) -> tuple[str, str]:
+    """(scheme, absolute normalized path) used to compare input and output locations."""
+    scheme, rest = _split_scheme(url)
+    if scheme in (None, "file"):
+        return "file", os.path.normpath(os.path.abspath(os.path.expanduser(rest)))
+    return scheme, posixpath.normpath("/" + rest.strip("/"))
+
+
+def _input_base(url: str) -> str:
+    """The directory an input URL covers: the URL itself, or for a glob the folder before it."""
+    cut = min((url.find(c) for c in _GLOB_CHARS if c in url), default=-1)
+    if cut < 0:
+        return url
+    head = url[:cut]
+    if head.endswith("/"):
+        return head
+    scheme, rest = _split_scheme(head)
+    parent = posixpath.dirname(rest)
+    return f"{scheme}://{parent}" if scheme else (parent or ".")
+
+
+def _is_inside(inner: str, outer: str) -> bool:
+    s_in, p_in = _normalized_location(inner)
+    s_out, p_out = _normalized_location(outer)
+    if s_in != s_out:
+        return False
+    return p_in == p_out or p_in.startswith(p_out.rstrip("/") + "/")
+
+
+def _is_local_model_path(path: str) -> bool:
+    """True for file:// URLs, explicit local paths and relative paths that exist as directories."""
+    if path.startswith("file://"):
+        return True
+    if path.startswith(("/", "./", "../", "~")) or path in (".", ".."):
+        return True
+    return os.path.isdir(path)
+
+
+def _local_model_dir(path: str) -> Path | None:
+    """The local directory for a model path if it exists, else None (hub ids, missing dirs)."""
+    p = path[len("file://") :] if path.startswith("file://") else path
+    p = os.path.expanduser(p)
+    return Path(p) if os.path.isdir(p) else None
+
+
+# --------------------------------------------------------------------------------------------
+# schema
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=False)
+
+
+StorageOptions = dict[str, Any]
+_STORAGE_DESCRIPTION = (
+    "Extra fsspec/s3fs options, e.g. endpoint_url, profile, region_name, anon, client_kwargs, "
+    "config_kwargs. Credential keys (key, secret, token, password, aws_*_key*, ...) are rejected: "
+    + _CREDENTIALS_HINT
+    + "."
+)
+
+
+def _validate_storage_options(value: dict[str, Any]) -> dict[str, Any]:
+    found = _find_credentials(value)
+    if found:
+        keys = ", ".join(repr(k) for k in found)
+        raise ValueError(f"credential keys are not allowed (found {keys}); {_CREDENTIALS_HINT}")
+    return value
+
+
+class InputSpec(_Section):
+    """Where the documents come from: Parquet shards under a prefix or matching a glob."""
+
+    url: str = Field(
+        min_length=1,
+        description=(
+            "Prefix (directory) or glob of .parquet shards: s3://bucket/prefix/, file:///abs/dir, "
+            "memory://dir or a local path (relative to the working directory). Placeholders "
+            "{date} and {run_id} are rendered at load time."
+        ),
+        examples=["s3://my-bucket/corpus/{date}/", "./data/demo", "s3://b/docs/part-*.parquet"],
+    )
+    text_column: str = Field("text", min_length=1, description="Column holding the document text.")
+    id_column: str = Field("id", min_length=1, description="Column holding a unique document id.")
+    keep_columns: list[typing.Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, description="Input columns copied unchanged to the output records."
+    )
+    storage_options: StorageOptions = Field(default_factory=dict, description=_STORAGE_DESCRIPTION)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        _check_placeholders_rendered(v, INPUT_PLACEHOLDERS)
+        _check_url(v)
+        return v
+
+    @field_validator("storage_options")
+    @classmethod
+    def _storage(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _validate_storage_options(v)
+
+    @property
+    def is_glob(self) -> bool:
+        """True when ``url`` is a glob pattern rather than a prefix."""
+        return any(c in self.url for c in _GLOB_CHARS)
+
+
+DEFAULT_TEMPLATES: dict[str, str] = {
+    "summarize": "Summarize the following document in a few sentences.\n\n{text}",
+    "translate": (
+        "Translate the following text from {source_language} to {target_language}. "
+        "Reply with the translation only.\n\n{text}"
+    ),
+}
+_TEMPLATE_FIELDS = {"text", "source_language", "target_language"}
+
+
+class TaskSpec(_Section):
+    """What to ask the model for each document."""
+
+    kind: Literal["summarize", "translate", "custom"] = Field(
+        description="summarize, translate (needs source_language and target_language) or custom "
+        "(needs template)."
+    )
+    source_language: str | None = Field(
+        None, min_length=1, description="Language of the input documents (translate only, required)."
+    )
+    target_language: str | None = Field(
+        None, min_length=1, description="Language to translate into (translate only, required)."
+    )
+    template: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Prompt template; must contain {text}. Required for kind custom, optional override of "
+            "the built-in template otherwise. translate templates may also use {source_language} "
+            "and {target_language}. Write {{ and }} for literal braces."
+        ),
+    )
+    system_prompt: str | None = Field(
+        None, description="Optional system message (used when the chat template is applied)."
+    )
+    chat_template: bool = Field(
+        True, description="Wrap the prompt in the tokenizer's chat template when it has one."
+    )
+    max_input_tokens: int = Field(
+        2048, ge=1, le=1_048_576, description="Documents longer than this many tokens are overlong."
+    )
+    overlong: Literal["truncate", "reject"] = Field(
+        "truncate",
+        description="truncate: cut overlong documents and flag the record; reject: write them to "
+        "the error records instead of generating.",
+    )
+
+    @field_validator("source_language", "target_language")
+    @classmethod
+    def _languages_only_for_translate(cls, v: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("kind")
+        if v is not None and kind is not None and kind != "translate":
+            raise ValueError(f"only allowed when task.kind is 'translate' (task.kind is {kind!r})")
+        return v
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(v) if f is not None]
+        except ValueError as exc:
+            raise ValueError(f"invalid template ({exc}); write {{{{ and }}}} for literal braces") from None
+        unknown = sorted({f for f in fields if f not in _TEMPLATE_FIELDS})
+        if unknown:
+            raise ValueError(
+                "unknown placeholder "
+                + ", ".join("{" + f + "}" for f in unknown)
+                + " (supported: {text}, {source_language}, {target_language})"
+            )
+        if "text" not in fields:
+            raise ValueError("must contain the {text} placeholder")
+        kind = info.data.get("kind")
+        languages = {"source_language", "target_language"} & set(fields)
+        if kind is not None and kind != "translate" and languages:
+            raise ValueError(
+                "{source_language}/{target_language} are only available when task.kind is 'translate'"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _kind_requirements(self) -> TaskSpec:
+        if self.kind == "translate":
+            missing = [f for f in ("source_language", "target_language") if getattr(self, f) is None]
+            if missing:
+                raise _rule_error(f"task.{missing[0]}", "required when task.kind is 'translate'")
+        if self.kind == "custom" and self.template is None:
+            raise _rule_error("task.template", "required when task.kind is 'custom' (must contain {text})")
+        return self
+
+    def prompt_template(self) -> str:
+        """The effective template: the explicit one or the built-in one for this kind."""
+        return self.template if self.template is not None else DEFAULT_TEMPLATES[self.kind]
+
+    def format_prompt(self, text: str) -> str:
+        """The user prompt for one document (before any chat template)."""
+        return self.prompt_template().format(
+            text=text, source_language=self.source_language, target_language=self.target_language
+        )
+
+
+class GenerationSpec(_Section):
+    """Decoding settings, identical for the speculative and the target-only (reference) runs."""
+
+    max_new_tokens: int = Field(128, ge=1, le=8192, description="Maximum tokens generated per document.")
+    greedy: bool = Field(
+        True, description="Greedy decoding; when false, temperature/top_p/top_k/seed apply (sampling)."
+    )
+    temperature: float = Field(1.0, gt=0, le=100, description="Sampling temperature (sampling only).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass in (0, 1]; 1 = off.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens; 0 = off.")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Random seed for sampling.")
+    stop: list[typing.Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, description="Stop strings; generation ends after any of them appears."
+    )
+
+
+class ModelRefSpec(_Section):
+    """One model: a Hugging Face hub id, a local directory or a file:// directory."""
+
+    path: str = Field(
+        min_length=1,
+        description="Hub id (Qwen/Qwen2.5-0.5B-Instruct), local directory or file:// directory.",
+    )
+    revision: str | None = Field(None, min_length=1, description="Hub revision (branch, tag or commit).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        # `target: Qwen/Qwen2.5-7B-Instruct` is accepted as `target: {path: ...}`
+        return {"path": data} if isinstance(data, str) else data
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        scheme, rest = _split_scheme(v)
+        if scheme is not None and scheme != "file":
+            raise ValueError(
+                f"unsupported model location scheme {scheme!r} "
+                "(expected a hub id, a local directory or a file:// directory)"
+            )
+        if scheme == "file" and not rest:
+            raise ValueError("expected a directory after file://")
+        return v
+
+    @property
+    def is_local(self) -> bool:
+        """True if ``path`` refers to a local directory rather than a hub id."""
+        return _is_local_model_path(self.path)
+
+    def local_dir(self) -> Path | None:
+        """The existing local directory of this model, or None (hub id or missing directory)."""
+        return _local_model_dir(self.path)
+
+
+class ModelsSpec(_Section):
+    """Target and draft models: a named pair, or explicit target (+ draft)."""
+
+    pair: str | None = Field(
+        None,
+        pattern=_NAME_PATTERN,
+        description="Name of a model pair in configs/models.yaml; excludes target and draft.",
+        examples=["qwen2.5-coder"],
+    )
+    target: ModelRefSpec | None = Field(
+        None,
+        description="The model whose output is produced. A bare string is shorthand for {path: ...}.",
+    )
+    draft: ModelRefSpec | None = Field(
+        None,
+        description="The small draft model; must share the target's tokenizer. Required unless a pair is "
+        "given or drafter.kind is prompt_lookup or none.",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Weights dtype. auto: bfloat16 on GPU or on CPUs with avx512_bf16, else float32 "
+        "(decided at load time).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda when the actor has a GPU, else cpu."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow custom modelling/tokenizer code from the model repository."
+    )
+
+    @model_validator(mode="after")
+    def _pair_xor_paths(self) -> ModelsSpec:
+        if self.pair is not None and (self.target is not None or self.draft is not None):
+            raise _rule_error("models", "give either 'pair' or 'target'/'draft', not both")
+        if self.pair is None and self.target is None:
+            if self.draft is not None:
+                raise _rule_error("models.target", "required when 'draft' is given (or use 'pair')")
+            raise _rule_error(
+                "models",
+                "expected either 'pair' (a named pair from configs/models.yaml) or 'target' and 'draft'",
+            )
+        return self
+
+
+class DrafterSpec(_Section):
+    """How draft tokens are proposed."""
+
+    kind: Literal["auto", "draft_model", "prompt_lookup", "none"] = Field(
+        "auto",
+        description="draft_model: the draft model; prompt_lookup: n-grams copied from the prompt; "
+        "auto: choose per batch by measured cost; none: target-only decoding.",
+    )
+    gamma_max: int = Field(8, ge=1, le=32, description="Maximum tokens drafted per verification step.")
+    adaptive: bool = Field(
+        True, description="Adapt the number of drafted tokens to the measured acceptance and cost."
+    )
+    ngram_max: int = Field(4, ge=1, le=16, description="Largest n-gram size tried by prompt lookup.")
+    ngram_min: int = Field(1, ge=1, le=16, description="Smallest n-gram size tried by prompt lookup.")
+
+    @field_validator("ngram_min")
+    @classmethod
+    def _ngram_order(cls, v: int, info: ValidationInfo) -> int:
+        hi = info.data.get("ngram_max")
+        if hi is not None and v > hi:
+            raise ValueError(f"must be <= drafter.ngram_max ({hi}), got {v}")
+        return v
+
+
+class ExecutionSpec(_Section):
+    """How the work is spread over Ray actors."""
+
+    batch_size: int = Field(8, ge=1, le=512, description="Documents decoded together per actor.")
+    num_actors: int = Field(1, ge=1, le=10_000, description="Number of decoding actors.")
+    num_cpus: float = Field(1, gt=0, description="CPUs reserved per actor.")
+    num_gpus: float = Field(0, ge=0, description="GPUs reserved per actor (fractions allowed).")
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per actor; null = num_cpus (rounded up)."
+    )
+    max_retries: int = Field(2, ge=0, le=100, description="Retries per shard after a failure.")
+    speedup_sample: float = Field(
+        0.05,
+        gt=0,
+        le=1,
+        description="Fraction of each shard's rows also decoded target-only to measure the speedup "
+        "(at least one row per shard).",
+    )
+
+
+class OutputSpec(_Section):
+    """Where results, error records and statistics are written."""
+
+    url: str = Field(
+        min_length=1,
+        description=(
+            "Output prefix (directory): s3://, file://, memory:// or a local path. Placeholders "
+            "{name}, {date} and {run_id} are rendered at load time. Must not be inside input.url "
+            "and must not contain '..' segments."
+        ),
+        examples=["s3://my-bucket/summaries/{date}/{run_id}/", "./out/{name}/{run_id}"],
+    )
+    storage_options: StorageOptions = Field(default_factory=dict, description=_STORAGE_DESCRIPTION)
+    overwrite: bool = Field(False, description="Replace existing output at url instead of failing.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        _check_placeholders_rendered(v, OUTPUT_PLACEHOLDERS)
+        _check_url(v)
+        if ".." in _path_segments(v):
+            raise ValueError(f"must not contain '..' path segments, got {v!r}")
+        if any(c in v for c in _GLOB_CHARS):
+            raise ValueError(f"must be a prefix, not a glob, got {v!r}")
+        return v
+
+    @field_validator("storage_options")
+    @classmethod
+    def _storage(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _validate_storage_options(v)
+
+
+class JobSpec(_Section):
+    """A batch speculative-decoding job over Parquet shards."""
+
+    name: str = Field(
+        pattern=_NAME_PATTERN,
+        max_length=128,
+        description="Job name: letters, digits, '_', '.', '-' (not starting with '.' or '-').",
+        examples=["summarize-nightly"],
+    )
+    input: InputSpec = Field(description="Input shards.")
+    task: TaskSpec = Field(description="Prompting.")
+    generation: GenerationSpec = Field(default_factory=GenerationSpec, description="Decoding settings.")
+    models: ModelsSpec = Field(description="Target and draft models.")
+    # validate_default: the cross-section rules below must also run when the section is omitted
+    drafter: DrafterSpec = Field(
+        default_factory=DrafterSpec, validate_default=True, description="Draft token proposer."
+    )
+    execution: ExecutionSpec = Field(
+        default_factory=ExecutionSpec, validate_default=True, description="Ray execution settings."
+    )
+    output: OutputSpec = Field(description="Output location.")
+
+    _run_id: str = PrivateAttr(default="")
+    _date: str = PrivateAttr(default="")
+    _source: str = PrivateAttr(default="<dict>")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _render(cls, data: Any, handler: Any, info: ValidationInfo) -> JobSpec:
+        ctx = info.context if isinstance(info.context, Mapping) else {}
+        run_id = ctx.get("run_id") or new_run_id()
+        date = ctx.get("date") or today_utc()
+        if isinstance(data, Mapping):
+            data = _render_urls(data, run_id=run_id, date=date)
+        spec = handler(data)
+        if isinstance(spec, JobSpec):
+            spec._run_id = run_id
+            spec._date = date
+            spec._source = ctx.get("source") or spec._source
+        return spec
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_needs_draft(cls, v: DrafterSpec, info: ValidationInfo) -> DrafterSpec:
+        models = info.data.get("models")
+        if models is not None and models.pair is None and models.draft is None:
+            if v.kind in ("auto", "draft_model"):
+                raise _rule_error(
+                    "models.draft",
+                    f"required when drafter.kind is {v.kind!r} (give models.draft or models.pair, "
+                    "or set drafter.kind to prompt_lookup or none)",
+                )
+        return v
+
+    @field_validator("execution")
+    @classmethod
+    def _gpu_for_cuda(cls, v: ExecutionSpec, info: ValidationInfo) -> ExecutionSpec:
+        models = info.data.get("models")
+        if models is not None and models.device == "cuda" and v.num_gpus == 0:
+            raise _rule_error(
+                "execution.num_gpus",
+                "must be > 0 when models.device is 'cuda' (Ray only gives GPUs to actors that request them)",
+            )
+        return v
+
+    @field_validator("output")
+    @classmethod
+    def _output_outside_input(cls, v: OutputSpec, info: ValidationInfo) -> OutputSpec:
+        inp = info.data.get("input")
+        if inp is not None and _is_inside(v.url, _input_base(inp.url)):
+            raise _rule_error(
+                "output.url",
+                f"must not be (inside) the input location {inp.url!r}: outputs would be read back as input",
+            )
+        return v
+
+    # -- accessors ---------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        """The run id rendered into the URLs."""
+        return self._run_id
+
+    @property
+    def date(self) -> str:
+        """The date (YYYY-MM-DD) rendered into the URLs."""
+        return self._date
+
+    @property
+    def source(self) -> str:
+        """Where the spec came from (file path or ``<dict>``)."""
+        return self._source
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable dump (URLs rendered) for manifests; loadable again with spec_from_dict.
+
+        Credentials are rejected at validation, and credential-looking keys are redacted here as
+        a second line of defence.
+        """
+        data = self.model_dump(mode="json")
+        for section in ("input", "output"):
+            data[section]["storage_options"] = _redact(data[section]["storage_options"])
+        return data
+
+    def with_absolute_paths(self, cwd: str | os.PathLike | None = None) -> JobSpec:
+        """A copy with local input/output paths and local model directories made absolute.
+
+        Useful before shipping the spec to Ray actors, whose working directory may differ.
+        """
+        base = os.fspath(cwd) if cwd is not None else os.getcwd()
+
+        def absolute(path: str) -> str:
+            p = os.path.expanduser(path)
+            return p if os.path.isabs(p) else os.path.normpath(os.path.join(base, p))
+
+        def fix_url(url: str) -> str:
+            scheme, rest = _split_scheme(url)
+            if scheme is None:
+                return absolute(rest) + ("/" if url.endswith("/") else "")
+            if scheme == "file":
+                return "file://" + absolute(rest) + ("/" if url.endswith("/") else "")
+            return url
+
+        def fix_model(ref: ModelRefSpec | None) -> ModelRefSpec | None:
+            if ref is None:
+                return None
+            scheme, rest = _split_scheme(ref.path)
+            if scheme == "file":
+                return ref.model_copy(update={"path": "file://" + absolute(rest)})
+            if ref.path.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.join(base, ref.path)):
+                return ref.model_copy(update={"path": absolute(ref.path)})
+            return ref
+
+        new = self.model_copy(
+            update={
+                "input": self.input.model_copy(update={"url": fix_url(self.input.url)}),
+                "output": self.output.model_copy(update={"url": fix_url(self.output.url)}),
+                "models": self.models.model_copy(
+                    update={"target": fix_model(self.models.target), "draft": fix_model(self.models.draft)}
+                ),
+            }
+        )
+        return new
+
+
+# --------------------------------------------------------------------------------------------
+# rendering, overrides, redaction
+
+
+def _render_urls(data: Mapping[str, Any], *, run_id: str, date: str) -> dict[str, Any]:
+    """Render known placeholders in input.url and output.url; unknown ones are left for validation."""
+    data = dict(data)
+    name = data.get("name")
+    name_ok = isinstance(name, str) and bool(_NAME_RE.match(name))
+    for section, allowed in (("input", INPUT_PLACEHOLDERS), ("output", OUTPUT_PLACEHOLDERS)):
+        sec = data.get(section)
+        if not isinstance(sec, Mapping) or not isinstance(sec.get("url"), str):
+            continue
+        values = {"date": date, "run_id": run_id}
+        if "name" in allowed and name_ok:
+            values["name"] = name
+
+        def sub(m: re.Match[str], values: dict[str, str] = values) -> str:
+            return values.get(m.group(1), m.group(0))
+
+        data[section] = {**sec, "url": _PLACEHOLDER_RE.sub(sub, sec["url"])}
+    return data
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> list[str]:
+    """Set dotted keys in data (in place); returns error lines for paths that cannot be set."""
+    errors: list[str] = []
+    for dotted, value in overrides.items():
+        parts = str(dotted).split(".")
+        if not all(parts):
+            errors.append(f"{dotted}: invalid override key (expected dotted.field.path)")
+            continue
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                errors.append(f"{'.'.join(parts[: i + 1])}: cannot apply override {dotted!r}: not a mapping")
+                break
+            node = child
+        else:
+            node[parts[-1]] = copy.deepcopy(value)
+    return errors
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Parse ``KEY=VALUE`` strings (e.g. from ``--set``) into an overrides dict for load_spec.
+
+    VALUE is read as a YAML scalar/flow value (``64`` -> int, ``false`` -> bool, ``[a, b]`` -> list,
+    ``null`` -> None); dates and timestamps stay strings. Raises SpecError on malformed items.
+    """
+    out: dict[str, Any] = {}
+    errors: list[str] = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            errors.append(f"{item or '<empty>'}: expected KEY=VALUE (e.g. generation.max_new_tokens=64)")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, (dt.date, dt.datetime)):
+            value = raw.strip()
+        out[key] = value
+    if errors:
+        raise SpecError(errors, "<overrides>")
+    return out
+
+
+def _redact(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: ("<redacted>" if _is_credential_key(str(k)) else _redact(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_redact(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# error formatting
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        m = _model_of(arg)
+        if m is not None:
+            return m
+    return None
+
+
+def _resolve(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, FieldInfo | None]:
+    """The model class at loc (if loc names a section) and the FieldInfo of its last part."""
+    model: type[BaseModel] | None = JobSpec
+    info: FieldInfo | None = None
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None, None
+        info = model.model_fields[part]
+        model = _model_of(info.annotation)
+    return model, info
+
+
+def _format_loc(loc: Iterable[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bounds(info: FieldInfo | None) -> str:
+    if info is None:
+        return ""
+    parts = []
+    for meta in info.metadata:
+        for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            value = getattr(meta, attr, None)
+            if isinstance(meta, annotated_types.BaseMetadata) and value is not None:
+                parts.append(f"{op} {value}")
+    return (" " + " and ".join(parts)) if parts else ""
+
+
+def _is_int_field(info: FieldInfo | None) -> bool:
+    if info is None:
+        return False
+    ann = info.annotation
+    return ann is int or int in typing.get_args(ann)
+
+
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "bool_type": "a boolean (true or false)",
+    "bool_parsing": "a boolean (true or false)",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+    "list_type": "a list",
+}
+_PATTERN_WORDS = {
+    _NAME_PATTERN: "letters, digits, '_', '.' or '-' (not starting with '.' or '-')",
+}
+_BOUND_TYPES = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of"}
+
+
+def _describe(err: Mapping[str, Any]) -> str:
+    loc = tuple(err.get("loc", ()))
+    typ = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    value = err.get("input")
+    path = _format_loc(loc)
+
+    if typ == "spec_rule":
+        return f"{ctx.get('field') or path or '(top level)'}: {ctx.get('message', err.get('msg', ''))}"
+    if typ == "extra_forbidden":
+        parent = loc[:-1]
+        key = str(loc[-1]) if loc else "?"
+        model, _ = _resolve(parent) if parent else (JobSpec, None)
+        msg = f"unknown key {key!r}"
+        if model is not None:
+            allowed = list(model.model_fields)
+            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+            msg += f" (did you mean {close[0]!r}?)" if close else f" (expected one of: {', '.join(allowed)})"
+        return f"{_format_loc(parent) or '(top level)'}: {msg}"
+    if typ == "missing":
+        return f"{path}: required field is missing"
+
+    _, info = _resolve(loc)
+    if typ in _TYPE_WORDS:
+        what = _TYPE_WORDS[typ]
+        if typ.startswith(("int_", "float_")) or typ == "finite_number":
+            what += _bounds(info)
+        return f"{path}: expected {what}, got {_show(value)}"
+    if typ in _BOUND_TYPES:
+        what = "an integer" if _is_int_field(info) else "a number"
+        return f"{path}: expected {what}{_bounds(info)}, got {_show(value)}"
+    if typ == "literal_error":
+        return f"{path}: expected one of {ctx.get('expected')}, got {_show(value)}"
+    if typ == "string_too_short":
+        return f"{path}: must not be empty"
+    if typ == "string_too_long":
+        return f"{path}: expected at most {ctx.get('max_length')} characters"
+    if typ == "string_pattern_mismatch":
+        pattern = ctx.get("pattern")
+        what = _PATTERN_WORDS.get(pattern, f"a string matching {pattern}")
+        return f"{path}: expected {what}, got {_show(value)}"
+    if typ in ("value_error", "assertion_error") and "error" in ctx:
+        return f"{path}: {ctx['error']}"
+    msg = str(err.get("msg", "invalid value"))
+    return f"{path or '(top level)'}: {msg[:1].lower() + msg[1:]}"
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    lines: list[str] = []
+    for err in exc.errors(include_url=False):
+        line = _describe(err)
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _check_context(run_id: str | None, date: str | dt.date | None) -> tuple[str, str, list[str]]:
+    errors: list[str] = []
+    if isinstance(date, dt.datetime):
+        date = date.date()
+    if isinstance(date, dt.date):
+        date = date.isoformat()
+    if date is None:
+        date = today_utc()
+    elif not (isinstance(date, str) and _DATE_RE.match(date)):
+        errors.append(f"date: expected YYYY-MM-DD, got {_show(date)}")
+    else:
+        try:
+            dt.date.fromisoformat(date)
+        except ValueError:
+            errors.append(f"date: not a valid calendar date, got {date!r}")
+    if run_id is None:
+        run_id = new_run_id()
+    elif not (isinstance(run_id, str) and _RUN_ID_RE.match(run_id)):
+        errors.append(
+            f"run_id: expected 1-128 letters, digits, '_', '.' or '-' (not starting with '.' or '-'), "
+            f"got {_show(run_id)}"
+        )
+    return str(run_id), str(date), errors
+
+
+def spec_from_dict(
+    data: Any,
+    *,
+    source: str = "<dict>",
+    run_id: str | None = None,
+    date: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> JobSpec:
+    """Validate a parsed spec mapping; render placeholders; raise SpecError listing every problem."""
+    run_id, date, errors = _check_context(run_id, date)
+    if errors:
+        raise SpecError(errors, source)
+    if not isinstance(data, Mapping):
+        got = "an empty document" if data is None else _show(data)
+        sections = ", ".join(JobSpec.model_fields)
+        raise SpecError([f"(top level): expected a mapping with keys {sections}; got {got}"], source)
+    data = copy.deepcopy(dict(data))
+    if overrides:
+        errors = _apply_overrides(data, overrides)
+        if errors:
+            raise SpecError(errors, source)
+    try:
+        return JobSpec.model_validate(data, context={"run_id": run_id, "date": date, "source": source})
+    except ValidationError as exc:
+        raise SpecError(_format_errors(exc), source) from None
+
+
+def load_spec(
+    path: str | os.PathLike[str],
+    *,
+    run_id: str | None = None,
+    date: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> JobSpec:
+    """Read a YAML job spec (yaml.safe_load), apply dotted overrides, render, validate.
+
+    Placeholders {date} (default: today, UTC) and {run_id} (default: a new timestamp id) are
+    rendered in input.url and output.url; output.url also supports {name}. Any problem (unreadable
+    file, YAML syntax, schema) raises SpecError with one line per problem.
+    """
+    source = os.fspath(path)
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([f"(file): cannot read spec: {exc}"], source) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context", None)
+        detail = f"{context}, {problem}" if context else problem
+        raise SpecError([f"(yaml): syntax error at {where}: {detail}"], source) from None
+    return spec_from_dict(data, source=source, run_id=run_id, date=date, overrides=overrides)
+
+
+# --------------------------------------------------------------------------------------------
+# optional slow check
+
+
+def check_models_reachable(spec: JobSpec) -> list[str]:
+    """Check that local target and draft share a tokenizer; returns error lines ([] when fine).
+
+    Only pairs where both models are existing local directories are checked (hub ids, missing
+    directories and unknown named pairs are skipped). Loads tokenizers, not weights.
+    """
+    if spec.drafter.kind in ("none", "prompt_lookup"):
+        return []
+    pair = False
+    if spec.models.pair is not None:
+        try:
+            from pipeline.models.loading import resolve_pair
+
+            target_ref, draft_ref = resolve_pair(spec.models.pair)
+        except (ImportError, KeyError, OSError, ValueError):
+            # unknown pair, not installed, loader not available: nothing local to compare
+            return []
+        if target_ref is None or draft_ref is None:
+            return []
+        target_path, draft_path = str(target_ref.path), str(draft_ref.path)
+        pair = True
+    elif spec.models.target is not None and spec.models.draft is not None:
+        target_path, draft_path = spec.models.target.path, spec.models.draft.path
+    else:
+        return []
+    target_dir, draft_dir = _local_model_dir(target_path), _local_model_dir(draft_path)
+    if target_dir is None or draft_dir is None:
+        return []
+
+    from transformers import AutoTokenizer
+
+    vocabs: dict[str, dict[str, int]] = {}
+    for role, d in (("target", target_dir), ("draft", draft_dir)):
+        try:
+            tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=spec.models.trust_remote_code)
+            vocabs[role] = dict(tok.get_vocab())
+        except Exception as exc:  # noqa: BLE001 - any loading failure is reported, not raised
+            where = "models.pair" if pair else f"models.{role}"
+            return [f"{where}: cannot load the {role} tokenizer from {d}: {type(exc).__name__}: {exc}"]
+    t, d = vocabs["target"], vocabs["draft"]
+    if t == d:
+        return []
+    differing = sum(1 for k in t.keys() | d.keys() if t.get(k) != d.get(k))
+    return [
+        f"models.draft: tokenizer of {draft_path} does not match target {target_path} "
+        f"(vocab sizes {len(d)} vs {len(t)}, {differing} differing tokens)"
+    ]
