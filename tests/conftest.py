@@ -1,0 +1,51 @@
+"""Shared fixtures. Everything here talks only to 127.0.0.1 and builds its own tiny models."""
+
+from __future__ import annotations
+
+import os
+
+# Before Ray or botocore are imported anywhere: bind Ray to loopback and keep every library
+# from calling home or probing cloud metadata endpoints (see shared/WORKPLACE.md).
+os.environ.update(
+    {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "http_proxy": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "https_proxy": "http://127.0.0.1:9",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tiny_models import build_tiny_pair  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+try:
+    from s3_fixtures import *  # noqa: E402,F401,F403
+except ImportError:  # pragma: no cover - the S3 fixtures module is optional while it is written
+    pass
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory):
+    """Directories of a tiny target, its perturbed draft and their shared tokenizer."""
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_pair_dirs):
+    """(target, draft, tokenizer) loaded once per session, float32 on CPU."""
+    target_dir, draft_dir = tiny_pair_dirs
+    torch.set_num_threads(1)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    return target, draft, AutoTokenizer.from_pretrained(target_dir)

@@ -1,0 +1,148 @@
+"""Greedy speculative decoding must reproduce the target's own greedy decoding exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.decode.engine import EngineConfig, PromptError, SpeculativeEngine
+
+TEXTS = [
+    "The quick brown fox jumps",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one. "
+    "Summaries copy phrases from their input documents, translations rarely do. Summaries copy",
+    "Data",
+    "Le renard brun saute par-dessus le chien paresseux. The quick brown fox jumps over the lazy dog.",
+    "Parquet shards are read from object storage and written back with statistics. Parquet shards",
+    "Data teams run batch jobs every night on a cluster of machines. Every night",
+    "fox",
+    "The lazy dog. The lazy dog. The lazy",
+]
+MAX_NEW = 24
+
+
+def reference(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
+    """The target decoding alone: Hugging Face greedy generate, batch 1, no padding."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def case(tiny_models):
+    """Prompts, an EOS set that makes rows stop at different times, and reference outputs."""
+    target, draft, tokenizer = tiny_models
+    prompts = [tokenizer(t).input_ids for t in TEXTS]
+    plain = [reference(target, p, MAX_NEW, [1]) for p in prompts]
+    # Promote a token that several reference rows emit mid-way to an extra EOS, so rows
+    # finish after different numbers of tokens, some early and some at max_new_tokens.
+    counts: dict[int, int] = {}
+    for row in plain:
+        for t in set(row[3:-3]):
+            counts[t] = counts.get(t, 0) + 1
+    stopper = max(sorted(counts), key=lambda t: counts[t])
+    eos = [1, stopper]
+    refs = [reference(target, p, MAX_NEW, eos) for p in prompts]
+    assert len({len(r) for r in refs}) > 2, "rows should stop at different times"
+    return target, draft, tokenizer, prompts, eos, refs
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "auto"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_greedy_matches_target_for_every_gamma(case, drafter, batch_size):
+    target, draft, _, prompts, eos, refs = case
+    totals = {"accepted": 0, "drafted": 0}
+    for gamma in range(1, 9):
+        engine = SpeculativeEngine(
+            target, draft, eos_token_ids=eos, pad_token_id=0,
+            config=EngineConfig(drafter=drafter, gamma_max=gamma, adaptive=False),
+        )
+        for start in range(0, len(prompts), batch_size):
+            outputs, batch = engine.generate(prompts[start : start + batch_size], MAX_NEW)
+            for k, out in enumerate(outputs):
+                assert out.tokens == refs[start + k], f"row {start + k}, gamma {gamma}"
+            totals["accepted"] += batch.accepted
+            totals["drafted"] += batch.drafted
+    # both the accept and the reject paths ran
+    assert 0 < totals["accepted"] < totals["drafted"]
+
+
+def test_adaptive_gamma_is_lossless_and_reuses_costs(case):
+    target, draft, _, prompts, eos, refs = case
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig())
+    for _ in range(2):
+        outputs, batch = engine.generate(prompts, MAX_NEW)
+        assert [o.tokens for o in outputs] == refs
+    assert engine.costs.target, "target pass costs were measured"
+    assert sum(batch.gamma_histogram.values()) == batch.target_passes - 1
+
+
+def test_target_only_mode_equals_reference(case):
+    target, draft, _, prompts, eos, refs = case
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0)
+    outputs, batch = engine.generate(prompts, MAX_NEW, drafter="none")
+    assert [o.tokens for o in outputs] == refs
+    assert batch.drafted == 0 and batch.draft_passes == 0
+    assert all(o.stats.tau == 1.0 for o in outputs)
+    # gamma 0 through the config is the same thing
+    engine0 = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(gamma_max=0))
+    assert [o.tokens for o in engine0.generate(prompts, MAX_NEW)[0]] == refs
+
+
+def test_counters_are_consistent(case):
+    target, draft, _, prompts, eos, _ = case
+    engine = SpeculativeEngine(
+        target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(gamma_max=4, adaptive=False)
+    )
+    outputs, batch = engine.generate(prompts, MAX_NEW)
+    for out in outputs:
+        s = out.stats
+        assert s.accepted <= s.drafted
+        assert s.new_tokens == len(out.tokens) == s.accepted + s.target_tokens
+        assert s.tau * s.target_passes == pytest.approx(s.new_tokens)
+        assert 0.0 <= s.alpha <= 1.0 and 0.0 <= s.alpha_leviathan <= 1.0
+        assert sum(s.drafted_by.values()) == s.drafted
+    assert batch.new_tokens == sum(len(o.tokens) for o in outputs)
+    assert batch.accepted <= batch.drafted
+    assert batch.target_seconds > 0 and batch.draft_seconds > 0
+    assert {o.finish_reason for o in outputs} <= {"eos", "length"}
+
+
+def test_stop_strings_cut_where_target_only_would(case):
+    target, draft, tokenizer, prompts, _, _ = case
+    engine = SpeculativeEngine(
+        target, draft, eos_token_ids=[1], pad_token_id=0, decode_text=tokenizer.decode,
+        config=EngineConfig(gamma_max=5, adaptive=False),
+    )
+    baseline, _ = engine.generate(prompts, MAX_NEW, drafter="none")
+    text = tokenizer.decode(baseline[1].tokens)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    spec, _ = engine.generate(prompts, MAX_NEW, stop_strings=[stop])
+    plain, _ = engine.generate(prompts, MAX_NEW, stop_strings=[stop], drafter="none")
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+    assert spec[1].finish_reason == "stop" and stop in tokenizer.decode(spec[1].tokens)
+    assert len(spec[1].tokens) < len(baseline[1].tokens)
+
+
+def test_empty_prompt_is_rejected(tiny_models):
+    target, draft, _ = tiny_models
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0)
+    with pytest.raises(PromptError, match="prompt 1 is empty"):
+        engine.generate([[5, 6], []], 4)
+
+
+def test_overlong_prompt_refused_or_truncated(case):
+    target, draft, _, prompts, eos, _ = case
+    context = target.config.max_position_embeddings
+    long_prompt = (prompts[1] * 100)[: context - 4]
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0)
+    with pytest.raises(PromptError, match="exceeds the model context"):
+        engine.generate([long_prompt], 8)
+    outputs, _ = engine.generate([long_prompt], 8, overlong="truncate")
+    assert outputs[0].truncated_tokens == 4 and outputs[0].prompt_tokens == context - 8
+    assert outputs[0].tokens == reference(target, long_prompt[4:], 8, eos)
