@@ -1,0 +1,199 @@
+"""`pipeline`: run, submit and inspect speculative-decoding batch jobs.
+
+Exit codes: 0 success, 1 the job ran but failed (some shard failed, or the cluster job
+failed), 2 usage or job-spec error (nothing was started).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from pipeline.spec import JobSpec, SpecError, check_models_reachable, load_spec, parse_overrides
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _load(spec_path: str, run_id: str | None, date: str | None, sets: tuple[str, ...]) -> JobSpec:
+    try:
+        return load_spec(spec_path, run_id=run_id, date=date, overrides=parse_overrides(sets))
+    except SpecError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_USAGE)
+
+
+spec_options = [
+    click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False)),
+    click.option("--run-id", help="Run id rendered into {run_id}; reuse one to resume a killed run."),
+    click.option("--date", help="Date (YYYY-MM-DD) rendered into {date}; default today (UTC)."),
+    click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a spec field, e.g. --set execution.num_actors=4."),
+]
+
+
+def with_spec_options(fn):
+    for option in reversed(spec_options):
+        fn = option(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="spec-pipeline")
+def main() -> None:
+    """Batch LLM generation over Parquet corpora on Ray, sped up by lossless speculative decoding.
+
+    \b
+    Quick start (offline, on this machine):
+      pipeline models install qwen2.5-coder
+      pipeline demo-data
+      pipeline run jobs/demo.yaml
+
+    Exit codes: 0 ok, 1 job failed, 2 usage or spec error.
+    """
+
+
+@main.command()
+@with_spec_options
+@click.option("--address", help="Ray cluster address (ray://... or auto); default: an embedded local Ray.")
+@click.option("--overwrite", is_flag=True, help="Redo shards that are already complete.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+def run(spec_path, run_id, date, sets, address, overwrite, progress):
+    """Run SPEC now and wait for it.
+
+    \b
+    Examples:
+      pipeline run jobs/demo.yaml
+      pipeline run jobs/summarize.yaml --date 2026-11-22 --address auto
+      pipeline run jobs/demo.yaml --run-id 20261123T081500Z   # resume a killed run
+    """
+    from pipeline.executor import run_job
+    from pipeline.report import print_shard_table
+
+    spec = _load(spec_path, run_id, date, sets)
+    click.echo(f"job {spec.name}  run {spec.run_id}  ->  {spec.output.url}", err=True)
+    click.echo(f"(resume or re-run with: --run-id {spec.run_id})", err=True)
+    try:
+        result = run_job(spec, address=address, overwrite=overwrite, progress=progress)
+    except (SpecError, ValueError, OSError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    print_shard_table(result.output_url, spec.output.storage_options)
+    if result.shards_skipped:
+        click.echo(f"{result.shards_skipped} shard(s) were already complete and were skipped", err=True)
+    if not result.ok:
+        click.echo(f"{len(result.failed)} shard(s) FAILED:", err=True)
+        for failure in result.failed:
+            click.echo(f"  {failure['shard']}: {failure['reason']}", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo(f"outputs: {result.output_url}/outputs   stats: {result.output_url}/stats", err=True)
+
+
+@main.command()
+@with_spec_options
+@click.option("--address", help="Ray dashboard address, e.g. http://HEAD:8265. Without it: run locally.")
+@click.option("--wait", is_flag=True, help="Follow the job's logs until it ends; exit with its status.")
+@click.option("--overwrite", is_flag=True, help="Redo shards that are already complete.")
+def submit(spec_path, run_id, date, sets, address, wait, overwrite):
+    """Submit SPEC to a Ray cluster through the Ray Jobs API (or run it locally).
+
+    The current directory (the project: package, jobs/, configs/) travels as the job's
+    working_dir, so the cluster runs exactly this code and this spec.
+
+    \b
+    Examples:
+      pipeline submit jobs/translate.yaml --address http://ray-head:8265 --wait
+      pipeline submit jobs/demo.yaml            # no address: same as `pipeline run`
+    """
+    spec = _load(spec_path, run_id, date, sets)
+    if not address:
+        ctx = click.get_current_context()
+        ctx.invoke(run, spec_path=spec_path, run_id=spec.run_id, date=spec.date, sets=sets,
+                   address=None, overwrite=overwrite, progress=None)
+        return
+    from pipeline.jobs_api import follow, submit_job
+
+    job_id = submit_job(address, spec, spec_path, sets, overwrite)
+    click.echo(job_id)
+    click.echo(f"run {spec.run_id} -> {spec.output.url}; follow with: pipeline status {job_id} --address {address}", err=True)
+    if wait:
+        status = follow(address, job_id)
+        sys.exit(EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--address", required=True, envvar="RAY_API_SERVER_ADDRESS", help="Ray dashboard address, e.g. http://HEAD:8265.")
+def status(job_id, address):
+    """Show a submitted job's state and its shards' progress."""
+    from pipeline.jobs_api import job_status
+
+    info = job_status(address, job_id)
+    for key, value in info.items():
+        click.echo(f"{key:>18}: {value}")
+    if info.get("state") in ("FAILED", "STOPPED"):
+        sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--address", required=True, envvar="RAY_API_SERVER_ADDRESS", help="Ray dashboard address.")
+def logs(job_id, address):
+    """Follow a submitted job's logs until it ends."""
+    from pipeline.jobs_api import follow
+
+    status = follow(address, job_id)
+    sys.exit(EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED)
+
+
+@main.command()
+@click.argument("output_url")
+@click.option("--json", "as_json", is_flag=True, help="Print the totals as JSON.")
+def stats(output_url, as_json):
+    """Per-shard table and totals from the stats files under OUTPUT_URL."""
+    from pipeline.report import load_stats, print_shard_table, totals
+
+    if as_json:
+        click.echo(json.dumps(totals(load_stats(output_url)), indent=2))
+    elif not print_shard_table(output_url, {}):
+        click.echo(f"no stats under {output_url}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@with_spec_options
+@click.option("--no-models", is_flag=True, help="Skip loading tokenizers to compare target and draft.")
+def validate(spec_path, run_id, date, sets, no_models):
+    """Check SPEC without running it; exit 2 with field-level errors if it is invalid."""
+    spec = _load(spec_path, run_id, date, sets)
+    problems = [] if no_models else check_models_reachable(spec)
+    if problems:
+        for line in problems:
+            click.echo(f"{spec_path}: {line}", err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(f"{spec_path}: OK (job {spec.name}: {spec.input.url} -> {spec.output.url})")
+
+
+@main.command("demo-data")
+@click.option("--out", default="./data/demo", show_default=True, help="Where to write the shards.")
+@click.option("--shards", default=2, show_default=True, help="Number of Parquet shards.")
+@click.option("--rows", default=4, show_default=True, help="Documents per shard.")
+def demo_data(out, shards, rows):
+    """Write a demo corpus (standard-library module docstrings) as Parquet shards."""
+    from pipeline.demo_data import write_demo_data
+
+    for path in write_demo_data(out, shards, rows):
+        click.echo(path)
+
+
+def _register_models() -> None:
+    from pipeline.models.install import models
+
+    main.add_command(models)
+
+
+_register_models()
+
+
+if __name__ == "__main__":  # `python -m pipeline.cli` (used as a Ray job entrypoint)
+    main()

@@ -1,0 +1,182 @@
+"""The driver: list shards, skip finished ones, feed the rest to a pool of model actors.
+
+Plain Ray Core rather than Ray Data: one task per shard keeps "one input shard -> one output,
+one errors and one stats file" exact, makes a shard the unit of retry, and streams (the driver
+only ever holds shard names and small stats dicts, never rows).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from tqdm import tqdm
+
+import pipeline
+from pipeline.shard import is_complete, shard_name
+from pipeline.spec import JobSpec
+from pipeline.storage import Storage, _glob_root, list_shards
+from pipeline.worker import ModelWorker
+
+LOOPBACK_ENV = {
+    # Keep an embedded Ray on 127.0.0.1 and quiet (see README "Running on a cluster").
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+@dataclass
+class JobResult:
+    output_url: str
+    shards_total: int
+    shards_skipped: int
+    done: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def ensure_ray(address: str | None, num_cpus: int | None = None) -> bool:
+    """Connect to `address` (or RAY_ADDRESS), or start an embedded local Ray. True if we started it."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    return True
+
+
+def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], int, Storage]:
+    """All (url, name) shards of the input, minus those already complete in the output."""
+    out = Storage(spec.output.url, spec.output.storage_options)
+    urls = list_shards(spec.input.url, spec.input.storage_options)
+    root = _glob_root(spec.input.url) if spec.input.is_glob else Storage(spec.input.url).url
+    shards = [(url, shard_name(url, root)) for url in urls]
+    names = [n for _, n in shards]
+    if len(set(names)) != len(names):
+        raise ValueError("two input shards map to the same output name; rename them")
+    if overwrite:
+        for sub in ("outputs", "errors", "stats"):
+            out.delete_prefix(sub)
+        for marker in ("_SUCCESS", "manifest.json"):
+            if out.exists(marker):
+                out.delete(marker)
+    todo = [(url, name) for url, name in shards if overwrite or not is_complete(out, name)]
+    return todo, len(shards) - len(todo), out
+
+
+def run_job(spec: JobSpec, *, address: str | None = None, overwrite: bool = False, progress: bool | None = None) -> JobResult:
+    """Run a job to completion; failed shards are reported, never silently dropped."""
+    began = time.time()
+    spec = spec.with_absolute_paths()
+    todo, skipped, out = plan(spec, overwrite or spec.output.overwrite)
+    result = JobResult(spec.output.url, len(todo) + skipped, skipped)
+    if todo:
+        ex = spec.execution
+        started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
+        try:
+            _run_shards(spec, todo, result, progress)
+        finally:
+            if started_ray:
+                ray.shutdown()
+    result.seconds = time.time() - began
+    write_manifest(spec, out, result, began)
+    return result
+
+
+def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, progress: bool | None) -> None:
+    ex = spec.execution
+    actor_class = ray.remote(ModelWorker).options(
+        num_cpus=ex.num_cpus,
+        num_gpus=ex.num_gpus,
+        max_restarts=ex.max_retries,
+        max_task_retries=0,  # the driver retries shards itself, counting attempts per shard
+    )
+    actors = [actor_class.remote(spec) for _ in range(min(ex.num_actors, len(todo)))]
+    queue: deque[tuple[str, str, int]] = deque((url, name, 1) for url, name in todo)
+    running: dict = {}
+    bar = tqdm(total=len(todo), unit="shard", disable=not _show_progress(progress), dynamic_ncols=True)
+    rows = tokens = 0
+    idle = list(actors)
+    while queue or running:
+        while queue and idle:
+            actor = idle.pop()
+            url, name, attempt = queue.popleft()
+            running[actor.process.remote(url, name, attempt)] = (actor, url, name, attempt)
+        ready, _ = ray.wait(list(running), num_returns=1)
+        ref = ready[0]
+        actor, url, name, attempt = running.pop(ref)
+        idle.append(actor)
+        try:
+            stats = ray.get(ref)
+        except (RayActorError, RayTaskError) as exc:
+            reason = _reason(exc)
+            if attempt <= ex.max_retries:
+                queue.append((url, name, attempt + 1))
+                bar.write(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
+            else:
+                result.failed.append({"shard": name, "input_url": url, "attempts": attempt, "reason": reason})
+                bar.write(f"shard {name}: FAILED after {attempt} attempts: {reason}")
+                bar.update(1)
+            continue
+        result.done.append(stats)
+        rows += stats.get("rows_out", 0)
+        tokens += stats.get("tokens_out", 0)
+        bar.set_postfix(rows=rows, tokens=tokens, failed=len(result.failed))
+        bar.update(1)
+    bar.close()
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, RayActorError):
+        return f"model actor died: {str(exc).splitlines()[0][:300]}"
+    cause = getattr(exc, "cause", None)
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc).splitlines()[-1]
+    return text[:500]
+
+
+def _show_progress(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float) -> None:
+    """manifest.json always (what ran and how it ended); _SUCCESS only when every shard is done."""
+    stats = [out.read_json(p) for p in out.list("stats", suffix=".json")]
+    totals = {
+        "shards": len(stats),
+        "rows_in": sum(s.get("rows_in", 0) for s in stats),
+        "rows_out": sum(s.get("rows_out", 0) for s in stats),
+        "rows_error": sum(s.get("rows_error", 0) for s in stats),
+        "tokens_out": sum(s.get("tokens_out", 0) for s in stats),
+        "unreadable_shards": sum(1 for s in stats if s.get("status") == "unreadable"),
+    }
+    models = next((s["models"] for s in stats if s.get("models")), {})
+    manifest = {
+        "job": spec.name,
+        "run_id": spec.run_id,
+        "date": spec.date,
+        "package_version": pipeline.__version__,
+        "spec": spec.to_dict(),
+        "models": models,
+        "started": began,
+        "finished": time.time(),
+        "shards_total": result.shards_total,
+        "shards_skipped": result.shards_skipped,
+        "failed": result.failed,
+        "totals": totals,
+    }
+    out.write_json("manifest.json", manifest)
+    if result.ok and totals["shards"] == result.shards_total:
+        out.write_bytes("_SUCCESS", b"")

@@ -1,0 +1,105 @@
+"""Submitting to and watching a Ray cluster through the Ray Jobs API."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import click
+
+from pipeline.spec import JobSpec
+
+# What does not travel in the job's working_dir: environments, caches, local data and outputs.
+WORKING_DIR_EXCLUDES = [".venv/", ".git/", "out/", "data/", ".pipeline/", "**/__pycache__/", ".whl/", "*.gguf"]
+
+
+def _client(address: str):
+    from ray.job_submission import JobSubmissionClient
+
+    token_file = Path.home() / ".ray" / "auth_token"
+    if "RAY_AUTH_MODE" not in os.environ and token_file.exists():
+        # Ray >= 2.5x heads started by `ray start` require a token; the client reads it from
+        # ~/.ray/auth_token only in token mode. The token never appears in our output.
+        os.environ["RAY_AUTH_MODE"] = "token"
+    return JobSubmissionClient(address)
+
+
+def submit_job(address: str, spec: JobSpec, spec_path: str, sets: tuple[str, ...], overwrite: bool) -> str:
+    """Submit `pipeline run SPEC` with the rendered run id and date; return the job id."""
+    entrypoint = ["python", "-m", "pipeline.cli", "run", spec_path, "--run-id", spec.run_id, "--date", spec.date]
+    for item in sets:
+        entrypoint += ["--set", item]
+    if overwrite:
+        entrypoint.append("--overwrite")
+    client = _client(address)
+    return client.submit_job(
+        entrypoint=" ".join(_quote(p) for p in entrypoint),
+        runtime_env={"working_dir": ".", "excludes": WORKING_DIR_EXCLUDES},
+        metadata={
+            "pipeline_job": spec.name,
+            "run_id": spec.run_id,
+            "input_url": spec.input.url,
+            "output_url": spec.output.url,
+        },
+    )
+
+
+def _quote(part: str) -> str:
+    import shlex
+
+    return shlex.quote(part)
+
+
+def follow(address: str, job_id: str, poll_seconds: float = 2.0) -> str:
+    """Print the job's logs as they grow until it reaches a terminal state; return that state."""
+    client = _client(address)
+    shown = 0
+    while True:
+        status = str(client.get_job_status(job_id).value)
+        logs = client.get_job_logs(job_id)
+        if len(logs) > shown:
+            click.echo(logs[shown:], nl=False)
+            shown = len(logs)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            click.echo(f"job {job_id}: {status}", err=True)
+            return status
+        time.sleep(poll_seconds)
+
+
+def job_status(address: str, job_id: str) -> dict:
+    """State of a submitted job plus progress read from its output's stats files."""
+    from pipeline.report import load_stats, totals
+
+    client = _client(address)
+    info = client.get_job_info(job_id)
+    meta = info.metadata or {}
+    result = {"job_id": job_id, "state": str(info.status.value), "message": info.message or ""}
+    output_url = meta.get("output_url")
+    if not output_url:
+        return result
+    result["output_url"] = output_url
+    stats = load_stats(output_url)
+    t = totals(stats)
+    done = len(stats)
+    result["shards_done"] = done
+    input_url = meta.get("input_url")
+    if input_url:
+        from pipeline.storage import list_shards
+
+        total = len(list_shards(input_url))
+        result["shards_remaining"] = max(total - done, 0)
+    elapsed = (time.time() - info.start_time / 1000) if info.start_time else None
+    end = info.end_time / 1000 if info.end_time else None
+    if end and info.start_time:
+        elapsed = end - info.start_time / 1000
+    if elapsed:
+        result["rows_per_second"] = round(t["rows_out"] / elapsed, 3)
+        result["tokens_per_second"] = round(t["tokens_out"] / elapsed, 2)
+        remaining = result.get("shards_remaining")
+        if remaining and done:
+            result["eta_seconds"] = round(elapsed / done * remaining)
+    result["alpha"] = round(t["alpha"], 3)
+    result["tau"] = round(t["tau"], 3)
+    result["rows_error"] = t["rows_error"]
+    return result

@@ -1,0 +1,329 @@
+"""One shard end to end: read rows, check them, decode in batches, write outputs, errors, stats.
+
+This is the unit of work (and of retry) of a job. It runs inside a model actor, but depends
+only on an engine and a tokenizer, so tests can call it directly. Its three writes follow a
+fixed order: outputs, then errors, then stats. The stats file is the commit record: a shard
+is complete only when its stats exist, and a re-run redoes any shard without them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from pipeline.decode.costs import alpha_from_tau
+from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
+from pipeline.decode.sampling import SamplingParams
+from pipeline.prompts import OverlongDocument, PromptBuilder
+from pipeline.spec import JobSpec
+from pipeline.storage import ShardReadError, Storage
+
+ERROR_SCHEMA = pa.schema([("id", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("detail", pa.string())])
+
+
+def shard_name(shard_url: str, input_root: str) -> str:
+    """A stable, flat name for a shard: its path under the input root without `.parquet`."""
+    rel = shard_url[len(input_root) :].lstrip("/") if shard_url.startswith(input_root) else shard_url
+    rel = rel.rsplit("/", 1)[-1] if "://" in rel else rel
+    return rel.removesuffix(".parquet").replace("/", "__")
+
+
+def shard_paths(name: str) -> dict[str, str]:
+    return {
+        "outputs": f"outputs/{name}.parquet",
+        "errors": f"errors/{name}.parquet",
+        "stats": f"stats/{name}.json",
+    }
+
+
+def is_complete(out: Storage, name: str) -> bool:
+    paths = shard_paths(name)
+    return out.exists(paths["stats"]) and out.exists(paths["outputs"])
+
+
+@dataclass
+class _Row:
+    index: int
+    id: object
+    text: str
+    keep: dict
+
+
+class ShardProcessor:
+    """Decodes shards for one job with one engine (one per model actor)."""
+
+    def __init__(self, spec: JobSpec, engine: SpeculativeEngine, tokenizer, model_info: dict | None = None):
+        self.spec = spec
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer, spec.task)
+        self.sampling = SamplingParams(
+            greedy=spec.generation.greedy,
+            temperature=spec.generation.temperature,
+            top_k=spec.generation.top_k,
+            top_p=spec.generation.top_p,
+            seed=spec.generation.seed,
+        )
+        self.model_info = model_info or {}
+        self.output = Storage(spec.output.url, spec.output.storage_options)
+
+    # -- the unit of work ---------------------------------------------------------------------
+
+    def process(self, shard_url: str, name: str, attempt: int = 1) -> dict:
+        """Decode one shard and write its outputs, errors and stats; return the stats."""
+        started = time.time()
+        errors: list[dict] = []
+        try:
+            rows = self._read(shard_url, errors)
+        except ShardReadError as exc:
+            return self._write_failed_read(shard_url, name, str(exc), started, attempt)
+
+        prompts, good = [], []
+        truncated = 0
+        tokens_in = 0
+        for row in rows:
+            try:
+                prompt = self.prompts.build(row.text)
+            except OverlongDocument as exc:
+                errors.append(_error(row.id, row.index, "overlong", str(exc)))
+                continue
+            truncated += prompt.truncated
+            tokens_in += len(prompt.ids)
+            prompts.append(prompt)
+            good.append(row)
+
+        decoded, totals = self._decode_sorted([p.ids for p in prompts])
+        sample = self._speedup_sample(good, prompts, decoded, totals)
+
+        out_rows = []
+        for row, prompt, (output, latency) in zip(good, prompts, decoded):
+            text = self.tokenizer.decode(output.tokens, skip_special_tokens=True)
+            text = _cut_at_stop(text, self.spec.generation.stop)
+            s = output.stats
+            record = {self.spec.input.id_column: row.id, **row.keep}
+            record.update(
+                generated=text,
+                prompt_tokens=output.prompt_tokens,
+                new_tokens=s.new_tokens,
+                finish_reason=output.finish_reason,
+                truncated=prompt.truncated,
+                alpha=s.alpha,
+                tau=s.tau,
+                rounds=s.target_passes,
+                drafted=s.drafted,
+                accepted=s.accepted,
+                drafter=max(s.drafted_by, key=s.drafted_by.get) if s.drafted_by else "none",
+                latency_s=latency,
+            )
+            out_rows.append(record)
+
+        paths = shard_paths(name)
+        self.output.write_parquet(paths["outputs"], _table(out_rows, self.spec.input.id_column))
+        self.output.write_parquet(paths["errors"], pa.Table.from_pylist(errors, schema=ERROR_SCHEMA))
+        stats = self._stats(shard_url, name, rows, errors, decoded, totals, truncated, tokens_in, sample)
+        stats.update(attempt=attempt, started=started, finished=time.time())
+        self.output.write_json(paths["stats"], stats)
+        return stats
+
+    # -- reading and checking rows ------------------------------------------------------------
+
+    def _read(self, shard_url: str, errors: list[dict]) -> list[_Row]:
+        id_col, text_col = self.spec.input.id_column, self.spec.input.text_column
+        parent, _, base = shard_url.rpartition("/")
+        table = Storage(parent, self.spec.input.storage_options).read_parquet(base)
+        missing = [c for c in (id_col, text_col, *self.spec.input.keep_columns) if c not in table.column_names]
+        if missing:
+            raise ShardReadError(
+                f"missing column(s) {missing}; columns found: {table.column_names}", url=shard_url
+            )
+        ids = table.column(id_col).to_pylist()
+        texts = table.column(text_col)
+        keep = {c: table.column(c).to_pylist() for c in self.spec.input.keep_columns}
+        seen: set = set()
+        rows = []
+        for i, (row_id, text) in enumerate(zip(ids, _texts(texts))):
+            reason = None
+            if row_id is None:
+                reason = ("missing_id", f"{id_col} is null")
+            elif row_id in seen:
+                reason = ("duplicate_id", f"{id_col} {row_id!r} already appeared in this shard")
+            elif isinstance(text, bytes):
+                reason = ("invalid_utf8", f"{text_col} is not valid UTF-8")
+            elif text is None:
+                reason = ("null_text", f"{text_col} is null")
+            elif not text.strip():
+                reason = ("empty_text", f"{text_col} is empty or whitespace only")
+            if row_id is not None:
+                seen.add(row_id)
+            if reason:
+                errors.append(_error(row_id, i, *reason))
+            else:
+                rows.append(_Row(i, row_id, text, {c: keep[c][i] for c in keep}))
+        return rows
+
+    def _write_failed_read(self, shard_url: str, name: str, reason: str, started: float, attempt: int) -> dict:
+        """An unreadable shard is a shard-level error: record it and let the job go on."""
+        paths = shard_paths(name)
+        self.output.write_parquet(paths["outputs"], _table([], self.spec.input.id_column))
+        error = _error(None, -1, "unreadable_shard", reason)
+        self.output.write_parquet(paths["errors"], pa.Table.from_pylist([error], schema=ERROR_SCHEMA))
+        stats = {
+            "shard": name,
+            "input_url": shard_url,
+            "status": "unreadable",
+            "error": reason,
+            "rows_in": 0,
+            "rows_out": 0,
+            "rows_error": 0,
+            "errors_by_reason": {"unreadable_shard": 1},
+            "started": started,
+            "finished": time.time(),
+            "attempt": attempt,
+        }
+        self.output.write_json(paths["stats"], stats)
+        return stats
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def _decode_sorted(
+        self, prompts: list[list[int]], drafter: str | None = None
+    ) -> tuple[list[tuple[RowOutput, float]], BatchStats]:
+        """Decode in batches of similar length (less padding).
+
+        Returns (output, latency) per prompt in input order, and the batches' summed counters.
+        """
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: list = [None] * len(prompts)
+        totals = BatchStats()
+        size = self.spec.execution.batch_size
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            outputs, batch = self.engine.generate(
+                [prompts[i] for i in chunk],
+                self.spec.generation.max_new_tokens,
+                self.sampling,
+                stop_strings=self.spec.generation.stop,
+                drafter=drafter,
+                overlong="truncate",
+            )
+            for i, out in zip(chunk, outputs):
+                results[i] = (out, out.stats.seconds)
+            for key in ("rows", "new_tokens", "target_passes", "draft_passes", "drafted", "accepted"):
+                setattr(totals, key, getattr(totals, key) + getattr(batch, key))
+            for key in ("target_seconds", "draft_seconds", "wall_seconds"):
+                setattr(totals, key, getattr(totals, key) + getattr(batch, key))
+        return results, totals
+
+    def _speedup_sample(self, rows, prompts, decoded, totals: BatchStats) -> dict:
+        """Decode a sample of rows target-only on this actor to measure the real speedup.
+
+        The speculative side is this shard's own throughput (same actor, same batch size).
+        For greedy decoding the sample doubles as a losslessness check: its outputs must be
+        identical to the speculative ones.
+        """
+        if not rows or self.spec.drafter.kind == "none":
+            return {}
+        k = max(1, math.ceil(self.spec.execution.speedup_sample * len(rows)))
+        step = len(rows) / k
+        picked = sorted({int(i * step) for i in range(k)})
+        baseline, base = self._decode_sorted([prompts[i].ids for i in picked], drafter="none")
+        identical = sum(out.tokens == decoded[i][0].tokens for i, (out, _) in zip(picked, baseline))
+        base_tps = base.tokens_per_second
+        tps = totals.tokens_per_second
+        row_passes = sum(decoded[i][0].stats.target_passes for i in range(len(decoded)))
+        tau = totals.new_tokens / row_passes if row_passes else 0.0
+        # Leviathan's prediction: tau / (draft passes per target pass * c + 1), where c is a
+        # draft pass over a target-only pass, both measured on this actor.
+        target_pass = base.target_seconds / base.target_passes if base.target_passes else 0.0
+        draft_pass = totals.draft_seconds / totals.draft_passes if totals.draft_passes else 0.0
+        c = draft_pass / target_pass if target_pass else 0.0
+        per_pass = totals.draft_passes / totals.target_passes if totals.target_passes else 0.0
+        return {
+            "sample_rows": len(picked),
+            "target_only_seconds": base.wall_seconds,
+            "target_only_tokens": base.new_tokens,
+            "target_only_tokens_per_second": base_tps,
+            "speculative_tokens_per_second": tps,
+            "measured": tps / base_tps if base_tps else None,
+            "cost_ratio": c,
+            "predicted": tau / (per_pass * c + 1.0),
+            "identical_rows": identical if self.sampling.greedy else None,
+        }
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    def _stats(self, shard_url, name, rows, errors, decoded, totals: BatchStats, truncated, tokens_in, sample) -> dict:
+        """Per-shard statistics. Row-level tau counts a batched pass once per row in it."""
+        outs = [o for o, _ in decoded]
+        row_passes = sum(o.stats.target_passes for o in outs)
+        tau = totals.new_tokens / row_passes if row_passes else 0.0
+        mean_gamma = sum(o.stats.gamma_sum for o in outs) / max(row_passes - len(outs), 1)
+        reasons = Counter(e["reason"] for e in errors)
+        return {
+            "shard": name,
+            "input_url": shard_url,
+            "status": "ok",
+            "rows_in": len(rows) + len(errors),
+            "rows_out": len(outs),
+            "rows_error": len(errors),
+            "errors_by_reason": dict(reasons),
+            "duplicates": reasons.get("duplicate_id", 0),
+            "truncated": truncated,
+            "tokens_in": tokens_in,
+            "tokens_out": totals.new_tokens,
+            "alpha": totals.accepted / totals.drafted if totals.drafted else 0.0,
+            "alpha_leviathan": alpha_from_tau(tau, mean_gamma),
+            "tau": tau,
+            "gamma_max": self.spec.drafter.gamma_max,
+            "mean_gamma": mean_gamma,
+            "drafter": self.spec.drafter.kind,
+            "drafted": totals.drafted,
+            "accepted": totals.accepted,
+            "target_passes": totals.target_passes,
+            "draft_passes": totals.draft_passes,
+            "target_seconds": totals.target_seconds,
+            "draft_seconds": totals.draft_seconds,
+            "decode_seconds": totals.wall_seconds,
+            "tokens_per_second": totals.tokens_per_second,
+            "speedup": sample,
+            "batch_size": self.spec.execution.batch_size,
+            "models": self.model_info,
+            "worker": {"host": socket.gethostname(), "pid": os.getpid()},
+        }
+
+
+def _error(row_id, row: int, reason: str, detail: str) -> dict:
+    return {"id": None if row_id is None else str(row_id), "row": row, "reason": reason, "detail": detail}
+
+
+def _texts(column: pa.ChunkedArray) -> list:
+    """Texts as str, None for nulls, and the raw bytes where a value is not valid UTF-8."""
+    values = []
+    for raw in column.cast(pa.binary()).to_pylist() if column.type != pa.null() else [None] * len(column):
+        if raw is None:
+            values.append(None)
+            continue
+        try:
+            values.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            values.append(raw)
+    return values
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    """Drop a stop string and what follows it (the engine stops right after it appears)."""
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def _table(records: list[dict], id_column: str) -> pa.Table:
+    """Output records as a table; an empty shard still gets the output columns."""
+    if records:
+        return pa.Table.from_pylist(records)
+    return pa.table({id_column: pa.array([], pa.string()), "generated": pa.array([], pa.string())})

@@ -1,0 +1,93 @@
+"""The model actor: loads the target and its draft once, then decodes shard after shard.
+
+Target and draft live in the same process (one GPU, or CPU cores) because speculation
+alternates between them every few milliseconds; splitting them over actors would put a
+network hop inside the decoding loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.models.loading import ModelRef, load_pair, resolve_pair
+from pipeline.shard import ShardProcessor
+from pipeline.spec import JobSpec
+
+
+def model_refs(spec: JobSpec) -> tuple[ModelRef, ModelRef | None]:
+    """The target and (when the drafter needs one) the draft model a spec asks for."""
+    models = spec.models
+    if models.pair:
+        target, draft = resolve_pair(models.pair)
+    else:
+        target = ModelRef(path=models.target.path, revision=models.target.revision)
+        draft = ModelRef(path=models.draft.path, revision=models.draft.revision) if models.draft else None
+    if spec.drafter.kind in ("none", "prompt_lookup"):
+        draft = None
+    return target, draft
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every token that ends a reply: the tokenizer's EOS and the generation config's (chat models
+    often end turns with a different token than the tokenizer's EOS)."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def build_processor(spec: JobSpec) -> ShardProcessor:
+    """Load the models a spec names and wire them into an engine and a shard processor."""
+    target_ref, draft_ref = model_refs(spec)
+    pair = load_pair(
+        target_ref,
+        draft_ref,
+        dtype=spec.models.dtype,
+        device=spec.models.device,
+        trust_remote_code=spec.models.trust_remote_code,
+    )
+    tokenizer = pair.tokenizer
+    drafter = spec.drafter.kind
+    if drafter == "auto" and pair.draft is None:
+        drafter = "prompt_lookup"
+    engine = SpeculativeEngine(
+        pair.target,
+        pair.draft,
+        eos_token_ids=eos_ids(tokenizer, pair.target),
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, pair.target)[0],
+        decode_text=tokenizer.decode,
+        config=EngineConfig(
+            drafter=drafter,
+            gamma_max=spec.drafter.gamma_max,
+            adaptive=spec.drafter.adaptive,
+            ngram_min=spec.drafter.ngram_min,
+            ngram_max=spec.drafter.ngram_max,
+        ),
+    )
+    info = pair.manifest()
+    info["load_seconds"] = pair.load_seconds
+    return ShardProcessor(spec, engine, tokenizer, info)
+
+
+class ModelWorker:
+    """Ray actor body (wrapped with `ray.remote` by the executor, so this module imports no Ray)."""
+
+    def __init__(self, spec: JobSpec):
+        threads = spec.execution.threads or max(1, math.ceil(spec.execution.num_cpus))
+        torch.set_num_threads(threads)
+        began = time.perf_counter()
+        self.processor = build_processor(spec)
+        self.load_seconds = time.perf_counter() - began
+
+    def info(self) -> dict:
+        return {**self.processor.model_info, "actor_load_seconds": self.load_seconds}
+
+    def process(self, shard_url: str, name: str, attempt: int) -> dict:
+        return self.processor.process(shard_url, name, attempt)
