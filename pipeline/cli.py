@@ -7,17 +7,32 @@ failed), 2 usage or job-spec error (nothing was started).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
 
-from pipeline.spec import JobSpec, SpecError, check_models_reachable, load_spec, parse_overrides
+from pipeline.spec import (
+    JobSpec,
+    SpecError,
+    check_models_reachable,
+    load_spec,
+    parse_overrides,
+    spec_from_dict,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
+SPEC_ENV = "PIPELINE_SPEC_JSON"
+
+
 def _load(spec_path: str, run_id: str | None, date: str | None, sets: tuple[str, ...]) -> JobSpec:
+    """Load a spec file, or `env:NAME`: a rendered spec that `submit` shipped to the cluster."""
     try:
+        if spec_path.startswith("env:"):
+            data = json.loads(os.environ[spec_path[4:]])
+            return spec_from_dict(data, source=spec_path, run_id=run_id, date=date, overrides=parse_overrides(sets))
         return load_spec(spec_path, run_id=run_id, date=date, overrides=parse_overrides(sets))
     except SpecError as exc:
         click.echo(str(exc), err=True)
@@ -25,7 +40,7 @@ def _load(spec_path: str, run_id: str | None, date: str | None, sets: tuple[str,
 
 
 spec_options = [
-    click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False)),
+    click.argument("spec_path", metavar="SPEC"),
     click.option("--run-id", help="Run id rendered into {run_id}; reuse one to resume a killed run."),
     click.option("--date", help="Date (YYYY-MM-DD) rendered into {date}; default today (UTC)."),
     click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a spec field, e.g. --set execution.num_actors=4."),
@@ -113,7 +128,7 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite):
         return
     from pipeline.jobs_api import follow, submit_job
 
-    job_id = submit_job(address, spec, spec_path, sets, overwrite)
+    job_id = submit_job(address, spec, SPEC_ENV, overwrite)
     click.echo(job_id)
     click.echo(f"run {spec.run_id} -> {spec.output.url}; follow with: pipeline status {job_id} --address {address}", err=True)
     if wait:
@@ -184,6 +199,48 @@ def demo_data(out, shards, rows):
 
     for path in write_demo_data(out, shards, rows):
         click.echo(path)
+
+
+@main.command()
+@click.option("--pair", default="qwen2.5-coder", show_default=True, help="Named model pair (configs/models.yaml).")
+@click.option("--tasks", default="summarize,translate", show_default=True)
+@click.option("--docs", default=4, show_default=True, help="Documents per task.")
+@click.option("--batches", default="1,4", show_default=True, help="Batch sizes for our engine.")
+@click.option("--max-new-tokens", default=48, show_default=True)
+@click.option("--runs", default=3, show_default=True, help="Runs per configuration (median reported).")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
+@click.option("--out", "out_path", default="bench.json", show_default=True, help="Where to write the JSON.")
+def bench(pair, tasks, docs, batches, max_new_tokens, runs, dtype, threads, out_path):
+    """Benchmark target-only vs our speculative engine vs HF assisted generation, one run.
+
+    \b
+    Example:
+      pipeline bench --docs 4 --batches 1,4,8 --runs 3
+    """
+    import platform
+
+    import torch
+
+    from pipeline.bench import HEADER, run_benchmark, write_json
+    from pipeline.models.loading import load_pair, resolve_pair
+
+    if threads:
+        torch.set_num_threads(threads)
+    target, draft = resolve_pair(pair)
+    loaded = load_pair(target, draft, dtype=dtype, device="auto")
+    click.echo(f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
+               f"{torch.get_num_threads()} threads")
+    click.echo(HEADER)
+    rows = run_benchmark(
+        loaded, tasks=tuple(tasks.split(",")), docs=docs, batches=tuple(int(b) for b in batches.split(",")),
+        max_new_tokens=max_new_tokens, runs=runs, log=click.echo,
+    )
+    meta = {"pair": pair, "models": loaded.manifest(), "threads": torch.get_num_threads(),
+            "machine": platform.platform(), "processor": platform.processor(), "runs": runs,
+            "max_new_tokens": max_new_tokens, "docs": docs}
+    write_json(rows, out_path, meta)
+    click.echo(f"wrote {out_path}")
 
 
 def _register_models() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -11,31 +13,46 @@ import click
 from pipeline.spec import JobSpec
 
 # What does not travel in the job's working_dir: environments, caches, local data and outputs.
-WORKING_DIR_EXCLUDES = [".venv/", ".git/", "out/", "data/", ".pipeline/", "**/__pycache__/", ".whl/", "*.gguf"]
+WORKING_DIR_EXCLUDES = [".venv/", "out/", "data/", ".pipeline/", "**/__pycache__/", ".whl/", "*.gguf"]
+
+
+def _auth_token() -> str | None:
+    """The cluster token, from where Ray itself looks: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, then
+    ~/.ray/auth_token. Heads started by `ray start` (Ray >= 2.5x) require it on the Jobs API."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    return path.read_text().strip() if path.is_file() else None
 
 
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
-    token_file = Path.home() / ".ray" / "auth_token"
-    if "RAY_AUTH_MODE" not in os.environ and token_file.exists():
-        # Ray >= 2.5x heads started by `ray start` require a token; the client reads it from
-        # ~/.ray/auth_token only in token mode. The token never appears in our output.
-        os.environ["RAY_AUTH_MODE"] = "token"
-    return JobSubmissionClient(address)
+    token = _auth_token()
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    return JobSubmissionClient(address, headers=headers)
 
 
-def submit_job(address: str, spec: JobSpec, spec_path: str, sets: tuple[str, ...], overwrite: bool) -> str:
-    """Submit `pipeline run SPEC` with the rendered run id and date; return the job id."""
-    entrypoint = ["python", "-m", "pipeline.cli", "run", spec_path, "--run-id", spec.run_id, "--date", spec.date]
-    for item in sets:
-        entrypoint += ["--set", item]
+def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> str:
+    """Submit `pipeline run` for this (rendered) spec; return the job id.
+
+    The spec travels in an environment variable, already validated, with its URLs rendered and
+    local paths made absolute, so the cluster runs exactly what was validated here, whatever
+    directory the spec file lives in. The project directory travels as the working_dir.
+    """
+    spec = spec.with_absolute_paths()
+    entrypoint = ["python", "-m", "pipeline.cli", "run", f"env:{spec_env}", "--run-id", spec.run_id,
+                  "--date", spec.date]
     if overwrite:
         entrypoint.append("--overwrite")
     client = _client(address)
     return client.submit_job(
-        entrypoint=" ".join(_quote(p) for p in entrypoint),
-        runtime_env={"working_dir": ".", "excludes": WORKING_DIR_EXCLUDES},
+        entrypoint=" ".join(shlex.quote(p) for p in entrypoint),
+        runtime_env={
+            "working_dir": ".",
+            "excludes": WORKING_DIR_EXCLUDES,
+            "env_vars": {spec_env: json.dumps(spec.to_dict())},
+        },
         metadata={
             "pipeline_job": spec.name,
             "run_id": spec.run_id,
@@ -43,12 +60,6 @@ def submit_job(address: str, spec: JobSpec, spec_path: str, sets: tuple[str, ...
             "output_url": spec.output.url,
         },
     )
-
-
-def _quote(part: str) -> str:
-    import shlex
-
-    return shlex.quote(part)
 
 
 def follow(address: str, job_id: str, poll_seconds: float = 2.0) -> str:

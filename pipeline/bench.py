@@ -1,0 +1,181 @@
+"""The benchmark: target-only vs our speculative engine vs Hugging Face's assisted generation.
+
+Same model pair, same documents, same process and same run, so the ratios are comparable
+even on a noisy machine. Every configuration is run `runs` times and the median wall time is
+reported; speedups are against target-only decoding at the same batch size. Every output is
+compared token for token with Hugging Face greedy `generate` of the target alone.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.demo_data import docstrings
+from pipeline.models.loading import LoadedPair
+from pipeline.prompts import PromptBuilder
+from pipeline.spec import TaskSpec
+from pipeline.worker import eos_ids
+
+
+@dataclass
+class Row:
+    task: str
+    method: str
+    batch: int
+    tokens_per_second: float
+    speedup: float | None
+    alpha: float | None
+    tau: float | None
+    mean_gamma: float | None
+    target_passes_per_token: float | None
+    identical: bool
+    seconds_median: float
+    tokens: int
+    peak_rss_mb: float
+
+
+def task_prompts(tokenizer, task: str, count: int, max_input_tokens: int) -> list[list[int]]:
+    """Chat-templated prompts over standard-library docstrings (the demo corpus)."""
+    if task == "summarize":
+        spec = TaskSpec(kind="summarize", max_input_tokens=max_input_tokens)
+    else:
+        spec = TaskSpec(kind="translate", source_language="English", target_language="French",
+                        max_input_tokens=max_input_tokens)
+    builder = PromptBuilder(tokenizer, spec)
+    docs = docstrings()[:count]
+    if len(docs) < count:
+        raise ValueError(f"only {len(docs)} documents available")
+    return [builder.build(d["text"]).ids for d in docs]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed(fn: Callable[[], tuple[list[list[int]], dict]], runs: int) -> tuple[float, list[list[int]], dict]:
+    times, outputs, extra = [], None, {}
+    for _ in range(runs):
+        began = time.perf_counter()
+        outputs, extra = fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times), outputs, extra
+
+
+def hf_generate(pair: LoadedPair, prompts, max_new: int, eos: list[int], pad: int, **kwargs):
+    """Hugging Face generate, batch 1, greedy: plain, assisted, or prompt lookup."""
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=pair.target.device)
+        out = pair.target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+            eos_token_id=eos, pad_token_id=pad, **kwargs,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs, {}
+
+
+def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str):
+    outputs, stats = [], {"drafted": 0, "accepted": 0, "passes": 0, "row_passes": 0, "gamma": 0, "tokens": 0}
+    for start in range(0, len(prompts), batch):
+        rows, b = engine.generate(prompts[start : start + batch], max_new, drafter=drafter)
+        outputs += [r.tokens for r in rows]
+        stats["drafted"] += b.drafted
+        stats["accepted"] += b.accepted
+        stats["passes"] += b.target_passes
+        stats["row_passes"] += sum(r.stats.target_passes for r in rows)
+        stats["gamma"] += sum(r.stats.gamma_sum for r in rows)
+        stats["tokens"] += b.new_tokens
+    return outputs, stats
+
+
+def run_benchmark(
+    pair: LoadedPair,
+    *,
+    tasks: tuple[str, ...] = ("summarize", "translate"),
+    docs: int = 4,
+    batches: tuple[int, ...] = (1, 4),
+    max_new_tokens: int = 48,
+    max_input_tokens: int = 384,
+    runs: int = 3,
+    hf_assistant_tokens: tuple[int, ...] = (3, 5),
+    hf_lookup_tokens: tuple[int, ...] = (3, 10),
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    tok = pair.tokenizer
+    eos = eos_ids(tok, pair.target)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    engines = {
+        kind: SpeculativeEngine(pair.target, pair.draft, eos_token_ids=eos, pad_token_id=pad,
+                                config=EngineConfig(drafter=kind))
+        for kind in ("none", "draft_model", "prompt_lookup", "auto")
+    }
+    rows: list[Row] = []
+    for task in tasks:
+        prompts = task_prompts(tok, task, docs, max_input_tokens)
+        # warm-up: first calls pay for allocations and (for our engine) cost calibration
+        for kind, engine in engines.items():
+            engine.generate(prompts[:1], 8, drafter=kind)
+        reference, _ = hf_generate(pair, prompts, max_new_tokens, eos, pad)
+
+        def add(method: str, batch: int, fn, base_seconds: float | None) -> float:
+            seconds, outputs, s = _timed(fn, runs)
+            tokens = sum(len(o) for o in outputs)
+            drafted = s.get("drafted")
+            rows.append(Row(
+                task=task, method=method, batch=batch,
+                tokens_per_second=tokens / seconds,
+                speedup=(base_seconds / seconds) if base_seconds else 1.0,
+                alpha=(s["accepted"] / drafted if drafted else None) if s else None,
+                tau=(s["tokens"] / s["row_passes"]) if s else None,
+                mean_gamma=(s["gamma"] / max(s["row_passes"] - len(outputs), 1)) if s else None,
+                target_passes_per_token=(s["passes"] / s["tokens"]) if s else None,
+                identical=outputs == reference,
+                seconds_median=seconds, tokens=tokens, peak_rss_mb=_peak_rss_mb(),
+            ))
+            log(_format_row(rows[-1]))
+            return seconds
+
+        hf_base = add("hf target-only", 1, lambda: hf_generate(pair, prompts, max_new_tokens, eos, pad), None)
+        for k in hf_assistant_tokens:
+            pair.draft.generation_config.num_assistant_tokens = k
+            pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
+            add(f"hf assisted k={k}", 1, lambda: hf_generate(
+                pair, prompts, max_new_tokens, eos, pad, assistant_model=pair.draft), hf_base)
+        for k in hf_lookup_tokens:
+            add(f"hf prompt lookup k={k}", 1, lambda k=k: hf_generate(
+                pair, prompts, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k), hf_base)
+        for batch in batches:
+            base = add("ours target-only", batch, lambda b=batch: ours(engines["none"], prompts, max_new_tokens, b, "none"), None)
+            for kind in ("draft_model", "prompt_lookup", "auto"):
+                add(f"ours {kind}", batch, lambda b=batch, k=kind: ours(engines[k], prompts, max_new_tokens, b, k), base)
+    return rows
+
+
+HEADER = (
+    f"{'task':<10} {'method':<24} {'batch':>5} {'tok/s':>7} {'speedup':>8} {'alpha':>6} {'tau':>5} "
+    f"{'gamma':>5} {'pass/tok':>8} {'same':>5} {'rss MB':>7}"
+)
+
+
+def _format_row(r: Row) -> str:
+    def f(v, spec=".2f"):
+        return "-" if v is None else format(v, spec)
+
+    return (
+        f"{r.task:<10} {r.method:<24} {r.batch:>5} {r.tokens_per_second:>7.2f} {f(r.speedup):>7}x "
+        f"{f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} {f(r.target_passes_per_token):>8} "
+        f"{'yes' if r.identical else 'NO':>5} {r.peak_rss_mb:>7.0f}"
+    )
+
+
+def write_json(rows: list[Row], path: str, meta: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, fh, indent=2)

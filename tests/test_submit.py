@@ -1,0 +1,81 @@
+"""`pipeline submit --address` against a real `ray start --head` on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.storage import Storage
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head():
+    """A real Ray head with the dashboard (Jobs API) on loopback; stopped afterwards."""
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    gcs, dashboard = free_port(), free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    started = subprocess.run(
+        [ray_bin, "start", "--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--disable-usage-stats",
+         f"--temp-dir={temp_dir}"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    try:
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_submit_to_a_ray_head_and_wait(tiny_pair_dirs, tmp_path, ray_head, monkeypatch):
+    import pyarrow as pa
+
+    Storage(str(tmp_path / "in")).write_parquet(
+        "part-0.parquet", pa.table({"id": ["x", "y"], "text": ["The quick brown fox.", "Data teams."]})
+    )
+    target, draft = tiny_pair_dirs
+    spec = {
+        "name": "submitted",
+        "input": {"url": str(tmp_path / "in")},
+        "task": {"kind": "summarize"},
+        "generation": {"max_new_tokens": 6},
+        "models": {"target": str(target), "draft": str(draft), "dtype": "float32", "device": "cpu"},
+        "execution": {"num_actors": 1, "num_cpus": 1},
+        "output": {"url": str(tmp_path / "out" / "{run_id}")},
+    }
+    spec_path = tmp_path / "job.yaml"
+    spec_path.write_text(json.dumps(spec))
+    monkeypatch.chdir(REPO)  # the project directory travels as the job's working_dir
+    result = CliRunner().invoke(
+        main, ["submit", str(spec_path), "--address", ray_head, "--run-id", "sub1", "--wait"]
+    )
+    assert result.exit_code == 0, result.output
+    job_id = re.search(r"^(raysubmit_\w+)$", result.stdout, re.M).group(1)
+    out = Storage(str(tmp_path / "out" / "sub1"))
+    assert out.exists("_SUCCESS")
+    assert out.read_json("stats/part-0.json")["rows_out"] == 2
+
+    status = CliRunner().invoke(main, ["status", job_id, "--address", ray_head])
+    assert status.exit_code == 0, status.output
+    assert "SUCCEEDED" in status.output and "shards_done" in status.output
