@@ -22,7 +22,7 @@ from pipeline.demo_data import docstrings
 from pipeline.models.loading import LoadedPair
 from pipeline.prompts import PromptBuilder
 from pipeline.spec import TaskSpec
-from pipeline.worker import eos_ids
+from pipeline.worker import eos_ids, pad_id
 
 
 @dataclass
@@ -47,8 +47,12 @@ def task_prompts(tokenizer, task: str, count: int, max_input_tokens: int) -> lis
     if task == "summarize":
         spec = TaskSpec(kind="summarize", max_input_tokens=max_input_tokens)
     else:
-        spec = TaskSpec(kind="translate", source_language="English", target_language="French",
-                        max_input_tokens=max_input_tokens)
+        spec = TaskSpec(
+            kind="translate",
+            source_language="English",
+            target_language="French",
+            max_input_tokens=max_input_tokens,
+        )
     builder = PromptBuilder(tokenizer, spec)
     docs = docstrings()[:count]
     if len(docs) < count:
@@ -75,8 +79,13 @@ def hf_generate(pair: LoadedPair, prompts, max_new: int, eos: list[int], pad: in
     for prompt in prompts:
         ids = torch.tensor([prompt], device=pair.target.device)
         out = pair.target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-            eos_token_id=eos, pad_token_id=pad, **kwargs,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **kwargs,
         )
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs, {}
@@ -111,10 +120,16 @@ def run_benchmark(
 ) -> list[Row]:
     tok = pair.tokenizer
     eos = eos_ids(tok, pair.target)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    pad = pad_id(tok, pair.target)
     engines = {
-        kind: SpeculativeEngine(pair.target, pair.draft, eos_token_ids=eos, pad_token_id=pad,
-                                config=EngineConfig(drafter=kind))
+        kind: SpeculativeEngine(
+            pair.target,
+            pair.draft,
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            vocab_size=pair.vocab_size,
+            config=EngineConfig(drafter=kind),
+        )
         for kind in ("none", "draft_model", "prompt_lookup", "auto")
     }
     rows: list[Row] = []
@@ -123,40 +138,81 @@ def run_benchmark(
         # warm-up: first calls pay for allocations and (for our engine) cost calibration
         for kind, engine in engines.items():
             engine.generate(prompts[:1], 8, drafter=kind)
-        reference, _ = hf_generate(pair, prompts, max_new_tokens, eos, pad)
+        bench = _TaskBench(task, runs, rows, log)
+        # the first configuration is also the reference every output is compared with
+        hf_base = bench.add(
+            "hf target-only", 1, lambda p=prompts: hf_generate(pair, p, max_new_tokens, eos, pad), None
+        )
+        for k in hf_assistant_tokens:
+            pair.draft.generation_config.num_assistant_tokens = k
+            pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
+            bench.add(
+                f"hf assisted k={k}",
+                1,
+                lambda p=prompts: hf_generate(pair, p, max_new_tokens, eos, pad, assistant_model=pair.draft),
+                hf_base,
+            )
+        for k in hf_lookup_tokens:
+            bench.add(
+                f"hf prompt lookup k={k}",
+                1,
+                lambda k=k, p=prompts: hf_generate(
+                    pair, p, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k
+                ),
+                hf_base,
+            )
+        for batch in batches:
+            base = bench.add(
+                "ours target-only",
+                batch,
+                lambda b=batch, p=prompts: ours(engines["none"], p, max_new_tokens, b, "none"),
+                None,
+            )
+            for kind in ("draft_model", "prompt_lookup", "auto"):
+                bench.add(
+                    f"ours {kind}",
+                    batch,
+                    lambda b=batch, k=kind, p=prompts: ours(engines[k], p, max_new_tokens, b, k),
+                    base,
+                )
+    return rows
 
-        def add(method: str, batch: int, fn, base_seconds: float | None) -> float:
-            seconds, outputs, s = _timed(fn, runs)
-            tokens = sum(len(o) for o in outputs)
-            drafted = s.get("drafted")
-            rows.append(Row(
-                task=task, method=method, batch=batch,
+
+@dataclass
+class _TaskBench:
+    """Times configurations on one task's prompts and appends a Row for each."""
+
+    task: str
+    runs: int
+    rows: list
+    log: Callable[[str], None]
+    reference: list | None = None
+
+    def add(self, method: str, batch: int, fn, base_seconds: float | None) -> float:
+        seconds, outputs, s = _timed(fn, self.runs)
+        if self.reference is None:
+            self.reference = outputs
+        tokens = sum(len(o) for o in outputs)
+        drafted = s.get("drafted")
+        self.rows.append(
+            Row(
+                task=self.task,
+                method=method,
+                batch=batch,
                 tokens_per_second=tokens / seconds,
                 speedup=(base_seconds / seconds) if base_seconds else 1.0,
                 alpha=(s["accepted"] / drafted if drafted else None) if s else None,
                 tau=(s["tokens"] / s["row_passes"]) if s else None,
                 mean_gamma=(s["gamma"] / max(s["row_passes"] - len(outputs), 1)) if s else None,
                 target_passes_per_token=(s["passes"] / s["tokens"]) if s else None,
-                identical=outputs == reference,
-                seconds_median=seconds, tokens=tokens, peak_rss_mb=_peak_rss_mb(),
-            ))
-            log(_format_row(rows[-1]))
-            return seconds
-
-        hf_base = add("hf target-only", 1, lambda: hf_generate(pair, prompts, max_new_tokens, eos, pad), None)
-        for k in hf_assistant_tokens:
-            pair.draft.generation_config.num_assistant_tokens = k
-            pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
-            add(f"hf assisted k={k}", 1, lambda: hf_generate(
-                pair, prompts, max_new_tokens, eos, pad, assistant_model=pair.draft), hf_base)
-        for k in hf_lookup_tokens:
-            add(f"hf prompt lookup k={k}", 1, lambda k=k: hf_generate(
-                pair, prompts, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k), hf_base)
-        for batch in batches:
-            base = add("ours target-only", batch, lambda b=batch: ours(engines["none"], prompts, max_new_tokens, b, "none"), None)
-            for kind in ("draft_model", "prompt_lookup", "auto"):
-                add(f"ours {kind}", batch, lambda b=batch, k=kind: ours(engines[k], prompts, max_new_tokens, b, k), base)
-    return rows
+                identical=outputs == self.reference,
+                seconds_median=seconds,
+                tokens=tokens,
+                peak_rss_mb=_peak_rss_mb(),
+            )
+        )
+        self.log(_format_row(self.rows[-1]))
+        return seconds
 
 
 HEADER = (

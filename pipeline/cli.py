@@ -32,7 +32,9 @@ def _load(spec_path: str, run_id: str | None, date: str | None, sets: tuple[str,
     try:
         if spec_path.startswith("env:"):
             data = json.loads(os.environ[spec_path[4:]])
-            return spec_from_dict(data, source=spec_path, run_id=run_id, date=date, overrides=parse_overrides(sets))
+            return spec_from_dict(
+                data, source=spec_path, run_id=run_id, date=date, overrides=parse_overrides(sets)
+            )
         return load_spec(spec_path, run_id=run_id, date=date, overrides=parse_overrides(sets))
     except SpecError as exc:
         click.echo(str(exc), err=True)
@@ -43,7 +45,13 @@ spec_options = [
     click.argument("spec_path", metavar="SPEC"),
     click.option("--run-id", help="Run id rendered into {run_id}; reuse one to resume a killed run."),
     click.option("--date", help="Date (YYYY-MM-DD) rendered into {date}; default today (UTC)."),
-    click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a spec field, e.g. --set execution.num_actors=4."),
+    click.option(
+        "--set",
+        "sets",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override a spec field, e.g. --set execution.num_actors=4.",
+    ),
 ]
 
 
@@ -123,14 +131,25 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite):
     spec = _load(spec_path, run_id, date, sets)
     if not address:
         ctx = click.get_current_context()
-        ctx.invoke(run, spec_path=spec_path, run_id=spec.run_id, date=spec.date, sets=sets,
-                   address=None, overwrite=overwrite, progress=None)
+        ctx.invoke(
+            run,
+            spec_path=spec_path,
+            run_id=spec.run_id,
+            date=spec.date,
+            sets=sets,
+            address=None,
+            overwrite=overwrite,
+            progress=None,
+        )
         return
     from pipeline.jobs_api import follow, submit_job
 
     job_id = submit_job(address, spec, SPEC_ENV, overwrite)
     click.echo(job_id)
-    click.echo(f"run {spec.run_id} -> {spec.output.url}; follow with: pipeline status {job_id} --address {address}", err=True)
+    click.echo(
+        f"run {spec.run_id} -> {spec.output.url}; follow with: pipeline status {job_id} --address {address}",
+        err=True,
+    )
     if wait:
         status = follow(address, job_id)
         sys.exit(EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED)
@@ -138,7 +157,12 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite):
 
 @main.command()
 @click.argument("job_id")
-@click.option("--address", required=True, envvar="RAY_API_SERVER_ADDRESS", help="Ray dashboard address, e.g. http://HEAD:8265.")
+@click.option(
+    "--address",
+    required=True,
+    envvar="RAY_API_SERVER_ADDRESS",
+    help="Ray dashboard address, e.g. http://HEAD:8265.",
+)
 def status(job_id, address):
     """Show a submitted job's state and its shards' progress."""
     from pipeline.jobs_api import job_status
@@ -202,7 +226,9 @@ def demo_data(out, shards, rows):
 
 
 @main.command()
-@click.option("--pair", default="qwen2.5-coder", show_default=True, help="Named model pair (configs/models.yaml).")
+@click.option(
+    "--pair", default="qwen2.5-coder", show_default=True, help="Named model pair (configs/models.yaml)."
+)
 @click.option("--tasks", default="summarize,translate", show_default=True)
 @click.option("--docs", default=4, show_default=True, help="Documents per task.")
 @click.option("--batches", default="1,4", show_default=True, help="Batch sizes for our engine.")
@@ -229,16 +255,30 @@ def bench(pair, tasks, docs, batches, max_new_tokens, runs, dtype, threads, out_
         torch.set_num_threads(threads)
     target, draft = resolve_pair(pair)
     loaded = load_pair(target, draft, dtype=dtype, device="auto")
-    click.echo(f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
-               f"{torch.get_num_threads()} threads")
+    click.echo(
+        f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
+        f"{torch.get_num_threads()} threads"
+    )
     click.echo(HEADER)
     rows = run_benchmark(
-        loaded, tasks=tuple(tasks.split(",")), docs=docs, batches=tuple(int(b) for b in batches.split(",")),
-        max_new_tokens=max_new_tokens, runs=runs, log=click.echo,
+        loaded,
+        tasks=tuple(tasks.split(",")),
+        docs=docs,
+        batches=tuple(int(b) for b in batches.split(",")),
+        max_new_tokens=max_new_tokens,
+        runs=runs,
+        log=click.echo,
     )
-    meta = {"pair": pair, "models": loaded.manifest(), "threads": torch.get_num_threads(),
-            "machine": platform.platform(), "processor": platform.processor(), "runs": runs,
-            "max_new_tokens": max_new_tokens, "docs": docs}
+    meta = {
+        "pair": pair,
+        "models": loaded.manifest(),
+        "threads": torch.get_num_threads(),
+        "machine": platform.platform(),
+        "processor": platform.processor(),
+        "runs": runs,
+        "max_new_tokens": max_new_tokens,
+        "docs": docs,
+    }
     write_json(rows, out_path, meta)
     click.echo(f"wrote {out_path}")
 

@@ -15,9 +15,30 @@ from pipeline.storage import Storage
 
 # Modules whose docstrings are real prose of a useful length for summarization.
 CANDIDATES = (
-    "argparse", "calendar", "csv", "difflib", "doctest", "heapq", "inspect", "json",
-    "optparse", "pickle", "pydoc", "random", "shlex", "smtplib", "socketserver", "string",
-    "subprocess", "tarfile", "timeit", "uuid", "imaplib", "gettext", "ftplib", "mailbox",
+    "argparse",
+    "calendar",
+    "csv",
+    "difflib",
+    "doctest",
+    "heapq",
+    "inspect",
+    "json",
+    "optparse",
+    "pickle",
+    "pydoc",
+    "random",
+    "shlex",
+    "smtplib",
+    "socketserver",
+    "string",
+    "subprocess",
+    "tarfile",
+    "timeit",
+    "uuid",
+    "imaplib",
+    "gettext",
+    "ftplib",
+    "mailbox",
 )
 
 

@@ -77,7 +77,9 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], int, St
     return todo, len(shards) - len(todo), out
 
 
-def run_job(spec: JobSpec, *, address: str | None = None, overwrite: bool = False, progress: bool | None = None) -> JobResult:
+def run_job(
+    spec: JobSpec, *, address: str | None = None, overwrite: bool = False, progress: bool | None = None
+) -> JobResult:
     """Run a job to completion; failed shards are reported, never silently dropped."""
     began = time.time()
     spec = spec.with_absolute_paths()

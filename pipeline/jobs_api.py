@@ -41,8 +41,17 @@ def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> s
     directory the spec file lives in. The project directory travels as the working_dir.
     """
     spec = spec.with_absolute_paths()
-    entrypoint = ["python", "-m", "pipeline.cli", "run", f"env:{spec_env}", "--run-id", spec.run_id,
-                  "--date", spec.date]
+    entrypoint = [
+        "python",
+        "-m",
+        "pipeline.cli",
+        "run",
+        f"env:{spec_env}",
+        "--run-id",
+        spec.run_id,
+        "--date",
+        spec.date,
+    ]
     if overwrite:
         entrypoint.append("--overwrite")
     client = _client(address)

@@ -20,10 +20,8 @@ def totals(stats: list[dict]) -> dict:
     drafted = sum(s["drafted"] for s in ok)
     passes_rows = sum(s["tokens_out"] / s["tau"] for s in ok if s["tau"])
     sampled = [s["speedup"] for s in ok if s.get("speedup")]
-    base_tokens = sum(x["target_only_tokens"] for x in sampled)
-    base_seconds = sum(x["target_only_seconds"] for x in sampled)
-    spec_tps = tokens / seconds if seconds else 0.0
-    base_tps = base_tokens / base_seconds if base_seconds else 0.0
+    base_tps = _rate(sampled, "target_only")
+    spec_tps = _rate(sampled, "speculative")
     identical = [x["identical_rows"] for x in sampled if x.get("identical_rows") is not None]
     return {
         "shards": len(stats),
@@ -34,12 +32,19 @@ def totals(stats: list[dict]) -> dict:
         "tokens_out": tokens,
         "alpha": sum(s["accepted"] for s in ok) / drafted if drafted else 0.0,
         "tau": tokens / passes_rows if passes_rows else 0.0,
-        "tokens_per_second": spec_tps,
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "sample_tokens_per_second": spec_tps,
         "target_only_tokens_per_second": base_tps,
         "speedup": spec_tps / base_tps if base_tps else None,
         "sample_rows": sum(x["sample_rows"] for x in sampled),
         "sample_identical_rows": sum(identical) if identical else None,
     }
+
+
+def _rate(samples: list[dict], kind: str) -> float:
+    """Tokens/s over all speedup samples of one kind (speculative or target_only)."""
+    seconds = sum(x[f"{kind}_seconds"] for x in samples)
+    return sum(x[f"{kind}_tokens"] for x in samples) / seconds if seconds else 0.0
 
 
 def _fmt(value, spec: str = ".2f") -> str:
@@ -51,8 +56,10 @@ def print_shard_table(output_url: str, storage_options: dict | None = None) -> b
     stats = load_stats(output_url, storage_options)
     if not stats:
         return False
-    header = f"{'shard':<24} {'rows':>5} {'err':>4} {'tokens':>7} {'alpha':>6} {'tau':>5} {'tok/s':>7} {'speedup':>8} {'predicted':>9}"
-    click.echo(header)
+    click.echo(
+        f"{'shard':<24} {'rows':>5} {'err':>4} {'tokens':>7} {'alpha':>6} {'tau':>5} {'tok/s':>7} "
+        f"{'speedup':>8} {'predicted':>9}"
+    )
     for s in sorted(stats, key=lambda s: s["shard"]):
         if s.get("status") != "ok":
             click.echo(f"{s['shard']:<24} {'':>5} {'':>4} unreadable: {s.get('error', '')[:80]}")

@@ -24,7 +24,9 @@ from pipeline.prompts import OverlongDocument, PromptBuilder
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage
 
-ERROR_SCHEMA = pa.schema([("id", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("detail", pa.string())])
+ERROR_SCHEMA = pa.schema(
+    [("id", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("detail", pa.string())]
+)
 
 
 def shard_name(shard_url: str, input_root: str) -> str:
@@ -99,7 +101,7 @@ class ShardProcessor:
             good.append(row)
 
         decoded, totals = self._decode_sorted([p.ids for p in prompts])
-        sample = self._speedup_sample(good, prompts, decoded, totals)
+        sample = self._speedup_sample(good, prompts, decoded)
 
         out_rows = []
         for row, prompt, (output, latency) in zip(good, prompts, decoded):
@@ -137,7 +139,9 @@ class ShardProcessor:
         id_col, text_col = self.spec.input.id_column, self.spec.input.text_column
         parent, _, base = shard_url.rpartition("/")
         table = Storage(parent, self.spec.input.storage_options).read_parquet(base)
-        missing = [c for c in (id_col, text_col, *self.spec.input.keep_columns) if c not in table.column_names]
+        missing = [
+            c for c in (id_col, text_col, *self.spec.input.keep_columns) if c not in table.column_names
+        ]
         if missing:
             raise ShardReadError(
                 f"missing column(s) {missing}; columns found: {table.column_names}", url=shard_url
@@ -167,7 +171,9 @@ class ShardProcessor:
                 rows.append(_Row(i, row_id, text, {c: keep[c][i] for c in keep}))
         return rows
 
-    def _write_failed_read(self, shard_url: str, name: str, reason: str, started: float, attempt: int) -> dict:
+    def _write_failed_read(
+        self, shard_url: str, name: str, reason: str, started: float, attempt: int
+    ) -> dict:
         """An unreadable shard is a shard-level error: record it and let the job go on."""
         paths = shard_paths(name)
         self.output.write_parquet(paths["outputs"], _table([], self.spec.input.id_column))
@@ -220,37 +226,41 @@ class ShardProcessor:
                 setattr(totals, key, getattr(totals, key) + getattr(batch, key))
         return results, totals
 
-    def _speedup_sample(self, rows, prompts, decoded, totals: BatchStats) -> dict:
-        """Decode a sample of rows target-only on this actor to measure the real speedup.
+    def _speedup_sample(self, rows, prompts, decoded) -> dict:
+        """Decode a sample of rows both ways on this actor to measure the real speedup.
 
-        The speculative side is this shard's own throughput (same actor, same batch size).
-        For greedy decoding the sample doubles as a losslessness check: its outputs must be
-        identical to the speculative ones.
+        Both runs use the same rows at the same batch size, one after the other, so the
+        ratio compares like with like. For greedy decoding the sample doubles as a
+        losslessness check: speculative, main-pass and target-only outputs must be identical.
         """
         if not rows or self.spec.drafter.kind == "none":
             return {}
         k = max(1, math.ceil(self.spec.execution.speedup_sample * len(rows)))
         step = len(rows) / k
         picked = sorted({int(i * step) for i in range(k)})
-        baseline, base = self._decode_sorted([prompts[i].ids for i in picked], drafter="none")
-        identical = sum(out.tokens == decoded[i][0].tokens for i, (out, _) in zip(picked, baseline))
-        base_tps = base.tokens_per_second
-        tps = totals.tokens_per_second
-        row_passes = sum(decoded[i][0].stats.target_passes for i in range(len(decoded)))
-        tau = totals.new_tokens / row_passes if row_passes else 0.0
-        # Leviathan's prediction: tau / (draft passes per target pass * c + 1), where c is a
-        # draft pass over a target-only pass, both measured on this actor.
-        target_pass = base.target_seconds / base.target_passes if base.target_passes else 0.0
-        draft_pass = totals.draft_seconds / totals.draft_passes if totals.draft_passes else 0.0
-        c = draft_pass / target_pass if target_pass else 0.0
-        per_pass = totals.draft_passes / totals.target_passes if totals.target_passes else 0.0
+        sample = [prompts[i].ids for i in picked]
+        spec_out, spec = self._decode_sorted(sample)
+        base_out, base = self._decode_sorted(sample, drafter="none")
+        identical = sum(
+            b.tokens == s.tokens == decoded[i][0].tokens
+            for i, (b, _), (s, _) in zip(picked, base_out, spec_out)
+        )
+        row_passes = sum(out.stats.target_passes for out, _ in spec_out)
+        tau = spec.new_tokens / row_passes if row_passes else 0.0
+        # Leviathan's prediction: tau / (draft passes per target pass * c + 1), with c the
+        # measured cost of a draft step over a 1-token target pass.
+        c = self.engine.cost_ratio(min(len(sample), self.spec.execution.batch_size)) or 0.0
+        per_pass = spec.draft_passes / spec.target_passes if spec.target_passes else 0.0
+        base_tps, spec_tps = base.tokens_per_second, spec.tokens_per_second
         return {
             "sample_rows": len(picked),
             "target_only_seconds": base.wall_seconds,
             "target_only_tokens": base.new_tokens,
             "target_only_tokens_per_second": base_tps,
-            "speculative_tokens_per_second": tps,
-            "measured": tps / base_tps if base_tps else None,
+            "speculative_seconds": spec.wall_seconds,
+            "speculative_tokens": spec.new_tokens,
+            "speculative_tokens_per_second": spec_tps,
+            "measured": spec_tps / base_tps if base_tps else None,
             "cost_ratio": c,
             "predicted": tau / (per_pass * c + 1.0),
             "identical_rows": identical if self.sampling.greedy else None,
@@ -258,7 +268,9 @@ class ShardProcessor:
 
     # -- statistics -----------------------------------------------------------------------------
 
-    def _stats(self, shard_url, name, rows, errors, decoded, totals: BatchStats, truncated, tokens_in, sample) -> dict:
+    def _stats(
+        self, shard_url, name, rows, errors, decoded, totals: BatchStats, truncated, tokens_in, sample
+    ) -> dict:
         """Per-shard statistics. Row-level tau counts a batched pass once per row in it."""
         outs = [o for o, _ in decoded]
         row_passes = sum(o.stats.target_passes for o in outs)

@@ -43,6 +43,11 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+def pad_id(tokenizer, model) -> int:
+    """Padding never reaches the model unmasked, so any id works; prefer the tokenizer's."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
+
+
 def build_processor(spec: JobSpec) -> ShardProcessor:
     """Load the models a spec names and wire them into an engine and a shard processor."""
     target_ref, draft_ref = model_refs(spec)
@@ -61,8 +66,9 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         pair.target,
         pair.draft,
         eos_token_ids=eos_ids(tokenizer, pair.target),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, pair.target)[0],
+        pad_token_id=pad_id(tokenizer, pair.target),
         decode_text=tokenizer.decode,
+        vocab_size=pair.vocab_size,
         config=EngineConfig(
             drafter=drafter,
             gamma_max=spec.drafter.gamma_max,

@@ -23,9 +23,10 @@ from transformers import DynamicCache, PreTrainedModel
 class BatchedLM:
     """Runs `model` over ragged blocks of tokens for a batch of rows, keeping a slot cache."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int):
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None):
         self.model = model
         self.pad_token_id = pad_token_id
+        self.vocab_size = vocab_size  # logits are cut to this width (target and draft may differ)
         self.device = next(model.parameters()).device
         self.forward_passes = 0
         self.forward_seconds = 0.0
@@ -110,7 +111,7 @@ class BatchedLM:
         for i, block in enumerate(blocks):
             self.tokens[i].extend(block)
             self.slots[i].extend(range(base, base + len(block)))
-        logits = out.logits.float()
+        logits = out.logits[..., : self.vocab_size].float()
         return [logits[i, [column_index[c] for c in cols]] for i, cols in enumerate(wanted)]
 
     def select(self, rows: list[int]) -> None:
@@ -139,7 +140,9 @@ class BatchedLM:
         gather = gather.to(self.device)
         for layer in self.cache.layers:
             if getattr(layer, "is_sliding", False):
-                raise ValueError("sliding-window attention caches are not supported by the speculative engine")
+                raise ValueError(
+                    "sliding-window attention caches are not supported by the speculative engine"
+                )
             idx = gather[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, idx)
             idx = gather[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[-1])

@@ -29,6 +29,8 @@ class Proposal:
     probs: list[torch.Tensor | None]
     model_passes: int = 0
     seconds: float = 0.0
+    step_passes: int = 0  # passes that fed at most 2 tokens per row: the steady-state step cost
+    step_seconds: float = 0.0
 
 
 class Drafter(Protocol):
@@ -111,8 +113,8 @@ class DraftModelDrafter:
     name = "draft_model"
     costs_a_pass = True
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int):
-        self.lm = BatchedLM(model, pad_token_id)
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None):
+        self.lm = BatchedLM(model, pad_token_id, vocab_size)
 
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.reset(len(prompts))
@@ -126,8 +128,13 @@ class DraftModelDrafter:
         drafts: list[list[int]] = [[] for _ in seqs]
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         blocks = self.lm.sync(seqs)
+        step_passes, step_seconds = 0, 0.0
         for _ in range(gamma):
+            before = self.lm.forward_seconds
             logits = self.lm.forward(blocks, [1] * len(seqs))
+            if max(map(len, blocks)) <= 2:  # not a prefill or catch-up pass
+                step_passes += 1
+                step_seconds += self.lm.forward_seconds - before
             blocks = []
             for i, row_logits in enumerate(logits):
                 token, probs = choose(row_logits[-1], params, generator)
@@ -141,6 +148,8 @@ class DraftModelDrafter:
             probs=probs_out,
             model_passes=self.lm.forward_passes - passes,
             seconds=self.lm.forward_seconds - seconds,
+            step_passes=step_passes,
+            step_seconds=step_seconds,
         )
 
     def select(self, rows: list[int]) -> None:

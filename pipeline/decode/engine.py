@@ -141,18 +141,26 @@ class SpeculativeEngine:
         pad_token_id: int,
         config: EngineConfig | None = None,
         decode_text: Callable[[list[int]], str] | None = None,
+        vocab_size: int | None = None,
     ):
         self.config = config or EngineConfig()
         if self.config.drafter == "draft_model" and draft is None:
             raise ValueError("drafter 'draft_model' needs a draft model")
-        self.target = BatchedLM(target, pad_token_id)
-        self.draft = DraftModelDrafter(draft, pad_token_id) if draft is not None else None
+        # Embedding matrices are often padded past the tokenizer (and differ between a target
+        # and its draft): compare distributions over the tokens both models can produce.
+        vocab = vocab_size or min(m.config.vocab_size for m in (target, draft) if m is not None)
+        self.target = BatchedLM(target, pad_token_id, vocab)
+        self.draft = DraftModelDrafter(draft, pad_token_id, vocab) if draft is not None else None
         self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)
         self.eos = frozenset(eos_token_ids)
         self.decode_text = decode_text
         self.max_context = getattr(target.config, "max_position_embeddings", None)
         self.costs = CostModel()
-        self.alpha = {"draft_model": RunningRate(prior=0.6), "prompt_lookup": RunningRate(prior=0.5)}
+        # Acceptance per drafter; prompt lookup's per matched n-gram size, since a 1-gram match
+        # is a much weaker hint than a 4-gram match.
+        self.alpha = {"draft_model": RunningRate(prior=0.6)}
+        for n in range(self.config.ngram_min, self.config.ngram_max + 1):
+            self.alpha[f"prompt_lookup:{n}"] = RunningRate(prior=min(0.2 + 0.15 * n, 0.8))
         self._rounds_without_model = 0
 
     def generate(
@@ -210,22 +218,23 @@ class SpeculativeEngine:
             room = min(max_new_tokens - r.stats.new_tokens for r in active)
             gamma_cap = min(self.config.gamma_max, room)
 
-            # 1. Draft: prompt lookup (free) first, then the draft model for rows it left empty.
+            # 1. Draft: prompt lookup (free) first, then the draft model for rows it serves worse.
             look = self.lookup.propose(seqs, gamma_cap if use_lookup else 0, sampling, generator)
-            look_lens = [len(t) for t in look.tokens]
-            need_model = use_model and any(n == 0 for n in look_lens)
-            look_cap, model_gamma = self._choose_gammas(len(active), look_lens, need_model, gamma_cap)
+            look_keys = [f"prompt_lookup:{n}" for n in self.lookup.matched_ngram]
+            cap, model_gamma, by_lookup = self._choose_gammas(
+                len(active), [len(t) for t in look.tokens], look_keys, use_model, gamma_cap
+            )
             model = Proposal([[] for _ in active], [None] * len(active))
             if model_gamma:
                 model = self.draft.propose(seqs, model_gamma, sampling, generator)
                 batch.draft_passes += model.model_passes
-                self.costs.observe_draft(len(active), model.model_passes, model.seconds)
+                self.costs.observe_draft(len(active), model.step_passes, model.step_seconds)
             drafts, probs, sources = [], [], []
             for i in range(len(active)):
-                if look_lens[i] and look_cap:
-                    drafts.append(look.tokens[i][:look_cap])
+                if by_lookup[i]:
+                    drafts.append(look.tokens[i][:cap])
                     probs.append(None)
-                    sources.append("prompt_lookup")
+                    sources.append(look_keys[i])
                 else:
                     drafts.append(model.tokens[i])
                     probs.append(model.probs[i])
@@ -239,10 +248,12 @@ class SpeculativeEngine:
             width = max(len(b) for b in blocks)
             self.costs.observe_target(len(active), width, self.target.forward_seconds - before)
             batch.target_passes += 1
-            batch.gamma_histogram[max(map(len, drafts))] = batch.gamma_histogram.get(max(map(len, drafts)), 0) + 1
+            batch.gamma_histogram[max(map(len, drafts))] = (
+                batch.gamma_histogram.get(max(map(len, drafts)), 0) + 1
+            )
 
             # 3. Accept: per row, the agreeing drafts plus one token of the target's own.
-            round_counts = {"draft_model": [0, 0], "prompt_lookup": [0, 0]}
+            round_counts = {name: [0, 0] for name in self.alpha}
             for row, draft, draft_probs, source, row_logits in zip(active, drafts, probs, sources, logits):
                 accepted, token = verify(row_logits, draft, draft_probs, sampling, generator)
                 kept = self._append(row, draft[:accepted] + [token], max_new_tokens, stop_strings, started)
@@ -254,7 +265,8 @@ class SpeculativeEngine:
                 stats.target_tokens += kept - min(accepted, kept)
                 stats.gamma_sum += len(draft)
                 if source:
-                    stats.drafted_by[source] = stats.drafted_by.get(source, 0) + len(draft)
+                    drafter_name = source.split(":")[0]
+                    stats.drafted_by[drafter_name] = stats.drafted_by.get(drafter_name, 0) + len(draft)
                     round_counts[source][0] += accepted
                     round_counts[source][1] += len(draft)
                 batch.drafted += len(draft)
@@ -339,47 +351,55 @@ class SpeculativeEngine:
         if use_model:
             self.draft.select(keep)
 
+    def cost_ratio(self, batch: int) -> float | None:
+        """Measured draft step over 1-token target pass at this batch size (None if unknown)."""
+        target, draft = self.costs.target_time(batch, 1), self.costs.draft_time(batch)
+        return draft / target if target and draft and batch in self.costs.draft else None
+
     def _draft_seconds(self) -> float:
         return self.draft.lm.forward_seconds if self.draft else 0.0
 
-    def _choose_gammas(self, batch: int, look_lens: list[int], need_model: bool, gamma_cap: int) -> tuple[int, int]:
-        """Pick (prompt-lookup cap, draft-model gamma) for this round to maximize tokens/s.
+    def _choose_gammas(
+        self, batch: int, look_lens: list[int], look_keys: list[str], use_model: bool, gamma_cap: int
+    ) -> tuple[int, int, list[bool]]:
+        """Pick the prompt-lookup cap and the draft-model gamma that maximize expected tokens/s.
 
-        Rows with a lookup match take up to `cap` copied tokens; the others take `gamma` draft
-        model tokens (or none). Expected tokens come from each drafter's running acceptance;
-        round time from the measured target cost at the resulting block width plus gamma
-        draft passes. Gamma 0 for both is plain target-only decoding, always a candidate.
+        Each row takes up to `cap` copied tokens from its lookup match or `gamma` draft-model
+        tokens, whichever is expected to yield more; expected tokens come from the running
+        acceptance (per drafter, per n-gram size), round time from the measured target cost
+        at the resulting block width plus gamma draft steps. Gamma 0 with no lookup is plain
+        target-only decoding, always a candidate. Returns (cap, gamma, row uses lookup).
         """
+        rows = len(look_lens)
         if gamma_cap <= 0:
-            return 0, 0
-        model_options = range(gamma_cap + 1) if need_model else [0]
-        look_options = range(gamma_cap + 1) if any(look_lens) else [0]
+            return 0, 0, [False] * rows
         if not self.config.adaptive:
-            return gamma_cap, (gamma_cap if need_model else 0)
-        verify_time = self.costs.target_time(batch, 1)
-        if verify_time is None:  # nothing measured yet: start with a moderate guess
-            return gamma_cap, (min(4, gamma_cap) if need_model else 0)
+            by_lookup = [n > 0 for n in look_lens]
+            gamma = gamma_cap if use_model and not all(by_lookup) else 0
+            return gamma_cap, gamma, by_lookup
+        if self.costs.target_time(batch, 1) is None:  # nothing measured yet: a moderate start
+            by_lookup = [n > 0 for n in look_lens]
+            return gamma_cap, (min(4, gamma_cap) if use_model and not all(by_lookup) else 0), by_lookup
         a_model = self.alpha["draft_model"].value
-        a_look = self.alpha["prompt_lookup"].value
         draft_time = self.costs.draft_time(batch) or 0.0
-        best, best_rate = (0, 0), 0.0
-        for cap in look_options:
-            for gamma in model_options:
-                tokens, width = 0.0, 1
-                for n in look_lens:
-                    if n and cap:
-                        tokens += expected_tokens(a_look, min(n, cap))
-                        width = max(width, min(n, cap) + 1)
-                    else:
-                        tokens += expected_tokens(a_model, gamma)
-                        width = max(width, gamma + 1)
+        best, best_rate = (0, 0, [False] * rows), 0.0
+        for cap in range(gamma_cap + 1) if any(look_lens) else [0]:
+            for gamma in range(gamma_cap + 1) if use_model else [0]:
+                tokens, width, by_lookup = 0.0, 1, []
+                for n, key in zip(look_lens, look_keys):
+                    from_look = expected_tokens(self.alpha[key].value, min(n, cap)) if n and cap else 0.0
+                    from_model = expected_tokens(a_model, gamma)
+                    by_lookup.append(from_look > from_model)
+                    tokens += max(from_look, from_model)
+                    width = max(width, (min(n, cap) if by_lookup[-1] else gamma) + 1)
+                if gamma and all(by_lookup):
+                    continue  # the draft model would run for nobody
                 seconds = gamma * draft_time + self.costs.target_time(batch, width)
-                rate = tokens / seconds
-                if rate > best_rate * 1.0001:
-                    best, best_rate = (cap, gamma), rate
-        cap, gamma = best
-        if need_model and gamma == 0:
+                if tokens / seconds > best_rate * 1.0001:
+                    best, best_rate = (cap, gamma, by_lookup), tokens / seconds
+        cap, gamma, by_lookup = best
+        if use_model and gamma == 0 and not all(by_lookup):
             self._rounds_without_model += 1
             if self._rounds_without_model >= self.config.probe_every:
                 self._rounds_without_model, gamma = 0, 1  # re-measure the draft's acceptance
-        return cap, gamma
+        return cap, gamma, by_lookup

@@ -48,7 +48,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+def choose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, torch.Tensor | None]:
     """Pick one token from logits [V]; also return its distribution (None when greedy)."""
     if params.greedy:
         return int(torch.argmax(logits)), None

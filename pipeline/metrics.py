@@ -1,0 +1,240 @@
+"""Ray custom metrics for pipeline jobs, exported on every node's metrics port (Prometheus).
+
+Ray exports a metric named ``pipeline_x`` as ``ray_pipeline_x`` (with Ray's own labels added:
+``SessionName``, ``NodeAddress``, ``Version``, ...). ``infra/monitoring/`` scrapes and graphs them.
+
+Calling convention (one place per event, so nothing is counted twice):
+
+* ``record_shard(stats, job)`` once per shard that finished (the dict written to
+  ``stats/<shard>.json``, ``status`` ``ok`` or ``unreadable``);
+* ``record_failure(job, shard, reason, final=...)`` once per failed attempt of a shard, with
+  ``final=True`` when the shard is given up and ``final=False`` when it will be retried.
+
+Labels (tag keys), chosen for bounded cardinality:
+
+* ``pipeline_job``: the job name (``spec.name``). Not ``job``: Prometheus attaches its own
+  ``job`` label (the scrape job) to every target, which would rename ours to ``exported_job``.
+* ``shard``: only on the per-shard gauges (last value per shard: α, τ, tokens/s, speedup) and on
+  ``pipeline_shard_failures_total``; never on the counters or the histogram.
+* ``status`` (``ok`` | ``unreadable``) on ``pipeline_shards_done_total``.
+* ``reason`` (a category from ``FAILURE_REASONS``, never the error text) and ``outcome``
+  (``retried`` | ``failed``) on ``pipeline_shard_failures_total``.
+
+Metrics are created lazily, once per process, the first time something is recorded while Ray is
+initialized in that process. Without Ray (not imported, or not initialized) every call is a
+no-op, and importing this module never imports Ray. Recording never raises: a metrics problem
+must not fail a shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PREFIX = "pipeline_"
+EXPORTED_PREFIX = "ray_"  # what Ray prepends on its Prometheus endpoint
+
+COUNTERS: dict[str, str] = {
+    "pipeline_rows_total": "Rows decoded into outputs/ (rows_out).",
+    "pipeline_rows_error_total": "Rows sent to errors/ (rows_error).",
+    "pipeline_tokens_total": "New tokens generated (tokens_out).",
+    "pipeline_drafted_tokens_total": "Tokens proposed by the drafters.",
+    "pipeline_accepted_tokens_total": "Drafted tokens accepted by the target.",
+    "pipeline_target_passes_total": "Target model forward passes (batched passes).",
+    "pipeline_shards_done_total": "Shards completed (stats written), by status (ok | unreadable).",
+    "pipeline_shard_failures_total": "Failed shard attempts, by reason category and outcome.",
+}
+GAUGES: dict[str, str] = {
+    "pipeline_alpha": "Draft acceptance rate alpha of the shard (accepted / drafted).",
+    "pipeline_tau": "Mean tokens per target pass per row (tau) of the shard.",
+    "pipeline_tokens_per_second": "Decoding throughput of the shard (new tokens / decode second).",
+    "pipeline_speedup": "Measured speedup of the shard over target-only decoding.",
+}
+HISTOGRAMS: dict[str, str] = {
+    "pipeline_shard_decode_seconds": "Wall seconds spent decoding one shard.",
+}
+
+#: Every metric name, as passed to Ray (Prometheus shows them with the ``ray_`` prefix).
+METRIC_NAMES: tuple[str, ...] = (*COUNTERS, *GAUGES, *HISTOGRAMS)
+
+#: Histogram buckets for shard decode time: seconds to half a day.
+DECODE_SECONDS_BOUNDARIES: tuple[float, ...] = (
+    1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 28800, 43200,
+)  # fmt: skip
+
+#: Failure categories used as the ``reason`` label (checked in this order, first match wins).
+FAILURE_REASONS: tuple[str, ...] = (
+    "oom",
+    "actor_died",
+    "timeout",
+    "model",
+    "storage",
+    "unreadable",
+    "cancelled",
+    "other",
+)
+_REASON_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (name, re.compile(pattern, re.IGNORECASE))
+    for name, pattern in (
+        ("oom", r"out ?of ?memory|\bOOM\b|OutOfMemoryError|MemoryError|oom[- ]?kill"),
+        ("actor_died", r"actor died|RayActorError|ActorDiedError|ActorUnavailable|node died|worker died"),
+        ("timeout", r"timed? ?out|deadline exceeded"),
+        ("model", r"tokenizer|safetensors|checkpoint|from_pretrained|vocab|CUDA error"),
+        (
+            "storage",
+            r"NoCredentials|AccessDenied|Forbidden|NoSuchKey|NoSuchBucket|ClientError|EndpointConnection"
+            r"|botocore|s3fs|FileNotFound|PermissionError|ConnectionError|SlowDown|Throttl",
+        ),
+        ("unreadable", r"unreadable|ArrowInvalid|parquet|corrupt"),
+        ("cancelled", r"cancel|KeyboardInterrupt|SIGTERM|preempt"),
+    )
+)
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] | None = None  # name -> Ray metric object, once created in this process
+_disabled = False  # set when creating the metrics failed; stop trying
+
+
+def failure_category(reason: str | None) -> str:
+    """Map a free-text failure reason to one of ``FAILURE_REASONS`` (a bounded label value)."""
+    text = str(reason or "")
+    for name, pattern in _REASON_PATTERNS:
+        if pattern.search(text):
+            return name
+    return "other"
+
+
+def _ray_initialized() -> bool:
+    """True when Ray is initialized in this process; never imports Ray itself."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return bool(ray.is_initialized())
+    except Exception:  # a half-imported or stubbed ray module
+        return False
+
+
+def _create() -> dict[str, Any]:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    job = ("pipeline_job",)
+    made: dict[str, Any] = {}
+    for name, doc in COUNTERS.items():
+        if name == "pipeline_shards_done_total":
+            keys = (*job, "status")
+        elif name == "pipeline_shard_failures_total":
+            keys = (*job, "shard", "reason", "outcome")
+        else:
+            keys = job
+        made[name] = Counter(name, description=doc, tag_keys=keys)
+    for name, doc in GAUGES.items():
+        made[name] = Gauge(name, description=doc, tag_keys=(*job, "shard"))
+    for name, doc in HISTOGRAMS.items():
+        made[name] = Histogram(
+            name, description=doc, boundaries=list(DECODE_SECONDS_BOUNDARIES), tag_keys=job
+        )
+    return made
+
+
+def _get() -> dict[str, Any] | None:
+    """The metric objects, created on first use; None when Ray is not initialized here."""
+    global _metrics, _disabled
+    if _metrics is not None:
+        return _metrics
+    if _disabled or not _ray_initialized():
+        return None
+    with _lock:
+        if _metrics is None and not _disabled:
+            try:
+                _metrics = _create()
+            except Exception as exc:  # never let metrics break a job
+                _disabled = True
+                log.warning("pipeline metrics disabled: %s", exc)
+    return _metrics
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for missing / non-numeric / NaN / inf values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _inc(metric: Any, value: Any, tags: dict[str, str]) -> None:
+    number = _number(value)
+    if number is not None and number > 0:  # Ray counters reject increments <= 0
+        metric.inc(number, tags=tags)
+
+
+def _set(metric: Any, value: Any, tags: dict[str, str]) -> None:
+    number = _number(value)
+    if number is not None:
+        metric.set(number, tags=tags)
+
+
+def record_shard(stats: dict, job: str) -> None:
+    """Record one finished shard from its stats dict (``stats/<shard>.json``). Never raises."""
+    metrics = _get()
+    if metrics is None:
+        return
+    try:
+        job_tags = {"pipeline_job": str(job)}
+        status = "ok" if stats.get("status", "ok") == "ok" else "unreadable"
+        metrics["pipeline_shards_done_total"].inc(1, tags={**job_tags, "status": status})
+        _inc(metrics["pipeline_rows_total"], stats.get("rows_out"), job_tags)
+        _inc(metrics["pipeline_rows_error_total"], stats.get("rows_error"), job_tags)
+        if status != "ok":
+            return  # an unreadable shard has no decoding statistics
+        _inc(metrics["pipeline_tokens_total"], stats.get("tokens_out"), job_tags)
+        _inc(metrics["pipeline_drafted_tokens_total"], stats.get("drafted"), job_tags)
+        _inc(metrics["pipeline_accepted_tokens_total"], stats.get("accepted"), job_tags)
+        _inc(metrics["pipeline_target_passes_total"], stats.get("target_passes"), job_tags)
+        seconds = _number(stats.get("decode_seconds"))
+        if seconds is not None and seconds >= 0:
+            metrics["pipeline_shard_decode_seconds"].observe(seconds, tags=job_tags)
+        shard_tags = {**job_tags, "shard": str(stats.get("shard", ""))}
+        _set(metrics["pipeline_alpha"], stats.get("alpha"), shard_tags)
+        _set(metrics["pipeline_tau"], stats.get("tau"), shard_tags)
+        _set(metrics["pipeline_tokens_per_second"], stats.get("tokens_per_second"), shard_tags)
+        speedup = stats.get("speedup")
+        if isinstance(speedup, dict):
+            _set(metrics["pipeline_speedup"], speedup.get("measured"), shard_tags)
+    except Exception as exc:
+        log.warning("could not record metrics for shard %s: %s", stats.get("shard"), exc)
+
+
+def record_failure(job: str, shard: str, reason: str, *, final: bool = True) -> None:
+    """Count one failed shard attempt. ``reason`` is reduced to a category (``FAILURE_REASONS``);
+    ``final=False`` when the shard will be retried (label ``outcome="retried"``), else
+    ``outcome="failed"``. Never raises."""
+    metrics = _get()
+    if metrics is None:
+        return
+    try:
+        metrics["pipeline_shard_failures_total"].inc(
+            1,
+            tags={
+                "pipeline_job": str(job),
+                "shard": str(shard),
+                "reason": failure_category(reason),
+                "outcome": "failed" if final else "retried",
+            },
+        )
+    except Exception as exc:
+        log.warning("could not record a failure metric for shard %s: %s", shard, exc)
+
+
+def _reset_for_tests() -> None:
+    """Forget the created metrics (tests swap in fakes)."""
+    global _metrics, _disabled
+    with _lock:
+        _metrics = None
+        _disabled = False
