@@ -116,6 +116,7 @@ def run_benchmark(
     runs: int = 3,
     hf_assistant_tokens: tuple[int, ...] = (3, 5),
     hf_lookup_tokens: tuple[int, ...] = (3, 10),
+    drafters: tuple[str, ...] = ("draft_model", "prompt_lookup", "auto"),
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     tok = pair.tokenizer
@@ -168,7 +169,7 @@ def run_benchmark(
                 lambda b=batch, p=prompts: ours(engines["none"], p, max_new_tokens, b, "none"),
                 None,
             )
-            for kind in ("draft_model", "prompt_lookup", "auto"):
+            for kind in drafters:
                 bench.add(
                     f"ours {kind}",
                     batch,

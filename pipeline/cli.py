@@ -216,7 +216,7 @@ def validate(spec_path, run_id, date, sets, no_models):
 @main.command("demo-data")
 @click.option("--out", default="./data/demo", show_default=True, help="Where to write the shards.")
 @click.option("--shards", default=2, show_default=True, help="Number of Parquet shards.")
-@click.option("--rows", default=4, show_default=True, help="Documents per shard.")
+@click.option("--rows", default=2, show_default=True, help="Documents per shard.")
 def demo_data(out, shards, rows):
     """Write a demo corpus (standard-library module docstrings) as Parquet shards."""
     from pipeline.demo_data import write_demo_data
@@ -236,8 +236,33 @@ def demo_data(out, shards, rows):
 @click.option("--runs", default=3, show_default=True, help="Runs per configuration (median reported).")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
+@click.option(
+    "--hf-assistant-tokens", default="3,5", show_default=True, help="HF num_assistant_tokens to try."
+)
+@click.option(
+    "--hf-lookup-tokens", default="3,10", show_default=True, help="HF prompt_lookup_num_tokens to try."
+)
+@click.option(
+    "--drafters",
+    default="draft_model,prompt_lookup,auto",
+    show_default=True,
+    help="Our drafters to run at every batch size (target-only always runs).",
+)
 @click.option("--out", "out_path", default="bench.json", show_default=True, help="Where to write the JSON.")
-def bench(pair, tasks, docs, batches, max_new_tokens, runs, dtype, threads, out_path):
+def bench(
+    pair,
+    tasks,
+    docs,
+    batches,
+    max_new_tokens,
+    runs,
+    dtype,
+    threads,
+    hf_assistant_tokens,
+    hf_lookup_tokens,
+    drafters,
+    out_path,
+):
     """Benchmark target-only vs our speculative engine vs HF assisted generation, one run.
 
     \b
@@ -267,6 +292,9 @@ def bench(pair, tasks, docs, batches, max_new_tokens, runs, dtype, threads, out_
         batches=tuple(int(b) for b in batches.split(",")),
         max_new_tokens=max_new_tokens,
         runs=runs,
+        hf_assistant_tokens=_ints(hf_assistant_tokens),
+        hf_lookup_tokens=_ints(hf_lookup_tokens),
+        drafters=tuple(d for d in drafters.split(",") if d),
         log=click.echo,
     )
     meta = {
@@ -281,6 +309,10 @@ def bench(pair, tasks, docs, batches, max_new_tokens, runs, dtype, threads, out_
     }
     write_json(rows, out_path, meta)
     click.echo(f"wrote {out_path}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def _register_models() -> None:

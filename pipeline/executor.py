@@ -3,6 +3,10 @@
 Plain Ray Core rather than Ray Data: one task per shard keeps "one input shard -> one output,
 one errors and one stats file" exact, makes a shard the unit of retry, and streams (the driver
 only ever holds shard names and small stats dicts, never rows).
+
+Ray dashboard metrics (`pipeline.metrics`) are recorded here, from each shard's stats as it
+comes back: the driver lives for the whole job, so the last shard's counts are still exported
+after the actors are gone, and a retried shard is counted once.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from tqdm import tqdm
 
 import pipeline
+from pipeline import metrics
 from pipeline.shard import is_complete, shard_name
 from pipeline.spec import JobSpec
 from pipeline.storage import Storage, _glob_root, list_shards
@@ -125,6 +130,7 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
             stats = ray.get(ref)
         except (RayActorError, RayTaskError) as exc:
             reason = _reason(exc)
+            metrics.record_failure(spec.name, name, reason, final=attempt > ex.max_retries)
             if attempt <= ex.max_retries:
                 queue.append((url, name, attempt + 1))
                 bar.write(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
@@ -134,6 +140,7 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
                 bar.update(1)
             continue
         result.done.append(stats)
+        metrics.record_shard(stats, spec.name)
         rows += stats.get("rows_out", 0)
         tokens += stats.get("tokens_out", 0)
         bar.set_postfix(rows=rows, tokens=tokens, failed=len(result.failed))

@@ -59,7 +59,10 @@ def test_greedy_matches_target_for_every_gamma(case, drafter, batch_size):
     totals = {"accepted": 0, "drafted": 0}
     for gamma in range(1, 9):
         engine = SpeculativeEngine(
-            target, draft, eos_token_ids=eos, pad_token_id=0,
+            target,
+            draft,
+            eos_token_ids=eos,
+            pad_token_id=0,
             config=EngineConfig(drafter=drafter, gamma_max=gamma, adaptive=False),
         )
         for start in range(0, len(prompts), batch_size):
@@ -90,7 +93,9 @@ def test_target_only_mode_equals_reference(case):
     assert batch.drafted == 0 and batch.draft_passes == 0
     assert all(o.stats.tau == 1.0 for o in outputs)
     # gamma 0 through the config is the same thing
-    engine0 = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(gamma_max=0))
+    engine0 = SpeculativeEngine(
+        target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(gamma_max=0)
+    )
     assert [o.tokens for o in engine0.generate(prompts, MAX_NEW)[0]] == refs
 
 
@@ -116,7 +121,11 @@ def test_counters_are_consistent(case):
 def test_stop_strings_cut_where_target_only_would(case):
     target, draft, tokenizer, prompts, _, _ = case
     engine = SpeculativeEngine(
-        target, draft, eos_token_ids=[1], pad_token_id=0, decode_text=tokenizer.decode,
+        target,
+        draft,
+        eos_token_ids=[1],
+        pad_token_id=0,
+        decode_text=tokenizer.decode,
         config=EngineConfig(gamma_max=5, adaptive=False),
     )
     baseline, _ = engine.generate(prompts, MAX_NEW, drafter="none")

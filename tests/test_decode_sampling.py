@@ -27,8 +27,14 @@ CHI2_CRITICAL = {7: 24.32, 63: 103.4}  # p = 0.001
 def tiny_lm(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.5,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -58,7 +64,10 @@ def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
 
 def sample_tokens(target, draft, drafter: str, params: SamplingParams) -> torch.Tensor:
     engine = SpeculativeEngine(
-        target, draft, eos_token_ids=[], pad_token_id=0,
+        target,
+        draft,
+        eos_token_ids=[],
+        pad_token_id=0,
         config=EngineConfig(drafter=drafter, gamma_max=2, adaptive=False),
     )
     outputs, batch = engine.generate([PROMPT] * SAMPLES, 3, params)
@@ -100,7 +109,10 @@ def test_naive_always_accept_sampler_is_caught(pair, monkeypatch):
 
     monkeypatch.setattr(engine_module, "verify", always_accept)
     engine = SpeculativeEngine(
-        target, draft, eos_token_ids=[], pad_token_id=0,
+        target,
+        draft,
+        eos_token_ids=[],
+        pad_token_id=0,
         config=EngineConfig(drafter="draft_model", gamma_max=2, adaptive=False),
     )
     outputs, _ = engine.generate([PROMPT] * SAMPLES, 3, params)

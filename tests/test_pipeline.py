@@ -6,6 +6,9 @@ Every output row is checked against the target model decoding the same prompt al
 from __future__ import annotations
 
 import json
+import re
+import time
+import urllib.request
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,7 +44,9 @@ def ray_local(s3_server):
 
 def corpus_shards() -> dict[str, pa.Table]:
     """Three shards: clean rows, rows with every kind of bad input, and a long-document shard."""
-    clean = pa.table({"id": [f"a{i}" for i in range(5)], "text": DOCS[:5], "title": [f"t{i}" for i in range(5)]})
+    clean = pa.table(
+        {"id": [f"a{i}" for i in range(5)], "text": DOCS[:5], "title": [f"t{i}" for i in range(5)]}
+    )
     messy = pa.table(
         {
             "id": ["b0", "b1", "b2", "b3", "b0", None, "b6"],
@@ -83,8 +88,11 @@ def expected_text(tiny_models, spec, text: str) -> str:
     target, _, tokenizer = tiny_models
     prompt = PromptBuilder(tokenizer, spec.task).build(text).ids
     out = target.generate(
-        torch.tensor([prompt]), max_new_tokens=spec.generation.max_new_tokens, do_sample=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        torch.tensor([prompt]),
+        max_new_tokens=spec.generation.max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
 
@@ -108,8 +116,16 @@ def check_output(tiny_models, spec, out: Storage, rows_in: int) -> None:
     assert outputs.column("truncated").to_pylist().count(True) >= 1  # c0 at least
     reasons = sorted(zip(errors.column("id").to_pylist(), errors.column("reason").to_pylist()), key=str)
     assert reasons == sorted(
-        [("b1", "null_text"), ("b2", "empty_text"), ("b3", "empty_text"), ("b0", "duplicate_id"),
-         (None, "missing_id"), ("b6", "invalid_utf8"), (None, "unreadable_shard")], key=str
+        [
+            ("b1", "null_text"),
+            ("b2", "empty_text"),
+            ("b3", "empty_text"),
+            ("b0", "duplicate_id"),
+            (None, "missing_id"),
+            ("b6", "invalid_utf8"),
+            (None, "unreadable_shard"),
+        ],
+        key=str,
     )
     stats = [out.read_json(n) for n in out.list("stats")]
     assert len(stats) == 4
@@ -128,13 +144,36 @@ def check_output(tiny_models, spec, out: Storage, rows_in: int) -> None:
     assert out.exists("_SUCCESS")
 
 
-def test_local_job_outputs_equal_target_only_and_rerun_skips(tiny_models, tiny_pair_dirs, tmp_path, ray_local):
+def scrape_metrics(*needles: str, timeout: float = 60.0) -> str:
+    """The Prometheus text of this node's Ray metrics endpoint, once it holds every needle."""
+    port = ray.nodes()[0]["MetricsExportPort"]
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            text = ""
+        if all(n in text for n in needles):
+            return text
+        time.sleep(2)
+    raise AssertionError(f"metrics {needles} not exported within {timeout}s")
+
+
+def test_local_job_outputs_equal_target_only_and_rerun_skips(
+    tiny_models, tiny_pair_dirs, tmp_path, ray_local
+):
     rows_in = write_corpus(Storage(str(tmp_path / "in")))
     spec = spec_from_dict(job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out")))
     result = run_job(spec, progress=False)
     assert result.ok and len(result.done) == 4 and result.shards_skipped == 0
     out = Storage(str(tmp_path / "out"))
     check_output(tiny_models, spec, out, rows_in)
+    rows_out = sum(s["rows_out"] for s in result.done)
+    text = scrape_metrics("ray_pipeline_rows_total{", f'pipeline_job="{spec.name}"')
+    job = f'pipeline_job="{spec.name}"'
+    assert re.search(rf"ray_pipeline_rows_total{{[^}}]*{job}[^}}]*}} {rows_out}(\.0)?\b", text)
+    assert re.search(r'ray_pipeline_alpha{[^}]*shard="part-000"', text)
 
     before = {n: out.read_bytes(n) for n in out.list("outputs")}
     again = run_job(spec, progress=False)
@@ -177,7 +216,9 @@ def test_cli_run_stats_and_validate(tiny_pair_dirs, tmp_path, ray_local):
     assert stats.exit_code == 0 and json.loads(stats.output)["rows_out"] == 8
 
     broken = tmp_path / "broken.yaml"
-    broken.write_text(json.dumps({**json.loads(spec_path.read_text()), "generation": {"max_new_tokens": "many"}}))
+    broken.write_text(
+        json.dumps({**json.loads(spec_path.read_text()), "generation": {"max_new_tokens": "many"}})
+    )
     bad = runner.invoke(main, ["validate", str(broken)])
     assert bad.exit_code == 2 and "generation.max_new_tokens" in bad.output
     bad_run = runner.invoke(main, ["run", str(broken)])

@@ -35,10 +35,22 @@ def ray_head():
     gcs, dashboard = free_port(), free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     started = subprocess.run(
-        [ray_bin, "start", "--head", f"--port={gcs}", "--num-cpus=2", "--include-dashboard=true",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--disable-usage-stats",
-         f"--temp-dir={temp_dir}"],
-        env=env, capture_output=True, text=True, timeout=120,
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={gcs}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert started.returncode == 0, started.stderr[-3000:]
     try:

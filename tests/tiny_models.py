@@ -40,7 +40,9 @@ def build_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
