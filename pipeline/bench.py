@@ -13,7 +13,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -38,6 +38,10 @@ class Row:
     target_passes_per_token: float | None
     identical: bool
     seconds_median: float
+    seconds_runs: list[float]
+    target_share: float | None  # of our engine's wall time: target passes (prefill + verify)
+    draft_share: float | None  # draft model passes
+    other_share: float | None  # everything else: lookup, cache bookkeeping, sampling, Python
     tokens: int
     peak_rss_mb: float
 
@@ -64,15 +68,6 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _timed(fn: Callable[[], tuple[list[list[int]], dict]], runs: int) -> tuple[float, list[list[int]], dict]:
-    times, outputs, extra = [], None, {}
-    for _ in range(runs):
-        began = time.perf_counter()
-        outputs, extra = fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times), outputs, extra
-
-
 def hf_generate(pair: LoadedPair, prompts, max_new: int, eos: list[int], pad: int, **kwargs):
     """Hugging Face generate, batch 1, greedy: plain, assisted, or prompt lookup."""
     outputs = []
@@ -92,7 +87,9 @@ def hf_generate(pair: LoadedPair, prompts, max_new: int, eos: list[int], pad: in
 
 
 def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str):
-    outputs, stats = [], {"drafted": 0, "accepted": 0, "passes": 0, "row_passes": 0, "gamma": 0, "tokens": 0}
+    outputs = []
+    stats = dict.fromkeys(("drafted", "accepted", "passes", "row_passes", "gamma", "tokens"), 0)
+    stats.update(target_seconds=0.0, draft_seconds=0.0, wall_seconds=0.0)
     for start in range(0, len(prompts), batch):
         rows, b = engine.generate(prompts[start : start + batch], max_new, drafter=drafter)
         outputs += [r.tokens for r in rows]
@@ -102,6 +99,8 @@ def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: 
         stats["row_passes"] += sum(r.stats.target_passes for r in rows)
         stats["gamma"] += sum(r.stats.gamma_sum for r in rows)
         stats["tokens"] += b.new_tokens
+        for key in ("target_seconds", "draft_seconds", "wall_seconds"):
+            stats[key] += getattr(b, key)
     return outputs, stats
 
 
@@ -139,19 +138,17 @@ def run_benchmark(
         # warm-up: first calls pay for allocations and (for our engine) cost calibration
         for kind, engine in engines.items():
             engine.generate(prompts[:1], 8, drafter=kind)
-        bench = _TaskBench(task, runs, rows, log)
+        bench = _TaskBench(task)
         # the first configuration is also the reference every output is compared with
-        hf_base = bench.add(
-            "hf target-only", 1, lambda p=prompts: hf_generate(pair, p, max_new_tokens, eos, pad), None
-        )
+        bench.add("hf target-only", 1, lambda p=prompts: hf_generate(pair, p, max_new_tokens, eos, pad))
         for k in hf_assistant_tokens:
-            pair.draft.generation_config.num_assistant_tokens = k
-            pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
             bench.add(
                 f"hf assisted k={k}",
                 1,
-                lambda p=prompts: hf_generate(pair, p, max_new_tokens, eos, pad, assistant_model=pair.draft),
-                hf_base,
+                lambda k=k, p=prompts: hf_generate(
+                    pair, p, max_new_tokens, eos, pad, assistant_model=_assistant(pair.draft, k)
+                ),
+                base="hf target-only",
             )
         for k in hf_lookup_tokens:
             bench.add(
@@ -160,65 +157,112 @@ def run_benchmark(
                 lambda k=k, p=prompts: hf_generate(
                     pair, p, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k
                 ),
-                hf_base,
+                base="hf target-only",
             )
         for batch in batches:
-            base = bench.add(
+            bench.add(
                 "ours target-only",
                 batch,
                 lambda b=batch, p=prompts: ours(engines["none"], p, max_new_tokens, b, "none"),
-                None,
             )
             for kind in drafters:
                 bench.add(
                     f"ours {kind}",
                     batch,
                     lambda b=batch, k=kind, p=prompts: ours(engines[k], p, max_new_tokens, b, k),
-                    base,
+                    base="ours target-only",
                 )
+        rows += bench.run(runs, log)
     return rows
+
+
+def _assistant(draft, k: int):
+    """The draft set up for HF assisted generation with a constant `k` tokens per round.
+
+    HF reads these from the assistant's generation_config; passing them to `generate()`
+    does not reach it.
+    """
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    return draft
+
+
+@dataclass
+class _Config:
+    method: str
+    batch: int
+    fn: Callable[[], tuple[list[list[int]], dict]]
+    base: str | None  # method whose time at the same batch size is this one's 1.0x
+    times: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass
 class _TaskBench:
-    """Times configurations on one task's prompts and appends a Row for each."""
+    """Times every configuration of one task in interleaved rounds.
+
+    Round r runs each configuration once, in order, before round r+1 starts: a slow spell of
+    a noisy machine then hits every configuration alike instead of whichever ran during it,
+    and the median over rounds drops the outliers.
+    """
 
     task: str
-    runs: int
-    rows: list
-    log: Callable[[str], None]
-    reference: list | None = None
+    configs: list[_Config] = field(default_factory=list)
 
-    def add(self, method: str, batch: int, fn, base_seconds: float | None) -> float:
-        seconds, outputs, s = _timed(fn, self.runs)
-        if self.reference is None:
-            self.reference = outputs
-        tokens = sum(len(o) for o in outputs)
-        drafted = s.get("drafted")
-        self.rows.append(
-            Row(
-                task=self.task,
-                method=method,
-                batch=batch,
-                tokens_per_second=tokens / seconds,
-                speedup=(base_seconds / seconds) if base_seconds else 1.0,
-                alpha=(s["accepted"] / drafted if drafted else None) if s else None,
-                tau=(s["tokens"] / s["row_passes"]) if s else None,
-                mean_gamma=(s["gamma"] / max(s["row_passes"] - len(outputs), 1)) if s else None,
-                target_passes_per_token=(s["passes"] / s["tokens"]) if s else None,
-                identical=outputs == self.reference,
-                seconds_median=seconds,
-                tokens=tokens,
-                peak_rss_mb=_peak_rss_mb(),
-            )
-        )
-        self.log(_format_row(self.rows[-1]))
-        return seconds
+    def add(self, method: str, batch: int, fn, base: str | None = None) -> None:
+        self.configs.append(_Config(method, batch, fn, base))
+
+    def run(self, runs: int, log: Callable[[str], None]) -> list[Row]:
+        for _ in range(runs):
+            for c in self.configs:
+                began = time.perf_counter()
+                c.outputs, c.stats = c.fn()
+                c.times.append(time.perf_counter() - began)
+        reference = self.configs[0].outputs
+        medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
+        rows = []
+        for c in self.configs:
+            seconds = medians[(c.method, c.batch)]
+            base = medians.get((c.base, c.batch)) if c.base else None
+            rows.append(_row(self.task, c, seconds, base, c.outputs == reference))
+            log(_format_row(rows[-1]))
+        return rows
+
+
+def _row(task: str, c: _Config, seconds: float, base: float | None, identical: bool) -> Row:
+    s = c.stats
+    tokens = sum(len(o) for o in c.outputs)
+    drafted = s.get("drafted")
+    wall = s.get("wall_seconds") or 0.0
+
+    def share(key: str) -> float | None:
+        return s[key] / wall if wall else None
+
+    return Row(
+        task=task,
+        method=c.method,
+        batch=c.batch,
+        tokens_per_second=tokens / seconds,
+        speedup=base / seconds if base else 1.0,
+        alpha=(s["accepted"] / drafted if drafted else None) if s else None,
+        tau=(s["tokens"] / s["row_passes"]) if s else None,
+        mean_gamma=(s["gamma"] / max(s["row_passes"] - len(c.outputs), 1)) if s else None,
+        target_passes_per_token=(s["passes"] / s["tokens"]) if s else None,
+        identical=identical,
+        seconds_median=seconds,
+        seconds_runs=c.times,
+        target_share=share("target_seconds"),
+        draft_share=share("draft_seconds"),
+        other_share=(1 - (s["target_seconds"] + s["draft_seconds"]) / wall) if wall else None,
+        tokens=tokens,
+        peak_rss_mb=_peak_rss_mb(),
+    )
 
 
 HEADER = (
     f"{'task':<10} {'method':<24} {'batch':>5} {'tok/s':>7} {'speedup':>8} {'alpha':>6} {'tau':>5} "
-    f"{'gamma':>5} {'pass/tok':>8} {'same':>5} {'rss MB':>7}"
+    f"{'gamma':>5} {'pass/tok':>8} {'tgt%':>5} {'dft%':>5} {'oth%':>5} {'same':>5} {'rss MB':>7}"
 )
 
 
@@ -226,9 +270,13 @@ def _format_row(r: Row) -> str:
     def f(v, spec=".2f"):
         return "-" if v is None else format(v, spec)
 
+    def pct(v):
+        return "-" if v is None else f"{100 * v:.0f}"
+
     return (
         f"{r.task:<10} {r.method:<24} {r.batch:>5} {r.tokens_per_second:>7.2f} {f(r.speedup):>7}x "
         f"{f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} {f(r.target_passes_per_token):>8} "
+        f"{pct(r.target_share):>5} {pct(r.draft_share):>5} {pct(r.other_share):>5} "
         f"{'yes' if r.identical else 'NO':>5} {r.peak_rss_mb:>7.0f}"
     )
 

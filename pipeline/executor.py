@@ -108,7 +108,9 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
     actor_class = ray.remote(ModelWorker).options(
         num_cpus=ex.num_cpus,
         num_gpus=ex.num_gpus,
-        max_restarts=ex.max_retries,
+        # Restart a dead actor as often as needed: the limit that matters is per shard (counted
+        # below), and a pool that ran out of restarts would fail every shard left in the queue.
+        max_restarts=-1,
         max_task_retries=0,  # the driver retries shards itself, counting attempts per shard
     )
     actors = [actor_class.remote(spec) for _ in range(min(ex.num_actors, len(todo)))]

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import click
+from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
 from pipeline.spec import JobSpec
 
@@ -33,6 +34,21 @@ def _client(address: str):
     return JobSubmissionClient(address, headers=headers)
 
 
+def _agent_not_ready(exc: BaseException) -> bool:
+    # A head that has just started answers 500 "No available agent to submit job" until its
+    # dashboard agent registers (seconds); a nightly schedule that starts the cluster and then
+    # submits hits exactly that window.
+    return isinstance(exc, RuntimeError) and "No available agent" in str(exc)
+
+
+_retry_until_agent_ready = retry(
+    retry=retry_if_exception(_agent_not_ready),
+    wait=wait_exponential(multiplier=1, max=10),
+    stop=stop_after_delay(120),
+    reraise=True,
+)
+
+
 def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> str:
     """Submit `pipeline run` for this (rendered) spec; return the job id.
 
@@ -55,7 +71,7 @@ def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> s
     if overwrite:
         entrypoint.append("--overwrite")
     client = _client(address)
-    return client.submit_job(
+    return _retry_until_agent_ready(client.submit_job)(
         entrypoint=" ".join(shlex.quote(p) for p in entrypoint),
         runtime_env={
             "working_dir": ".",

@@ -76,9 +76,9 @@ def test_demo_job_settings():
     spec = load_spec(ROOT / "jobs" / "demo.yaml", run_id="r1")
     assert spec.input.url == "./data/demo"
     assert spec.output.url == "./out/demo/r1"
-    assert spec.task.kind == "summarize" and spec.task.max_input_tokens == 512
+    assert spec.task.kind == "summarize" and spec.task.max_input_tokens == 384
     assert spec.models.pair == "qwen2.5-coder" and spec.drafter.kind == "auto"
-    assert spec.generation.max_new_tokens == 48 and spec.generation.greedy
+    assert spec.generation.max_new_tokens == 32 and spec.generation.greedy
     assert (spec.execution.batch_size, spec.execution.num_actors, spec.execution.num_cpus) == (4, 1, 2)
     assert spec.execution.speedup_sample == 0.25
 

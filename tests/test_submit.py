@@ -32,7 +32,9 @@ def ray_head():
     """A real Ray head with the dashboard (Jobs API) on loopback; stopped afterwards."""
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray_bin = str(Path(sys.executable).parent / "ray")
-    gcs, dashboard = free_port(), free_port()
+    # every port chosen here: Ray's defaults (e.g. the agent's 52365) may still be held by a
+    # Ray that an earlier test shut down a moment ago
+    gcs, dashboard, agent, metrics = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     started = subprocess.run(
         [
@@ -44,6 +46,8 @@ def ray_head():
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--metrics-export-port={metrics}",
             "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
         ],
