@@ -20,6 +20,7 @@ from pipeline.spec import (
     parse_overrides,
     spec_from_dict,
 )
+from pipeline.storage import StorageError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -98,7 +99,7 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress):
     click.echo(f"(resume or re-run with: --run-id {spec.run_id})", err=True)
     try:
         result = run_job(spec, address=address, overwrite=overwrite, progress=progress)
-    except (SpecError, ValueError, OSError) as exc:
+    except (SpecError, StorageError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
     print_shard_table(result.output_url, spec.output.storage_options)

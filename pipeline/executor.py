@@ -115,7 +115,10 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
     )
     actors = [actor_class.remote(spec) for _ in range(min(ex.num_actors, len(todo)))]
     queue: deque[tuple[str, str, int]] = deque((url, name, 1) for url, name in todo)
-    running: dict = {}
+    running: dict = {}  # shard task -> (actor, url, name, attempt)
+    # Ping -> actor, for actors coming back from a crash: Ray restarts them, but a shard sent
+    # while one restarts fails at once and would burn an attempt, so shards wait for the ping.
+    warming: dict = {}
     bar = tqdm(total=len(todo), unit="shard", disable=not _show_progress(progress), dynamic_ncols=True)
     rows = tokens = 0
     idle = list(actors)
@@ -124,15 +127,27 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
             actor = idle.pop()
             url, name, attempt = queue.popleft()
             running[actor.process.remote(url, name, attempt)] = (actor, url, name, attempt)
-        ready, _ = ray.wait(list(running), num_returns=1)
+        ready, _ = ray.wait(list(running) + list(warming), num_returns=1)
         ref = ready[0]
+        if ref in warming:
+            actor = warming.pop(ref)
+            try:
+                ray.get(ref)
+                idle.append(actor)
+            except (RayActorError, RayTaskError):  # gone for good: replace it
+                actor = actor_class.remote(spec)
+                warming[_ping(actor)] = actor
+            continue
         actor, url, name, attempt = running.pop(ref)
-        idle.append(actor)
         try:
             stats = ray.get(ref)
         except (RayActorError, RayTaskError) as exc:
             reason = _reason(exc)
             metrics.record_failure(spec.name, name, reason, final=attempt > ex.max_retries)
+            if isinstance(exc, RayActorError):
+                warming[_ping(actor)] = actor
+            else:
+                idle.append(actor)
             if attempt <= ex.max_retries:
                 queue.append((url, name, attempt + 1))
                 bar.write(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
@@ -141,6 +156,7 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
                 bar.write(f"shard {name}: FAILED after {attempt} attempts: {reason}")
                 bar.update(1)
             continue
+        idle.append(actor)
         result.done.append(stats)
         metrics.record_shard(stats, spec.name)
         rows += stats.get("rows_out", 0)
@@ -148,6 +164,11 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
         bar.set_postfix(rows=rows, tokens=tokens, failed=len(result.failed))
         bar.update(1)
     bar.close()
+
+
+def _ping(actor):
+    """A call that Ray retries until the (restarting) actor answers."""
+    return actor.info.options(max_task_retries=-1).remote()
 
 
 def _reason(exc: Exception) -> str:

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pyarrow as pa
+import torch
 
 from pipeline.decode.costs import alpha_from_tau
 from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
@@ -74,12 +75,14 @@ class ShardProcessor:
         )
         self.model_info = model_info or {}
         self.output = Storage(spec.output.url, spec.output.storage_options)
+        self.oom_splits = 0  # batches halved after an out-of-memory error (reported per shard)
 
     # -- the unit of work ---------------------------------------------------------------------
 
     def process(self, shard_url: str, name: str, attempt: int = 1) -> dict:
         """Decode one shard and write its outputs, errors and stats; return the stats."""
         started = time.time()
+        self.oom_splits = 0
         errors: list[dict] = []
         try:
             rows = self._read(shard_url, errors)
@@ -209,7 +212,21 @@ class ShardProcessor:
         totals = BatchStats()
         size = self.spec.execution.batch_size
         for start in range(0, len(order), size):
-            chunk = order[start : start + size]
+            batch_rows = order[start : start + size]
+            for chunk, outputs, batch in self._generate_fitting(batch_rows, prompts, drafter):
+                for i, out in zip(chunk, outputs):
+                    results[i] = (out, out.stats.seconds)
+                _add_batch(totals, batch)
+        return results, totals
+
+    def _generate_fitting(self, chunk: list[int], prompts: list[list[int]], drafter: str | None):
+        """Decode one batch; on out-of-memory, halve it and decode the halves.
+
+        Long documents make some batches much bigger than the rest; halving keeps the shard
+        going instead of failing it. Only a single row that still does not fit fails the
+        attempt (the executor then retries the shard, then records it as failed).
+        """
+        try:
             outputs, batch = self.engine.generate(
                 [prompts[i] for i in chunk],
                 self.spec.generation.max_new_tokens,
@@ -218,13 +235,17 @@ class ShardProcessor:
                 drafter=drafter,
                 overlong="truncate",
             )
-            for i, out in zip(chunk, outputs):
-                results[i] = (out, out.stats.seconds)
-            for key in ("rows", "new_tokens", "target_passes", "draft_passes", "drafted", "accepted"):
-                setattr(totals, key, getattr(totals, key) + getattr(batch, key))
-            for key in ("target_seconds", "draft_seconds", "wall_seconds"):
-                setattr(totals, key, getattr(totals, key) + getattr(batch, key))
-        return results, totals
+        except torch.OutOfMemoryError:
+            if len(chunk) == 1:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = len(chunk) // 2
+            self.oom_splits += 1
+            return self._generate_fitting(chunk[:half], prompts, drafter) + self._generate_fitting(
+                chunk[half:], prompts, drafter
+            )
+        return [(chunk, outputs, batch)]
 
     def _speedup_sample(self, rows, prompts, decoded) -> dict:
         """Decode a sample of rows both ways on this actor to measure the real speedup.
@@ -287,6 +308,7 @@ class ShardProcessor:
             "errors_by_reason": dict(reasons),
             "duplicates": reasons.get("duplicate_id", 0),
             "truncated": truncated,
+            "oom_splits": self.oom_splits,
             "tokens_in": tokens_in,
             "tokens_out": totals.new_tokens,
             "alpha": totals.accepted / totals.drafted if totals.drafted else 0.0,
@@ -332,6 +354,13 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     """Drop a stop string and what follows it (the engine stops right after it appears)."""
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text
+
+
+def _add_batch(totals: BatchStats, batch: BatchStats) -> None:
+    for key in ("rows", "new_tokens", "target_passes", "draft_passes", "drafted", "accepted"):
+        setattr(totals, key, getattr(totals, key) + getattr(batch, key))
+    for key in ("target_seconds", "draft_seconds", "wall_seconds"):
+        setattr(totals, key, getattr(totals, key) + getattr(batch, key))
 
 
 def _table(records: list[dict], id_column: str) -> pa.Table:

@@ -49,3 +49,13 @@ def tiny_models(tiny_pair_dirs):
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     return target, draft, AutoTokenizer.from_pretrained(target_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_local(s3_server):
+    """One real local Ray for the session, started after the S3 env is set so workers inherit it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()

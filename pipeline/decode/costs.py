@@ -97,24 +97,36 @@ class CostModel:
     def _nearest(table: dict, batch: int):
         return table.get(batch, table[min(table, key=lambda b: abs(b - batch))]) if table else None
 
+    def has_target(self, batch: int, width: int) -> bool:
+        return width in self.target.get(batch, {})
+
     def target_time(self, batch: int, width: int) -> float | None:
-        """Seconds for one target pass; interpolated or extrapolated linearly in width."""
+        """Seconds for one target pass: measured, else interpolated between the nearest measured
+        widths, else extrapolated from the two nearest (or the prior slope from one).
+
+        Piecewise rather than one straight line: on CPUs a 1-token pass often takes a faster
+        matrix-vector path, so the cost jumps from width 1 to 2 and then grows gently; a line
+        fitted through widths 2..6 would put width 1 far too high and make speculation look
+        cheap.
+        """
         row = self._nearest(self.target, batch)
         if not row:
             return None
         if width in row:
             return row[width]
         widths = sorted(row)
-        if len(widths) == 1:
+        below = [w for w in widths if w < width]
+        above = [w for w in widths if w > width]
+        if below and above:
+            w0, w1 = below[-1], above[0]
+        elif len(widths) == 1:
             w0 = widths[0]
             base = row[w0] / (1 + self.verify_slope_prior * (w0 - 1))
             return base * (1 + self.verify_slope_prior * (width - 1))
-        n = len(widths)
-        mean_w = sum(widths) / n
-        mean_t = sum(row[w] for w in widths) / n
-        var = sum((w - mean_w) ** 2 for w in widths)
-        slope = max(sum((w - mean_w) * (row[w] - mean_t) for w in widths) / var, 0.0)
-        return max(mean_t + slope * (width - mean_w), 1e-6)
+        else:
+            w0, w1 = (below[-2], below[-1]) if below else (above[0], above[1])
+        slope = max((row[w1] - row[w0]) / (w1 - w0), 0.0)
+        return max(row[w0] + slope * (width - w0), 1e-6)
 
     def draft_time(self, batch: int) -> float | None:
         measured = self._nearest(self.draft, batch)

@@ -377,7 +377,10 @@ class SpeculativeEngine:
             by_lookup = [n > 0 for n in look_lens]
             gamma = gamma_cap if use_model and not all(by_lookup) else 0
             return gamma_cap, gamma, by_lookup
-        if self.costs.target_time(batch, 1) is None:  # nothing measured yet: a moderate start
+        if not self.costs.has_target(batch, 1):
+            # Measure plain decoding at this batch size first: every choice is compared with it.
+            return 0, 0, [False] * rows
+        if len(self.costs.target.get(batch, {})) == 1:  # then try speculating, moderately
             by_lookup = [n > 0 for n in look_lens]
             return gamma_cap, (min(4, gamma_cap) if use_model and not all(by_lookup) else 0), by_lookup
         a_model = self.alpha["draft_model"].value
@@ -400,6 +403,9 @@ class SpeculativeEngine:
         cap, gamma, by_lookup = best
         if use_model and gamma == 0 and not all(by_lookup):
             self._rounds_without_model += 1
-            if self._rounds_without_model >= self.config.probe_every:
+            # A probe with a cold draft cache pays a whole prefill of the draft first: do it
+            # four times less often (on short generations, once per several documents).
+            cold = self.draft.lm.width == 0
+            if self._rounds_without_model >= self.config.probe_every * (4 if cold else 1):
                 self._rounds_without_model, gamma = 0, 1  # re-measure the draft's acceptance
         return cap, gamma, by_lookup
