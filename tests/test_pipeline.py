@@ -9,6 +9,7 @@ import json
 import re
 import time
 import urllib.request
+import uuid
 
 import pyarrow.parquet as pq
 import ray
@@ -41,7 +42,9 @@ def test_local_job_outputs_equal_target_only_and_rerun_skips(
     tiny_models, tiny_pair_dirs, tmp_path, ray_local
 ):
     rows_in = write_corpus(Storage(str(tmp_path / "in")))
-    spec = spec_from_dict(job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out")))
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+    data["name"] = f"metrics-{uuid.uuid4().hex[:8]}"  # metric counters add up over the session
+    spec = spec_from_dict(data)
     result = run_job(spec, progress=False)
     assert result.ok and len(result.done) == 4 and result.shards_skipped == 0
     out = Storage(str(tmp_path / "out"))
