@@ -25,6 +25,7 @@ from s3_fixtures import TEST_KEY_ID, TEST_SECRET
 
 from pipeline.cli import main
 from pipeline.executor import run_job
+from pipeline.shard import shard_name, shard_paths
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
 from pipeline.worker import build_processor
@@ -270,3 +271,17 @@ def test_credentials_never_written_or_logged(tiny_pair_dirs, s3_server, ray_loca
             assert secret not in result.output
         leaked = [n for n, b in {**written, **logs}.items() if secret.encode() in b]
         assert not leaked, f"{secret[:4]}... found in {leaked}"
+
+
+@pytest.mark.parametrize(
+    "shard_url",
+    ["/in/../../etc/passwd.parquet", "/in/..parquet", "/in/a/../../../b.parquet", "/in/nested/x.parquet"],
+)
+def test_shard_names_cannot_leave_the_output_prefix(shard_url, tmp_path):
+    """Output names come from input names; whatever those are, every write stays under OUTPUT/."""
+    out = Storage(str(tmp_path / "out"))
+    name = shard_name(shard_url, "/in")
+    for rel in shard_paths(name).values():
+        target = Path(out.url_for(rel).removeprefix("file://")).resolve()
+        assert target.is_relative_to((tmp_path / "out").resolve()), (shard_url, rel)
+        assert "/" not in name
