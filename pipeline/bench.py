@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import BatchStats, EngineConfig, SpeculativeEngine
 from pipeline.demo_data import docstrings
 from pipeline.models.loading import LoadedPair
 from pipeline.prompts import PromptBuilder
@@ -87,20 +87,24 @@ def hf_generate(pair: LoadedPair, prompts, max_new: int, eos: list[int], pad: in
 
 
 def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str):
-    outputs = []
-    stats = dict.fromkeys(("drafted", "accepted", "passes", "row_passes", "gamma", "tokens"), 0)
-    stats.update(target_seconds=0.0, draft_seconds=0.0, wall_seconds=0.0)
+    outputs, total, row_passes, gamma = [], BatchStats(), 0, 0
     for start in range(0, len(prompts), batch):
         rows, b = engine.generate(prompts[start : start + batch], max_new, drafter=drafter)
         outputs += [r.tokens for r in rows]
-        stats["drafted"] += b.drafted
-        stats["accepted"] += b.accepted
-        stats["passes"] += b.target_passes
-        stats["row_passes"] += sum(r.stats.target_passes for r in rows)
-        stats["gamma"] += sum(r.stats.gamma_sum for r in rows)
-        stats["tokens"] += b.new_tokens
-        for key in ("target_seconds", "draft_seconds", "wall_seconds"):
-            stats[key] += getattr(b, key)
+        total.add(b)
+        row_passes += sum(r.stats.target_passes for r in rows)
+        gamma += sum(r.stats.gamma_sum for r in rows)
+    stats = {
+        "drafted": total.drafted,
+        "accepted": total.accepted,
+        "passes": total.target_passes,
+        "row_passes": row_passes,
+        "gamma": gamma,
+        "tokens": total.new_tokens,
+        "target_seconds": total.target_seconds,
+        "draft_seconds": total.draft_seconds,
+        "wall_seconds": total.wall_seconds,
+    }
     return outputs, stats
 
 

@@ -216,7 +216,7 @@ class ShardProcessor:
             for chunk, outputs, batch in self._generate_fitting(batch_rows, prompts, drafter):
                 for i, out in zip(chunk, outputs):
                     results[i] = (out, out.stats.seconds)
-                _add_batch(totals, batch)
+                totals.add(batch)
         return results, totals
 
     def _generate_fitting(self, chunk: list[int], prompts: list[list[int]], drafter: str | None):
@@ -354,13 +354,6 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     """Drop a stop string and what follows it (the engine stops right after it appears)."""
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text
-
-
-def _add_batch(totals: BatchStats, batch: BatchStats) -> None:
-    for key in ("rows", "new_tokens", "target_passes", "draft_passes", "drafted", "accepted"):
-        setattr(totals, key, getattr(totals, key) + getattr(batch, key))
-    for key in ("target_seconds", "draft_seconds", "wall_seconds"):
-        setattr(totals, key, getattr(totals, key) + getattr(batch, key))
 
 
 def _table(records: list[dict], id_column: str) -> pa.Table:

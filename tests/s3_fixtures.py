@@ -426,25 +426,11 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair for weed")
 
 
-class WeedS3:
+class WeedS3(S3Server):
     """A running SeaweedFS S3 endpoint on 127.0.0.1 (checks credentials)."""
 
-    def __init__(self, port: int):
-        self.port = port
-        self.endpoint = f"http://{LOOPBACK}:{port}"
-        self.storage_options = {"endpoint_url": self.endpoint}
-        self._client = None
-
-    @property
-    def client(self):
-        if self._client is None:
-            self._client = _s3_client(self.endpoint)
-        return self._client
-
-    def make_bucket(self, name: str = "test") -> str:
-        bucket = _bucket_name(name)
-        self.client.create_bucket(Bucket=bucket)
-        return bucket
+    def __repr__(self) -> str:
+        return f"WeedS3({self.endpoint})"
 
 
 @pytest.fixture(scope="session")

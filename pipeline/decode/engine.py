@@ -113,6 +113,15 @@ class BatchStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
+    def add(self, other: BatchStats) -> None:
+        """Accumulate another batch's counters (a shard or a benchmark is many batches)."""
+        for key in ("rows", "new_tokens", "target_passes", "draft_passes", "drafted", "accepted"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        for key in ("target_seconds", "draft_seconds", "wall_seconds"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        for gamma, count in other.gamma_histogram.items():
+            self.gamma_histogram[gamma] = self.gamma_histogram.get(gamma, 0) + count
+
 
 @dataclass
 class _Row:
