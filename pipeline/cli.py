@@ -201,6 +201,27 @@ def stats(output_url, as_json):
 
 
 @main.command()
+@click.argument("output_url")
+@click.option("--out", "report_url", help="Where to write the report (default: OUTPUT_URL/report/).")
+@click.option(
+    "--reference-column",
+    default="reference",
+    show_default=True,
+    help="Output column holding reference texts (kept from the input with input.keep_columns).",
+)
+def report(output_url, report_url, reference_column):
+    """Write an HTML report with figures (α, τ, speedup, γ, throughput, errors, quality)."""
+    from pipeline.html_report import write_report
+
+    try:
+        page, figures = write_report(output_url, report_url, reference_column=reference_column)
+    except (ValueError, StorageError) as exc:
+        click.echo(f"pipeline report: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo(f"wrote {page} ({len(figures)} figures: {', '.join(f.name for f in figures)})")
+
+
+@main.command()
 @with_spec_options
 @click.option("--no-models", is_flag=True, help="Skip loading tokenizers to compare target and draft.")
 def validate(spec_path, run_id, date, sets, no_models):

@@ -1,15 +1,55 @@
-"""Reading a job's per-shard stats back: the terminal table and the totals."""
+"""Reading a job's results back: per-shard stats, per-row records, the terminal table, totals."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
+import pyarrow as pa
 
 from pipeline.storage import Storage
+
+# the per-row columns the report plots; `generated` and the reference only when scoring quality
+ROW_COLUMNS = ("id", "new_tokens", "alpha", "drafted", "accepted", "rounds", "latency_s")
 
 
 def load_stats(output_url: str, storage_options: dict | None = None) -> list[dict]:
     store = Storage(output_url, storage_options)
     return [store.read_json(name) for name in store.list("stats", suffix=".json")]
+
+
+@dataclass
+class RunData:
+    """Everything a finished (or running) job has written, loaded for the report."""
+
+    output_url: str
+    stats: list[dict]  # one per shard, sorted by shard name
+    manifest: dict | None  # None while the first run of the job is still going
+    rows: pa.Table  # per-row records of every shard plus a `shard` column
+    reference_column: str | None  # the column the report compares `generated` with, if present
+
+    @property
+    def task_kind(self) -> str | None:
+        return ((self.manifest or {}).get("spec") or {}).get("task", {}).get("kind")
+
+
+def load_run(
+    output_url: str, storage_options: dict | None = None, reference_column: str = "reference"
+) -> RunData:
+    """Stats, manifest and per-row records under OUTPUT_URL (only the columns the report needs)."""
+    store = Storage(output_url, storage_options)
+    stats = sorted(load_stats(output_url, storage_options), key=lambda s: s["shard"])
+    manifest = store.read_json("manifest.json") if store.exists("manifest.json") else None
+    tables = []
+    for name in store.list("outputs", suffix=".parquet"):
+        table = store.read_parquet(name)
+        wanted = [c for c in (*ROW_COLUMNS, "generated", reference_column) if c in table.column_names]
+        shard = name.rsplit("/", 1)[-1].removesuffix(".parquet")
+        table = table.select(wanted)
+        tables.append(table.append_column("shard", pa.array([shard] * table.num_rows, pa.string())))
+    rows = pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
+    has_reference = reference_column in rows.column_names
+    return RunData(output_url, stats, manifest, rows, reference_column if has_reference else None)
 
 
 def totals(stats: list[dict]) -> dict:
@@ -42,7 +82,12 @@ def totals(stats: list[dict]) -> dict:
 
 
 def _rate(samples: list[dict], kind: str) -> float:
-    """Tokens/s over all speedup samples of one kind (speculative or target_only)."""
+    """Tokens/s over all speedup samples of one kind (speculative or target_only).
+
+    Samples without the counts (stats written by versions before 0.1.0's final layout) are
+    left out rather than failing the whole table or report.
+    """
+    samples = [x for x in samples if f"{kind}_seconds" in x]
     seconds = sum(x[f"{kind}_seconds"] for x in samples)
     return sum(x[f"{kind}_tokens"] for x in samples) / seconds if seconds else 0.0
 

@@ -1,0 +1,230 @@
+"""The report's figures, drawn with matplotlib into PNG bytes.
+
+Each function takes the loaded run and returns a :class:`Figure` (PNG bytes plus the caption
+the HTML shows under it), or None when the run has nothing to draw for it (no errors, no
+reference column, no speedup samples). Shard bars get their names as labels only while they
+stay readable; a corpus of thousands of shards is drawn by shard index instead.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from matplotlib.figure import Figure as _Canvas
+
+from pipeline.quality import QualityScores
+from pipeline.report import RunData
+
+MAX_LABELLED_SHARDS = 40
+
+
+@dataclass
+class Figure:
+    name: str  # file name stem: figures/<name>.png
+    title: str
+    caption: str
+    png: bytes
+
+
+def _subplots(rows: int, cols: int, width: float, height: float, **kwargs):
+    """A figure without pyplot: no global state, no display backend, safe in any thread."""
+    fig = _Canvas(figsize=(width, height))
+    return fig, fig.subplots(rows, cols, **kwargs)
+
+
+def _png(fig: _Canvas) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _ok(run: RunData) -> list[dict]:
+    return [s for s in run.stats if s.get("status") == "ok"]
+
+
+def _shard_axis(ax, names: list[str]) -> list[int]:
+    xs = list(range(len(names)))
+    if len(names) <= MAX_LABELLED_SHARDS:
+        ax.set_xticks(xs, names, rotation=45, ha="right", fontsize=8)
+    else:
+        ax.set_xlabel("shard index")
+    return xs
+
+
+def shard_acceptance(run: RunData) -> Figure | None:
+    """α and τ per shard: where drafts were accepted, and how many tokens each pass produced."""
+    ok = _ok(run)
+    if not ok:
+        return None
+    fig, (top, bottom) = _subplots(2, 1, 9, 6, sharex=True)
+    names = [s["shard"] for s in ok]
+    xs = list(range(len(names)))
+    top.bar(xs, [s["alpha"] for s in ok], color="tab:blue")
+    top.set_ylabel("α (accepted / drafted)")
+    top.set_ylim(0, 1)
+    bottom.bar(xs, [s["tau"] for s in ok], color="tab:green")
+    bottom.axhline(1.0, color="grey", lw=0.8, ls="--")
+    bottom.set_ylabel("τ (tokens per target pass)")
+    _shard_axis(bottom, names)
+    return Figure(
+        "acceptance",
+        "Acceptance per shard",
+        "α is the share of drafted tokens the target accepted; τ the tokens produced per target "
+        "forward pass (1.0 = no gain from speculation).",
+        _png(fig),
+    )
+
+
+def speedup(run: RunData) -> Figure | None:
+    """Measured speedup beside the speedup Leviathan et al.'s formula predicts from α, γ, cost."""
+    sampled = [s for s in _ok(run) if (s.get("speedup") or {}).get("measured")]
+    if not sampled:
+        return None
+    fig, ax = _subplots(1, 1, 9, 4)
+    names = [s["shard"] for s in sampled]
+    xs = _shard_axis(ax, names)
+    width = 0.4
+    ax.bar([x - width / 2 for x in xs], [s["speedup"]["measured"] for s in sampled], width, label="measured")
+    ax.bar(
+        [x + width / 2 for x in xs],
+        [s["speedup"].get("predicted") or 0.0 for s in sampled],
+        width,
+        label="predicted (Leviathan)",
+    )
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_ylabel("speedup over target-only")
+    ax.legend()
+    return Figure(
+        "speedup",
+        "Speedup: measured vs predicted",
+        "Measured: speculative vs target-only tokens/s on the same sampled rows. Predicted: "
+        "τ / (γ·c + 1) from the measured α, mean γ and draft/target cost ratio c.",
+        _png(fig),
+    )
+
+
+def row_alpha(run: RunData) -> Figure | None:
+    """How acceptance spreads over documents: a few bad rows or a uniformly weak draft?"""
+    if "drafted" not in run.rows.column_names:
+        return None
+    drafted = run.rows.column("drafted").to_pylist()
+    alphas = [a for a, d in zip(run.rows.column("alpha").to_pylist(), drafted) if d]
+    if not alphas:
+        return None
+    fig, ax = _subplots(1, 1, 9, 3.5)
+    ax.hist(alphas, bins=20, range=(0, 1), color="tab:blue")
+    ax.set_xlabel("α of one row")
+    ax.set_ylabel("rows")
+    undrafted = len(drafted) - len(alphas)
+    return Figure(
+        "row_alpha",
+        "Per-row acceptance",
+        f"{len(alphas)} rows with drafts, mean α {sum(alphas) / len(alphas):.2f}; "
+        f"{undrafted} rows were decoded without drafting (target-only chosen or nothing to draft).",
+        _png(fig),
+    )
+
+
+def throughput(run: RunData) -> Figure | None:
+    """Tokens/s over the job's wall time: each shard as a segment, and the cumulative tokens."""
+    ok = sorted((s for s in _ok(run) if s.get("started") and s.get("finished")), key=lambda s: s["finished"])
+    if not ok:
+        return None
+    t0 = min(s["started"] for s in ok)
+    fig, (top, bottom) = _subplots(2, 1, 9, 6, sharex=True)
+    for s in ok:
+        top.plot([(s["started"] - t0) / 60, (s["finished"] - t0) / 60], [s["tokens_per_second"]] * 2, lw=3)
+    top.set_ylabel("tokens/s of a shard")
+    top.set_ylim(bottom=0)
+    times, cumulative = [0.0], [0]
+    for s in ok:
+        times.append((s["finished"] - t0) / 60)
+        cumulative.append(cumulative[-1] + s["tokens_out"])
+    bottom.step(times, cumulative, where="post", color="tab:purple")
+    bottom.set_ylabel("tokens written")
+    bottom.set_xlabel("minutes since the first shard started")
+    return Figure(
+        "throughput",
+        "Throughput over time",
+        "Top: each shard's decode rate over the time it ran (overlaps = shards decoded in "
+        "parallel). Bottom: output tokens written so far.",
+        _png(fig),
+    )
+
+
+def gamma(run: RunData) -> Figure | None:
+    """The γ the cost model chose: per shard, and per row (drafted tokens per round)."""
+    ok = _ok(run)
+    if not ok:
+        return None
+    fig, (left, right) = _subplots(1, 2, 9, 3.5)
+    names = [s["shard"] for s in ok]
+    xs = _shard_axis(left, names)
+    left.bar(xs, [s.get("mean_gamma") or 0.0 for s in ok], color="tab:orange")
+    left.set_ylabel("mean γ per round")
+    if "rounds" in run.rows.column_names:
+        pairs = zip(run.rows.column("drafted").to_pylist(), run.rows.column("rounds").to_pylist())
+        right.hist([d / r for d, r in pairs if r], bins=20, color="tab:orange")
+    right.set_xlabel("mean γ of one row")
+    right.set_ylabel("rows")
+    return Figure(
+        "gamma",
+        "Draft length γ chosen",
+        "γ = 0 means the engine judged that no draft would pay and decoded target-only.",
+        _png(fig),
+    )
+
+
+def errors(run: RunData) -> Figure | None:
+    """Rows and shards that did not produce output, by reason."""
+    counts = error_counts(run)
+    if not counts:
+        return None
+    reasons = sorted(counts, key=counts.get)
+    fig, ax = _subplots(1, 1, 9, 0.5 * len(reasons) + 1.5)
+    ax.barh(reasons, [counts[r] for r in reasons], color="tab:red")
+    ax.set_xlabel("count")
+    return Figure(
+        "errors",
+        "Errors by reason",
+        "Row-level reasons count rows (written to errors/); shard_failed counts shards that "
+        "exhausted their retries (listed in manifest.json).",
+        _png(fig),
+    )
+
+
+def error_counts(run: RunData) -> Counter:
+    counts: Counter = Counter()
+    for s in run.stats:
+        counts.update(s.get("errors_by_reason") or {})
+    counts["shard_failed"] += len((run.manifest or {}).get("failed") or [])
+    return +counts  # drops zero counts
+
+
+def quality(scores: QualityScores | None) -> Figure | None:
+    if scores is None:
+        return None
+    fig, ax = _subplots(1, 1, 9, 3.5)
+    ax.hist(scores.per_row, bins=20, range=(0, 100), color="tab:cyan")
+    ax.set_xlabel(f"{scores.headline} of one row")
+    ax.set_ylabel("rows")
+    return Figure(
+        "quality",
+        f"Quality against references ({scores.headline})",
+        f"{scores.rows} rows with a reference; {scores.signature}.",
+        _png(fig),
+    )
+
+
+RUN_FIGURES: tuple[Callable[[RunData], Figure | None], ...] = (
+    shard_acceptance,
+    speedup,
+    row_alpha,
+    throughput,
+    gamma,
+    errors,
+)
