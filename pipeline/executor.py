@@ -12,6 +12,7 @@ after the actors are gone, and a retried shard is counted once.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -103,22 +104,30 @@ def run_job(
     return result
 
 
+# Ray restarts a crashed model actor this many times before it is dead for good; the executor
+# then starts a new one. A crash (OOM kill, lost node) is survived this way, a model that can
+# never load (corrupt weights, too big for the device) is not retried forever: see below.
+ACTOR_RESTARTS = 2
+
+
 def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, progress: bool | None) -> None:
     ex = spec.execution
     actor_class = ray.remote(ModelWorker).options(
         num_cpus=ex.num_cpus,
         num_gpus=ex.num_gpus,
-        # Restart a dead actor as often as needed: the limit that matters is per shard (counted
-        # below), and a pool that ran out of restarts would fail every shard left in the queue.
-        max_restarts=-1,
+        max_restarts=ACTOR_RESTARTS,
         max_task_retries=0,  # the driver retries shards itself, counting attempts per shard
     )
-    actors = [actor_class.remote(spec) for _ in range(min(ex.num_actors, len(todo)))]
+    pool = min(ex.num_actors, len(todo))
+    actors = [actor_class.remote(spec) for _ in range(pool)]
     queue: deque[tuple[str, str, int]] = deque((url, name, 1) for url, name in todo)
     running: dict = {}  # shard task -> (actor, url, name, attempt)
     # Ping -> actor, for actors coming back from a crash: Ray restarts them, but a shard sent
     # while one restarts fails at once and would burn an attempt, so shards wait for the ping.
     warming: dict = {}
+    # Actors that died for good, in a row, with no shard done and no actor answering since: when
+    # as many as the pool have (each after its restarts), no actor can start and the job stops.
+    dead_in_a_row = 0
     bar = tqdm(total=len(todo), unit="shard", disable=not _show_progress(progress), dynamic_ncols=True)
     rows = tokens = 0
     idle = list(actors)
@@ -134,9 +143,22 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
             try:
                 ray.get(ref)
                 idle.append(actor)
-            except (RayActorError, RayTaskError):  # gone for good: replace it
-                actor = actor_class.remote(spec)
-                warming[_ping(actor)] = actor
+                dead_in_a_row = 0
+            except (RayActorError, RayTaskError) as exc:  # dead for good
+                dead_in_a_row += 1
+                if dead_in_a_row < pool:
+                    actor = actor_class.remote(spec)
+                    warming[_ping(actor)] = actor
+                elif queue:
+                    reason = f"model actors cannot start: {_reason(exc)}"
+                    bar.write(f"giving up on {len(queue)} shard(s): {reason}")
+                    while queue:
+                        url, name, attempt = queue.popleft()
+                        result.failed.append(
+                            {"shard": name, "input_url": url, "attempts": attempt - 1, "reason": reason}
+                        )
+                        metrics.record_failure(spec.name, name, reason, final=True)
+                        bar.update(1)
             continue
         actor, url, name, attempt = running.pop(ref)
         try:
@@ -157,6 +179,7 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
                 bar.update(1)
             continue
         idle.append(actor)
+        dead_in_a_row = 0
         result.done.append(stats)
         metrics.record_shard(stats, spec.name)
         rows += stats.get("rows_out", 0)
@@ -171,9 +194,15 @@ def _ping(actor):
     return actor.info.options(max_task_retries=-1).remote()
 
 
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception)\b[^:]*:")
+
+
 def _reason(exc: Exception) -> str:
     if isinstance(exc, RayActorError):
-        return f"model actor died: {str(exc).splitlines()[0][:300]}"
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or ["(no message)"]
+        # an actor whose constructor raised carries that traceback; its last line is the cause
+        cause = next((line for line in reversed(lines) if _EXCEPTION_LINE.match(line)), None)
+        return f"model actor died: {(cause if exc.actor_init_failed and cause else lines[0])[:300]}"
     cause = getattr(exc, "cause", None)
     text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc).splitlines()[-1]
     return text[:500]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,6 +160,25 @@ def test_a_shard_that_keeps_failing_is_reported_and_the_others_finish(tiny_pair_
     assert len(out.list("stats")) == 2
     failed_ids = {i for i in expected if i.startswith(f"s{int(failed['shard'][-3:])}r")}
     assert sorted(ids_in(out, "outputs")) == sorted(expected - failed_ids)
+
+
+def test_a_model_that_cannot_load_fails_the_job_instead_of_hanging(tiny_pair_dirs, tmp_path, ray_local):
+    target, draft = tiny_pair_dirs
+    broken = tmp_path / "broken-draft"
+    shutil.copytree(draft, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download
+    clean_corpus(Storage(str(tmp_path / "in")), shards=3, rows=1)
+    data = job_dict((target, broken), str(tmp_path / "in"), str(tmp_path / "out"), num_actors=2)
+    data["input"]["keep_columns"] = []
+    began = time.monotonic()
+    result = run_job(spec_from_dict(data), progress=False)
+    assert time.monotonic() - began < 240
+    assert not result.ok and not result.done and len(result.failed) == 3
+    for failed in result.failed:
+        assert "SafetensorError" in failed["reason"], failed
+    out = Storage(str(tmp_path / "out"))
+    assert len(out.read_json("manifest.json")["failed"]) == 3 and not out.exists("_SUCCESS")
 
 
 @pytest.fixture(scope="module")
