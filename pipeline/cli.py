@@ -118,7 +118,8 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress):
 @click.option("--address", help="Ray dashboard address, e.g. http://HEAD:8265. Without it: run locally.")
 @click.option("--wait", is_flag=True, help="Follow the job's logs until it ends; exit with its status.")
 @click.option("--overwrite", is_flag=True, help="Redo shards that are already complete.")
-def submit(spec_path, run_id, date, sets, address, wait, overwrite):
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+def submit(spec_path, run_id, date, sets, address, wait, overwrite, progress):
     """Submit SPEC to a Ray cluster through the Ray Jobs API (or run it locally).
 
     The current directory (the project: package, jobs/, configs/) travels as the job's
@@ -140,7 +141,7 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite):
             sets=sets,
             address=None,
             overwrite=overwrite,
-            progress=None,
+            progress=progress,
         )
         return
     from pipeline.jobs_api import follow, submit_job
@@ -152,7 +153,7 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite):
         err=True,
     )
     if wait:
-        status = follow(address, job_id)
+        status = follow(address, job_id, progress=sys.stderr.isatty() if progress is None else progress)
         sys.exit(EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED)
 
 
@@ -178,11 +179,12 @@ def status(job_id, address):
 @main.command()
 @click.argument("job_id")
 @click.option("--address", required=True, envvar="RAY_API_SERVER_ADDRESS", help="Ray dashboard address.")
-def logs(job_id, address):
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+def logs(job_id, address, progress):
     """Follow a submitted job's logs until it ends."""
     from pipeline.jobs_api import follow
 
-    status = follow(address, job_id)
+    status = follow(address, job_id, progress=sys.stderr.isatty() if progress is None else progress)
     sys.exit(EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED)
 
 

@@ -80,6 +80,7 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], int, St
             if out.exists(marker):
                 out.delete(marker)
     todo = [(url, name) for url, name in shards if overwrite or not is_complete(out, name)]
+    out.delete_prefix("failed")  # failures of an earlier run: those shards are retried now
     return todo, len(shards) - len(todo), out
 
 
@@ -95,7 +96,7 @@ def run_job(
         ex = spec.execution
         started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
         try:
-            _run_shards(spec, todo, result, progress)
+            _run_shards(spec, todo, result, progress, out)
         finally:
             if started_ray:
                 ray.shutdown()
@@ -110,8 +111,18 @@ def run_job(
 ACTOR_RESTARTS = 2
 
 
-def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, progress: bool | None) -> None:
+def _run_shards(
+    spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, progress: bool | None, out: Storage
+) -> None:
     ex = spec.execution
+
+    def fail(url: str, name: str, attempts: int, reason: str) -> None:
+        """A shard out of attempts: recorded now (failed/, read by `pipeline status`), not at the end."""
+        record = {"shard": name, "input_url": url, "attempts": attempts, "reason": reason}
+        result.failed.append(record)
+        out.write_json(f"failed/{name}.json", record)
+        metrics.record_failure(spec.name, name, reason, final=True)
+
     actor_class = ray.remote(ModelWorker).options(
         num_cpus=ex.num_cpus,
         num_gpus=ex.num_gpus,
@@ -154,10 +165,7 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
                     bar.write(f"giving up on {len(queue)} shard(s): {reason}")
                     while queue:
                         url, name, attempt = queue.popleft()
-                        result.failed.append(
-                            {"shard": name, "input_url": url, "attempts": attempt - 1, "reason": reason}
-                        )
-                        metrics.record_failure(spec.name, name, reason, final=True)
+                        fail(url, name, attempt - 1, reason)
                         bar.update(1)
             continue
         actor, url, name, attempt = running.pop(ref)
@@ -165,16 +173,16 @@ def _run_shards(spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, p
             stats = ray.get(ref)
         except (RayActorError, RayTaskError) as exc:
             reason = _reason(exc)
-            metrics.record_failure(spec.name, name, reason, final=attempt > ex.max_retries)
             if isinstance(exc, RayActorError):
                 warming[_ping(actor)] = actor
             else:
                 idle.append(actor)
             if attempt <= ex.max_retries:
+                metrics.record_failure(spec.name, name, reason, final=False)
                 queue.append((url, name, attempt + 1))
                 bar.write(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
             else:
-                result.failed.append({"shard": name, "input_url": url, "attempts": attempt, "reason": reason})
+                fail(url, name, attempt, reason)
                 bar.write(f"shard {name}: FAILED after {attempt} attempts: {reason}")
                 bar.update(1)
             continue

@@ -87,25 +87,56 @@ def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> s
     )
 
 
-def follow(address: str, job_id: str, poll_seconds: float = 2.0) -> str:
-    """Print the job's logs as they grow until it reaches a terminal state; return that state."""
+def follow(address: str, job_id: str, poll_seconds: float = 2.0, progress: bool = False) -> str:
+    """Print the job's logs as they grow until it reaches a terminal state; return that state.
+
+    With ``progress``, a bar of shards finished (done or failed) out of the input's shards is
+    kept under the logs, with rows, tokens/s and an ETA from the job's own stats files.
+    """
+    from tqdm import tqdm
+
     client = _client(address)
-    shown = 0
-    while True:
-        status = str(client.get_job_status(job_id).value)
-        logs = client.get_job_logs(job_id)
-        if len(logs) > shown:
-            click.echo(logs[shown:], nl=False)
-            shown = len(logs)
-        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-            click.echo(f"job {job_id}: {status}", err=True)
-            return status
-        time.sleep(poll_seconds)
+    bar = tqdm(unit="shard", disable=not progress, dynamic_ncols=True)
+    shown, last_poll = 0, 0.0
+    try:
+        while True:
+            status = str(client.get_job_status(job_id).value)
+            logs = client.get_job_logs(job_id)
+            if len(logs) > shown:
+                bar.write(logs[shown:].rstrip("\n"))
+                shown = len(logs)
+            if progress and time.monotonic() - last_poll > 5 * poll_seconds:
+                last_poll = time.monotonic()
+                _update_bar(bar, job_status(address, job_id))
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                if progress:
+                    _update_bar(bar, job_status(address, job_id))
+                bar.close()
+                click.echo(f"job {job_id}: {status}", err=True)
+                return status
+            time.sleep(poll_seconds)
+    finally:
+        bar.close()
+
+
+def _update_bar(bar, info: dict) -> None:
+    finished = info.get("shards_done", 0) + info.get("shards_failed", 0)
+    if "shards_remaining" in info:
+        bar.total = finished + info["shards_remaining"]
+    bar.n = finished
+    bar.set_postfix(
+        failed=info.get("shards_failed", 0),
+        tok_s=info.get("tokens_per_second", 0),
+        alpha=info.get("alpha", 0),
+        refresh=False,
+    )
+    bar.refresh()
 
 
 def job_status(address: str, job_id: str) -> dict:
     """State of a submitted job plus progress read from its output's stats files."""
     from pipeline.report import load_stats, totals
+    from pipeline.storage import Storage
 
     client = _client(address)
     info = client.get_job_info(job_id)
@@ -118,13 +149,15 @@ def job_status(address: str, job_id: str) -> dict:
     stats = load_stats(output_url)
     t = totals(stats)
     done = len(stats)
+    failed = len(Storage(output_url).list("failed", suffix=".json"))
     result["shards_done"] = done
+    result["shards_failed"] = failed
     input_url = meta.get("input_url")
     if input_url:
         from pipeline.storage import list_shards
 
         total = len(list_shards(input_url))
-        result["shards_remaining"] = max(total - done, 0)
+        result["shards_remaining"] = max(total - done - failed, 0)
     elapsed = (time.time() - info.start_time / 1000) if info.start_time else None
     end = info.end_time / 1000 if info.end_time else None
     if end and info.start_time:

@@ -155,6 +155,7 @@ def test_a_shard_that_keeps_failing_is_reported_and_the_others_finish(tiny_pair_
     manifest = out.read_json("manifest.json")
     (failed,) = manifest["failed"]
     assert failed["attempts"] == 1 and "model actor died" in failed["reason"]
+    assert out.read_json(f"failed/{failed['shard']}.json") == failed  # written when it failed
     assert not out.exists("_SUCCESS")
     # the other two shards are complete, with all their rows
     assert len(out.list("stats")) == 2

@@ -84,7 +84,7 @@ def test_submit_to_a_ray_head_and_wait(tiny_pair_dirs, tmp_path, ray_head, monke
     spec_path.write_text(json.dumps(spec))
     monkeypatch.chdir(REPO)  # the project directory travels as the job's working_dir
     result = CliRunner().invoke(
-        main, ["submit", str(spec_path), "--address", ray_head, "--run-id", "sub1", "--wait"]
+        main, ["submit", str(spec_path), "--address", ray_head, "--run-id", "sub1", "--wait", "--progress"]
     )
     assert result.exit_code == 0, result.output
     job_id = re.search(r"^(raysubmit_\w+)$", result.stdout, re.M).group(1)
@@ -95,3 +95,5 @@ def test_submit_to_a_ray_head_and_wait(tiny_pair_dirs, tmp_path, ray_head, monke
     status = CliRunner().invoke(main, ["status", job_id, "--address", ray_head])
     assert status.exit_code == 0, status.output
     assert "SUCCEEDED" in status.output and "shards_done" in status.output
+    assert "shards_failed: 0" in status.output
+    assert re.search(r"1/1 \[[^]]*shard", result.stderr)  # the final state of the progress bar
