@@ -385,6 +385,38 @@ def _check_gpu_group_fits_the_job(group: dict, where: str) -> None:
     assert group["maxReplicas"] >= ex.num_actors, f"{where}: fewer GPU pods than the job's actors"
 
 
+K8S_VERSION = "1.33.0"
+
+
+def _pod_templates(spec: dict):
+    """(group, pod template) pairs of a RayCluster spec or of a RayJob's inline cluster."""
+    cluster = spec.get("rayClusterSpec", spec)
+    yield "head", cluster["headGroupSpec"]["template"]
+    for group in cluster.get("workerGroupSpecs", []):
+        yield group["groupName"], group["template"]
+    if "submitterPodTemplate" in spec:
+        yield "submitter", spec["submitterPodTemplate"]
+
+
+def test_manifests_match_the_kubernetes_schema():
+    """The official Kubernetes OpenAPI schema (strict: unknown fields are errors) for the CronJob
+    and for every pod template inside the KubeRay objects, whose CRD schema does not ship offline."""
+    kv = pytest.importorskip("kubernetes_validate")
+    kv.validate(_doc("kuberay/cronjob-nightly-translate.yaml"), K8S_VERSION, strict=True)
+    rayjob = yaml.safe_load(_render((INFRA / "kuberay/rayjob-translate.yaml").read_text()))
+    for doc in (_doc("kuberay/raycluster.yaml"), rayjob):
+        templates = dict(_pod_templates(doc["spec"]))
+        assert {"head", "gpu"} <= set(templates), templates.keys()
+        for group, template in templates.items():
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": group}}
+            kv.validate({**wrapped, "template": template}, K8S_VERSION, strict=True)
+    # and the check has teeth: a misspelled field is refused
+    broken = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}}
+    broken["template"] = {"spec": {"containers": [{"name": "a", "image": IMAGE, "resource": {}}]}}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, K8S_VERSION, strict=True)
+
+
 def test_raycluster():
     doc = _doc("kuberay/raycluster.yaml")
     _check_ray_cluster_spec(doc["spec"], "raycluster.yaml")
