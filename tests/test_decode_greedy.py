@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.decode.costs import CostModel
 from pipeline.decode.engine import EngineConfig, PromptError, SpeculativeEngine
 
 TEXTS = [
@@ -83,6 +84,43 @@ def test_adaptive_gamma_is_lossless_and_reuses_costs(case):
         assert [o.tokens for o in outputs] == refs
     assert engine.costs.target, "target pass costs were measured"
     assert sum(batch.gamma_histogram.values()) == batch.target_passes - 1
+
+
+# Seconds per target pass by width, and per draft step, as measured at batch 1 on a 2-core CPU
+# in float32 (the benchmark machine), and as they look on a GPU (verify width nearly free).
+CPU_COSTS = ({1: 0.40, 2: 0.83, 5: 1.23}, 0.22)
+GPU_COSTS = ({1: 0.020, 2: 0.021, 5: 0.022}, 0.004)
+
+
+def test_draft_could_pay_only_where_verify_width_is_cheap():
+    for costs, could_pay in ((CPU_COSTS, False), (GPU_COSTS, True)):
+        model = CostModel()
+        widths, draft = costs
+        for width, seconds in widths.items():
+            model.observe_target(1, width, seconds)
+        assert model.draft_could_pay(1, 8, alpha=0.95) is True  # draft not timed yet: measure it
+        model.observe_draft(1, 1, draft)
+        assert model.draft_could_pay(1, 8, alpha=0.95) is could_pay
+    assert CostModel().draft_could_pay(1, 8, alpha=0.95) is True  # nothing measured at all
+
+
+@pytest.mark.parametrize("costs, probes", [(CPU_COSTS, False), (GPU_COSTS, True)])
+def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
+    """Going target-only, the engine re-tries the draft now and then to re-measure α, unless
+    the measured costs say that no acceptance would make the draft pay."""
+    target, draft, _, prompts, eos, refs = case
+    engine = SpeculativeEngine(
+        target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(probe_every=1)
+    )
+    widths, draft_seconds = costs
+    for batch in range(1, len(prompts) + 1):
+        for width, seconds in widths.items():
+            engine.costs.observe_target(batch, width, seconds)
+        engine.costs.observe_draft(batch, 1, draft_seconds)
+    engine.alpha["draft_model"].drafted = 1e6  # a draft that is never accepted: target-only
+    outputs, batch = engine.generate(prompts, MAX_NEW, drafter="draft_model")
+    assert [o.tokens for o in outputs] == refs
+    assert (batch.draft_passes > 0) is probes
 
 
 def test_target_only_mode_equals_reference(case):

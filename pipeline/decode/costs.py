@@ -128,6 +128,23 @@ class CostModel:
         slope = max((row[w1] - row[w0]) / (w1 - w0), 0.0)
         return max(row[w0] + slope * (width - w0), 1e-6)
 
+    def draft_could_pay(self, batch: int, gamma_cap: int, alpha: float) -> bool:
+        """Whether the draft model could beat target-only here if it reached acceptance `alpha`.
+
+        False when verify passes grow so fast with their width (a CPU in float32) that even a
+        very good draft loses: re-measuring the draft's acceptance then only costs time. A
+        draft not yet timed counts as free and a width not yet timed is extrapolated, so
+        whatever is unknown says "could pay" and gets measured.
+        """
+        base = self.target_time(batch, 1)
+        if base is None:
+            return True
+        draft = self._nearest(self.draft, batch) or 0.0
+        return any(
+            expected_tokens(alpha, g) / (g * draft + self.target_time(batch, g + 1)) > 1 / base
+            for g in range(1, gamma_cap + 1)
+        )
+
     def draft_time(self, batch: int) -> float | None:
         measured = self._nearest(self.draft, batch)
         if measured is not None:

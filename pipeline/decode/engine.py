@@ -42,6 +42,7 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     probe_every: int = 32  # rounds without the draft model before trying it again
+    probe_alpha: float = 0.95  # acceptance a probe hopes for: no probe when even that cannot pay
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -416,5 +417,7 @@ class SpeculativeEngine:
             # four times less often (on short generations, once per several documents).
             cold = self.draft.lm.width == 0
             if self._rounds_without_model >= self.config.probe_every * (4 if cold else 1):
-                self._rounds_without_model, gamma = 0, 1  # re-measure the draft's acceptance
+                self._rounds_without_model = 0
+                if self.costs.draft_could_pay(batch, gamma_cap, self.config.probe_alpha):
+                    gamma = 1  # re-measure the draft's acceptance
         return cap, gamma, by_lookup
