@@ -136,8 +136,11 @@ def _run_shards(
     # Ping -> actor, for actors coming back from a crash: Ray restarts them, but a shard sent
     # while one restarts fails at once and would burn an attempt, so shards wait for the ping.
     warming: dict = {}
-    # Actors that died for good, in a row, with no shard done and no actor answering since: when
-    # as many as the pool have (each after its restarts), no actor can start and the job stops.
+    # Actors that answered at least once (a ping or a shard). One that dies for good after
+    # answering (killed more often than Ray restarts it, over a long job) is simply replaced.
+    # One that dies for good without ever answering could not start; when as many as the pool
+    # have, in a row, no actor can start (corrupt weights, model too big) and the job stops.
+    answered: set = set()
     dead_in_a_row = 0
     bar = tqdm(total=len(todo), unit="shard", disable=not _show_progress(progress), dynamic_ncols=True)
     rows = tokens = 0
@@ -154,9 +157,10 @@ def _run_shards(
             try:
                 ray.get(ref)
                 idle.append(actor)
+                answered.add(actor)
                 dead_in_a_row = 0
             except (RayActorError, RayTaskError) as exc:  # dead for good
-                dead_in_a_row += 1
+                dead_in_a_row += actor not in answered
                 if dead_in_a_row < pool:
                     actor = actor_class.remote(spec)
                     warming[_ping(actor)] = actor
@@ -177,6 +181,7 @@ def _run_shards(
                 warming[_ping(actor)] = actor
             else:
                 idle.append(actor)
+                answered.add(actor)
             if attempt <= ex.max_retries:
                 metrics.record_failure(spec.name, name, reason, final=False)
                 queue.append((url, name, attempt + 1))
@@ -187,6 +192,7 @@ def _run_shards(
                 bar.update(1)
             continue
         idle.append(actor)
+        answered.add(actor)
         dead_in_a_row = 0
         result.done.append(stats)
         metrics.record_shard(stats, spec.name)

@@ -25,7 +25,7 @@ from pipeline_helpers import DOCS, check_output, expected_text, job_dict, write_
 from s3_fixtures import TEST_KEY_ID, TEST_SECRET
 
 from pipeline.cli import main
-from pipeline.executor import run_job
+from pipeline.executor import ACTOR_RESTARTS, run_job
 from pipeline.shard import shard_name, shard_paths
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
@@ -134,6 +134,22 @@ def test_actor_killed_mid_shard_is_restarted_and_the_shard_retried(
     assert max(s["attempt"] for s in result.done) == 2  # the killed shard, on its second attempt
     out = Storage(str(tmp_path / "out"))
     check_output(tiny_models, spec, out, rows_in)  # every row once, each equal to target-only
+
+
+def test_an_actor_killed_more_often_than_ray_restarts_it_is_replaced(tiny_pair_dirs, tmp_path, ray_local):
+    """A long night can kill one actor more often than Ray's restart budget: the job goes on."""
+    expected = clean_corpus(Storage(str(tmp_path / "in")), shards=3, rows=6)
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), max_retries=4)
+    data["input"]["keep_columns"] = []
+    killer = ActorKiller(kills=ACTOR_RESTARTS + 1)
+    killer.start()
+    try:
+        result = run_job(spec_from_dict(data), progress=False)
+    finally:
+        killer.stop.set()
+    assert len(killer.killed) == ACTOR_RESTARTS + 1
+    assert result.ok and len(result.done) == 3, result.failed
+    assert_exactly_once(Storage(str(tmp_path / "out")), expected)
 
 
 def test_a_shard_that_keeps_failing_is_reported_and_the_others_finish(tiny_pair_dirs, tmp_path, ray_local):
