@@ -91,7 +91,7 @@ def follow(address: str, job_id: str, poll_seconds: float = 2.0, progress: bool 
     """Print the job's logs as they grow until it reaches a terminal state; return that state.
 
     With ``progress``, a bar of shards finished (done or failed) out of the input's shards is
-    kept under the logs, with rows, tokens/s and an ETA from the job's own stats files.
+    kept under the logs, with failed shards, tokens/s, α and tqdm's ETA, from the job's stats.
     """
     from tqdm import tqdm
 
@@ -105,18 +105,17 @@ def follow(address: str, job_id: str, poll_seconds: float = 2.0, progress: bool 
             if len(logs) > shown:
                 bar.write(logs[shown:].rstrip("\n"))
                 shown = len(logs)
-            if progress and time.monotonic() - last_poll > 5 * poll_seconds:
+            done = status in ("SUCCEEDED", "FAILED", "STOPPED")
+            if progress and (done or time.monotonic() - last_poll > 5 * poll_seconds):
                 last_poll = time.monotonic()
                 _update_bar(bar, job_status(address, job_id))
-            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-                if progress:
-                    _update_bar(bar, job_status(address, job_id))
-                bar.close()
-                click.echo(f"job {job_id}: {status}", err=True)
-                return status
+            if done:
+                break
             time.sleep(poll_seconds)
     finally:
         bar.close()
+    click.echo(f"job {job_id}: {status}", err=True)
+    return status
 
 
 def _update_bar(bar, info: dict) -> None:

@@ -43,7 +43,8 @@ def load_run(
     tables = []
     for name in store.list("outputs", suffix=".parquet"):
         table = store.read_parquet(name)
-        wanted = [c for c in (*ROW_COLUMNS, "generated", reference_column) if c in table.column_names]
+        text = ("generated", reference_column) if reference_column in table.column_names else ()
+        wanted = [c for c in (*ROW_COLUMNS, *text) if c in table.column_names]
         shard = name.rsplit("/", 1)[-1].removesuffix(".parquet")
         table = table.select(wanted)
         tables.append(table.append_column("shard", pa.array([shard] * table.num_rows, pa.string())))

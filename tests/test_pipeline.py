@@ -80,6 +80,10 @@ def test_s3_round_trip(tiny_models, tiny_pair_dirs, s3_server, ray_local):
     # read back with plain pyarrow too, as a downstream user would
     table = pq.read_table(f"{bucket}/results/r1/outputs/part-000.parquet", filesystem=out.fs)
     assert table.num_rows == 5
+    # and the report is written next to the results, in the bucket
+    report = CliRunner().invoke(main, ["report", f"s3://{bucket}/results/r1"])
+    assert report.exit_code == 0, report.output
+    assert out.exists("report/report.html") and out.exists("report/figures/acceptance.png")
 
 
 def test_cli_run_stats_and_validate(tiny_pair_dirs, tmp_path, ray_local):
