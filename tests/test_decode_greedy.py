@@ -123,6 +123,33 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
     assert (batch.draft_passes > 0) is probes
 
 
+def _engine_with_costs(case, widths: dict, draft_seconds: float, alpha: float, **config):
+    target, draft, _, _, eos, _ = case
+    config = EngineConfig(**config)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    for width, seconds in widths.items():
+        engine.costs.observe_target(1, width, seconds)
+    engine.costs.observe_draft(1, 1, draft_seconds)
+    rate = engine.alpha["draft_model"]
+    rate.drafted = 1e6  # a long history at exactly `alpha`, outweighing the prior
+    rate.accepted = alpha * (rate.drafted + rate.weight) - rate.prior * rate.weight
+    return engine
+
+
+@pytest.mark.parametrize("min_gain, gamma", [(0.05, 0), (0.0, 1)])
+def test_a_marginal_expected_gain_does_not_start_speculation(case, min_gain, gamma):
+    # alpha 0.5, free draft: gamma 1 yields 1.5 tokens per 1.456 s against 1 token per 1.0 s,
+    # 3% more, and every longer gamma less: inside the margin, so target-only.
+    engine = _engine_with_costs(case, {1: 1.0, 2: 1.456}, 0.0, alpha=0.5, min_gain=min_gain)
+    assert engine._choose_gammas(1, [0], ["prompt_lookup:1"], True, 4) == (0, gamma, [False])
+
+
+def test_plain_decoding_is_re_measured_while_speculating(case):
+    engine = _engine_with_costs(case, GPU_COSTS[0], GPU_COSTS[1], alpha=0.9, probe_every=1)
+    gammas = [engine._choose_gammas(1, [0], ["prompt_lookup:1"], True, 8)[1] for _ in range(10)]
+    assert [g == 0 for g in gammas] == [False] * 4 + [True] + [False] * 4 + [True], gammas
+
+
 def test_target_only_mode_equals_reference(case):
     target, draft, _, prompts, eos, refs = case
     engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0)

@@ -43,6 +43,9 @@ class EngineConfig:
     ngram_max: int = 4
     probe_every: int = 32  # rounds without the draft model before trying it again
     probe_alpha: float = 0.95  # acceptance a probe hopes for: no probe when even that cannot pay
+    # Speculate only when the expected rate beats target-only by this much: cost estimates are
+    # noisy (a slow spell inflates one measurement), and a marginal gain is not worth the risk.
+    min_gain: float = 0.05
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -172,6 +175,7 @@ class SpeculativeEngine:
         for n in range(self.config.ngram_min, self.config.ngram_max + 1):
             self.alpha[f"prompt_lookup:{n}"] = RunningRate(prior=min(0.2 + 0.15 * n, 0.8))
         self._rounds_without_model = 0
+        self._rounds_since_plain = 0
 
     def generate(
         self,
@@ -393,9 +397,16 @@ class SpeculativeEngine:
         if len(self.costs.target.get(batch, {})) == 1:  # then try speculating, moderately
             by_lookup = [n > 0 for n in look_lens]
             return gamma_cap, (min(4, gamma_cap) if use_model and not all(by_lookup) else 0), by_lookup
+        self._rounds_since_plain += 1
+        if self._rounds_since_plain > 4 * self.config.probe_every:
+            # Re-measure plain decoding now and then: while speculating its cost is never
+            # observed, and a value inflated by one slow spell would keep speculation looking good.
+            self._rounds_since_plain = 0
+            return 0, 0, [False] * rows
         a_model = self.alpha["draft_model"].value
         draft_time = self.costs.draft_time(batch) or 0.0
-        best, best_rate = (0, 0, [False] * rows), 0.0
+        plain_rate = rows / self.costs.target_time(batch, 1)
+        best, best_rate = (0, 0, [False] * rows), plain_rate * (1 + self.config.min_gain)
         for cap in range(gamma_cap + 1) if any(look_lens) else [0]:
             for gamma in range(gamma_cap + 1) if use_model else [0]:
                 tokens, width, by_lookup = 0.0, 1, []
@@ -420,4 +431,6 @@ class SpeculativeEngine:
                 self._rounds_without_model = 0
                 if self.costs.draft_could_pay(batch, gamma_cap, self.config.probe_alpha):
                     gamma = 1  # re-measure the draft's acceptance
+        if gamma == 0 and not any(by_lookup):
+            self._rounds_since_plain = 0  # this round measures plain decoding anyway
         return cap, gamma, by_lookup
