@@ -104,6 +104,23 @@ def test_draft_could_pay_only_where_verify_width_is_cheap():
     assert CostModel().draft_could_pay(1, 8, alpha=0.95) is True  # nothing measured at all
 
 
+def test_verify_cost_is_interpolated_piecewise_and_width_1_measured_first(tiny_models):
+    """On a CPU a 1-token pass takes a faster path: the cost jumps from width 1 to 2, then grows
+    gently. One line through the wider passes would put width 1 near 0.7 s instead of 0.4 s."""
+    model = CostModel()
+    for width, seconds in CPU_COSTS[0].items():
+        model.observe_target(1, width, seconds)
+    assert model.target_time(1, 1) == 0.40
+    assert model.target_time(1, 3) == pytest.approx(0.83 + (1.23 - 0.83) / 3)
+    assert model.target_time(1, 8) == pytest.approx(1.23 + 3 * (1.23 - 0.83) / 3)
+    # an engine that knows only wider passes measures plain decoding before any choice
+    target, draft, _ = tiny_models
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0)
+    for width in (2, 5):
+        engine.costs.observe_target(1, width, CPU_COSTS[0][width])
+    assert engine._choose_gammas(1, [0], ["prompt_lookup:1"], True, 8) == (0, 0, [False])
+
+
 @pytest.mark.parametrize("costs, probes", [(CPU_COSTS, False), (GPU_COSTS, True)])
 def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
     """Going target-only, the engine re-tries the draft now and then to re-measure α, unless
