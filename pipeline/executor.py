@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 import pipeline
 from pipeline import metrics
+from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name
 from pipeline.spec import JobSpec
 from pipeline.storage import Storage, _glob_root, list_shards
@@ -228,7 +229,7 @@ def _show_progress(progress: bool | None) -> bool:
 
 def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float) -> None:
     """manifest.json always (what ran and how it ended); _SUCCESS only when every shard is done."""
-    stats = [out.read_json(p) for p in out.list("stats", suffix=".json")]
+    stats = read_stats(out)
     totals = {
         "shards": len(stats),
         "rows_in": sum(s.get("rows_in", 0) for s in stats),

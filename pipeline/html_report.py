@@ -68,9 +68,9 @@ def write_report(
     figures = [f for f in (draw(run) for draw in RUN_FIGURES) if f is not None]
     if (q := quality_figure(scores)) is not None:
         figures.append(q)
-    out = Storage(report_url, storage_options) if report_url else Storage(output_url, storage_options).child(
-        "report"
-    )
+    out = Storage(report_url, storage_options) if report_url else Storage(output_url, storage_options)
+    if not report_url:
+        out = out.child("report")
     for figure in figures:
         out.write_bytes(f"figures/{figure.name}.png", figure.png)
     manifest = run.manifest or {}
@@ -81,7 +81,7 @@ def write_report(
             title=f"{manifest.get('job', 'job')} · {manifest.get('run_id', '')}",
             output_url=output_url,
             manifest=manifest,
-            complete=Storage(output_url, storage_options).exists("_SUCCESS"),
+            complete=run.complete,
             started=_when(manifest.get("started")),
             finished=_when(manifest.get("finished")),
             totals=totals(run.stats),

@@ -87,6 +87,10 @@ def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> s
     )
 
 
+# A progress refresh reads every stats file and lists the input: not on every log poll.
+PROGRESS_REFRESH_S = 30.0
+
+
 def follow(address: str, job_id: str, poll_seconds: float = 2.0, progress: bool = False) -> str:
     """Print the job's logs as they grow until it reaches a terminal state; return that state.
 
@@ -106,7 +110,7 @@ def follow(address: str, job_id: str, poll_seconds: float = 2.0, progress: bool 
                 bar.write(logs[shown:].rstrip("\n"))
                 shown = len(logs)
             done = status in ("SUCCEEDED", "FAILED", "STOPPED")
-            if progress and (done or time.monotonic() - last_poll > 5 * poll_seconds):
+            if progress and (done or time.monotonic() - last_poll > PROGRESS_REFRESH_S):
                 last_poll = time.monotonic()
                 _update_bar(bar, job_status(address, job_id))
             if done:

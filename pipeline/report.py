@@ -13,9 +13,13 @@ from pipeline.storage import Storage
 ROW_COLUMNS = ("id", "new_tokens", "alpha", "drafted", "accepted", "rounds", "latency_s")
 
 
-def load_stats(output_url: str, storage_options: dict | None = None) -> list[dict]:
-    store = Storage(output_url, storage_options)
+def read_stats(store: Storage) -> list[dict]:
+    """Every shard's stats file under a job's output."""
     return [store.read_json(name) for name in store.list("stats", suffix=".json")]
+
+
+def load_stats(output_url: str, storage_options: dict | None = None) -> list[dict]:
+    return read_stats(Storage(output_url, storage_options))
 
 
 @dataclass
@@ -27,6 +31,7 @@ class RunData:
     manifest: dict | None  # None while the first run of the job is still going
     rows: pa.Table  # per-row records of every shard plus a `shard` column
     reference_column: str | None  # the column the report compares `generated` with, if present
+    complete: bool  # _SUCCESS is there: every shard done
 
     @property
     def task_kind(self) -> str | None:
@@ -38,7 +43,7 @@ def load_run(
 ) -> RunData:
     """Stats, manifest and per-row records under OUTPUT_URL (only the columns the report needs)."""
     store = Storage(output_url, storage_options)
-    stats = sorted(load_stats(output_url, storage_options), key=lambda s: s["shard"])
+    stats = sorted(read_stats(store), key=lambda s: s["shard"])
     manifest = store.read_json("manifest.json") if store.exists("manifest.json") else None
     tables = []
     for name in store.list("outputs", suffix=".parquet"):
@@ -50,7 +55,8 @@ def load_run(
         tables.append(table.append_column("shard", pa.array([shard] * table.num_rows, pa.string())))
     rows = pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
     has_reference = reference_column in rows.column_names
-    return RunData(output_url, stats, manifest, rows, reference_column if has_reference else None)
+    reference = reference_column if has_reference else None
+    return RunData(output_url, stats, manifest, rows, reference, store.exists("_SUCCESS"))
 
 
 def totals(stats: list[dict]) -> dict:
