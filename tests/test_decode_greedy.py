@@ -86,39 +86,86 @@ def test_adaptive_gamma_is_lossless_and_reuses_costs(case):
     assert sum(batch.gamma_histogram.values()) == batch.target_passes - 1
 
 
-# Seconds per target pass by width, and per draft step, as measured at batch 1 on a 2-core CPU
-# in float32 (the benchmark machine), and as they look on a GPU (verify width nearly free).
+# Seconds per target pass by tokens in the pass (rows × width), and per draft pass, as measured
+# on the 1.5B/0.5B pair on a 2-core CPU in float32 (the benchmark machine), and as they look on
+# a GPU (a wider pass nearly free).
 CPU_COSTS = ({1: 0.40, 2: 0.83, 5: 1.23}, 0.22)
 GPU_COSTS = ({1: 0.020, 2: 0.021, 5: 0.022}, 0.004)
+# Batch 8, 400-token prompts (tools: a per-pass timing of the engine on the benchmark machine).
+BATCH8_TARGET = {8: 1.61, 16: 1.82, 24: 2.05, 40: 2.32, 72: 2.90}
+BATCH8_DRAFT = {8: 0.50, 16: 0.64}
+PREFILL_PER_TOKEN = {"target": 72.9 / (8 * 396), "draft": 22.3 / (8 * 396)}
 
 
-def test_draft_could_pay_only_where_verify_width_is_cheap():
-    for costs, could_pay in ((CPU_COSTS, False), (GPU_COSTS, True)):
-        model = CostModel()
-        widths, draft = costs
-        for width, seconds in widths.items():
-            model.observe_target(1, width, seconds)
-        assert model.draft_could_pay(1, 8, alpha=0.95) is True  # draft not timed yet: measure it
-        model.observe_draft(1, 1, draft)
-        assert model.draft_could_pay(1, 8, alpha=0.95) is could_pay
-    assert CostModel().draft_could_pay(1, 8, alpha=0.95) is True  # nothing measured at all
+def _costs(target: dict, draft: dict, prefill: dict | None = None) -> CostModel:
+    model = CostModel()
+    for tokens, seconds in target.items():
+        model.observe_target(1, tokens, seconds)
+    for tokens, seconds in draft.items():
+        model.observe_draft(1, tokens, seconds)
+    for name, rate in (prefill or {}).items():
+        model.observe_prefill(name, 1000, rate * 1000)
+    return model
+
+
+def test_pass_costs_are_keyed_by_tokens_so_every_batch_size_shares_them():
+    model = _costs(BATCH8_TARGET, BATCH8_DRAFT)
+    assert model.target_time(8, 1) == model.target_time(4, 2) == model.target_time(1, 8) == 1.61
+    assert model.target_time(7, 1) == pytest.approx(1.61 - (1.82 - 1.61) / 8)  # a shrinking batch
+    assert model.target_time(8, 4) == pytest.approx(2.05 + (2.32 - 2.05) / 2)
+    assert model.draft_time(8) == 0.50 and model.draft_time(8, 2) == 0.64
 
 
 def test_verify_cost_is_interpolated_piecewise_and_width_1_measured_first(tiny_models):
     """On a CPU a 1-token pass takes a faster path: the cost jumps from width 1 to 2, then grows
     gently. One line through the wider passes would put width 1 near 0.7 s instead of 0.4 s."""
-    model = CostModel()
-    for width, seconds in CPU_COSTS[0].items():
-        model.observe_target(1, width, seconds)
+    model = _costs(CPU_COSTS[0], {})
     assert model.target_time(1, 1) == 0.40
     assert model.target_time(1, 3) == pytest.approx(0.83 + (1.23 - 0.83) / 3)
     assert model.target_time(1, 8) == pytest.approx(1.23 + 3 * (1.23 - 0.83) / 3)
+    # the 1-token pass is no slope anchor: from {1, 2} alone, wider passes get the prior slope
+    # (and get measured), not the 1→2 jump repeated for every token (0.40 s more per token)
+    model = _costs({1: 0.40, 2: 0.83}, {})
+    assert model.target_time(1, 5) == pytest.approx(0.83 * (1 + 0.03 * 4) / (1 + 0.03))
     # an engine that knows only wider passes measures plain decoding before any choice
     target, draft, _ = tiny_models
     engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0)
     for width in (2, 5):
         engine.costs.observe_target(1, width, CPU_COSTS[0][width])
-    assert engine._choose_gammas(1, [0], ["prompt_lookup:1"], True, 8) == (0, 0, [False])
+    assert engine._choose_gammas([0], ["prompt_lookup:1"], True, 8, 100, 0.0) == (0, 0, [False])
+
+
+def _engine_with_costs(case, costs: CostModel, alpha: float, **config):
+    target, draft, _, _, eos, _ = case
+    config = EngineConfig(**config)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    engine.costs = costs
+    rate = engine.alpha["draft_model"]
+    rate.drafted = 1e6  # a long history at exactly `alpha`, outweighing the prior
+    rate.accepted = alpha * (rate.drafted + rate.weight) - rate.prior * rate.weight
+    return engine
+
+
+def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(case):
+    """The batch-8 benchmark defect: the draft model ran at 0.77x target-only on 24 new tokens.
+    Its decode rounds did gain (33 s of passes against 37 s), but the draft's prefill of the 8
+    prompts took 22 s, which no one had charged to the choice of drafting."""
+    costs = _costs(BATCH8_TARGET, BATCH8_DRAFT, PREFILL_PER_TOKEN)
+    engine = _engine_with_costs(case, costs, alpha=0.76)
+    cold = costs.catch_up_time(8, 396, cold=True)
+    assert cold == pytest.approx(22.3, rel=0.01)
+    lookup = ([0] * 8, ["prompt_lookup:1"] * 8, True, 8)
+    assert engine._choose_gammas(*lookup, 8 * 23, 0.0)[1] > 0  # warm: speculating pays
+    assert engine._choose_gammas(*lookup, 8 * 23, cold)[1] == 0  # 24 new tokens: it does not
+    assert engine._choose_gammas(*lookup, 8 * 500, cold)[1] > 0  # 500: it does again
+    # before the draft ever ran, its prefill is priced from the target's at the prior ratio
+    unmeasured = _costs(BATCH8_TARGET, {}, {"target": PREFILL_PER_TOKEN["target"]})
+    assert unmeasured.catch_up_time(8, 396, cold=True) == pytest.approx(72.9 * 0.4, rel=0.01)
+    # a warm draft a few tokens behind costs only the extra width of its catch-up pass
+    assert costs.catch_up_time(8, 2, cold=False) == 0.0
+    assert costs.catch_up_time(8, 2 + 1, cold=False) == pytest.approx(
+        0.64 + (0.64 - 0.50) - 0.50
+    )  # 24 tokens
 
 
 @pytest.mark.parametrize("costs, probes", [(CPU_COSTS, False), (GPU_COSTS, True)])
@@ -130,40 +177,33 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
         target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(probe_every=1)
     )
     widths, draft_seconds = costs
-    for batch in range(1, len(prompts) + 1):
-        for width, seconds in widths.items():
-            engine.costs.observe_target(batch, width, seconds)
-        engine.costs.observe_draft(batch, 1, draft_seconds)
+    # every pass size the batch can produce, each as dear as its tokens say (CPU) or not (GPU)
+    w1, w2 = widths[1], widths[2]
+    for tokens in range(1, len(prompts) * 9 + 1):
+        engine.costs.observe_target(1, tokens, w1 + (w2 - w1) * (tokens - 1) if probes else w1 * tokens)
+        engine.costs.observe_draft(1, tokens, draft_seconds)
+    # keep these costs: the tiny model's own passes take milliseconds, and mixing them in would
+    # make (say) 3 rows × 2 tokens look as cheap as the measured 6 rows × 1 token
+    engine.costs.target.smoothing = engine.costs.draft.smoothing = 0.0
     engine.alpha["draft_model"].drafted = 1e6  # a draft that is never accepted: target-only
     outputs, batch = engine.generate(prompts, MAX_NEW, drafter="draft_model")
     assert [o.tokens for o in outputs] == refs
     assert (batch.draft_passes > 0) is probes
 
 
-def _engine_with_costs(case, widths: dict, draft_seconds: float, alpha: float, **config):
-    target, draft, _, _, eos, _ = case
-    config = EngineConfig(**config)
-    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
-    for width, seconds in widths.items():
-        engine.costs.observe_target(1, width, seconds)
-    engine.costs.observe_draft(1, 1, draft_seconds)
-    rate = engine.alpha["draft_model"]
-    rate.drafted = 1e6  # a long history at exactly `alpha`, outweighing the prior
-    rate.accepted = alpha * (rate.drafted + rate.weight) - rate.prior * rate.weight
-    return engine
-
-
 @pytest.mark.parametrize("min_gain, gamma", [(0.05, 0), (0.0, 1)])
 def test_a_marginal_expected_gain_does_not_start_speculation(case, min_gain, gamma):
     # alpha 0.5, free draft: gamma 1 yields 1.5 tokens per 1.456 s against 1 token per 1.0 s,
     # 3% more, and every longer gamma less: inside the margin, so target-only.
-    engine = _engine_with_costs(case, {1: 1.0, 2: 1.456}, 0.0, alpha=0.5, min_gain=min_gain)
-    assert engine._choose_gammas(1, [0], ["prompt_lookup:1"], True, 4) == (0, gamma, [False])
+    costs = _costs({1: 1.0, 2: 1.456, 3: 1.912}, {1: 0.0})
+    engine = _engine_with_costs(case, costs, alpha=0.5, min_gain=min_gain)
+    assert engine._choose_gammas([0], ["prompt_lookup:1"], True, 4, 100, 0.0) == (0, gamma, [False])
 
 
 def test_plain_decoding_is_re_measured_while_speculating(case):
-    engine = _engine_with_costs(case, GPU_COSTS[0], GPU_COSTS[1], alpha=0.9, probe_every=1)
-    gammas = [engine._choose_gammas(1, [0], ["prompt_lookup:1"], True, 8)[1] for _ in range(10)]
+    costs = _costs(GPU_COSTS[0], {1: GPU_COSTS[1]})
+    engine = _engine_with_costs(case, costs, alpha=0.9, probe_every=1)
+    gammas = [engine._choose_gammas([0], ["prompt_lookup:1"], True, 8, 100, 0.0)[1] for _ in range(10)]
     assert [g == 0 for g in gammas] == [False] * 4 + [True] + [False] * 4 + [True], gammas
 
 

@@ -53,10 +53,7 @@ class BatchedLM:
         unfed = []
         for i, seq in enumerate(seqs):
             cached = self.tokens[i]
-            keep = 0
-            limit = min(len(cached), len(seq) - 1)
-            while keep < limit and cached[keep] == seq[keep]:
-                keep += 1
+            keep = self._agreeing(i, seq)
             if keep < len(cached):
                 dropped = self.slots[i][keep:]
                 self.mask[i, dropped] = 0
@@ -64,6 +61,19 @@ class BatchedLM:
                 del self.slots[i][keep:]
             unfed.append(seq[keep:])
         return unfed
+
+    def behind(self, seqs: list[list[int]]) -> int:
+        """The most tokens any row would feed if `sync(seqs)` ran now (what a catch-up costs)."""
+        return max((len(seq) - self._agreeing(i, seq) for i, seq in enumerate(seqs)), default=0)
+
+    def _agreeing(self, row: int, seq: list[int]) -> int:
+        """Leading cached tokens of `row` that agree with `seq`; never its last token, which
+        must be fed again for its logits."""
+        cached = self.tokens[row]
+        keep, limit = 0, min(len(cached), len(seq) - 1)
+        while keep < limit and cached[keep] == seq[keep]:
+            keep += 1
+        return keep
 
     @torch.no_grad()
     def forward(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:

@@ -27,10 +27,21 @@ class Proposal:
 
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
-    model_passes: int = 0
-    seconds: float = 0.0
-    step_passes: int = 0  # passes that fed at most 2 tokens per row: the steady-state step cost
-    step_seconds: float = 0.0
+    passes: list[PassTiming] = field(default_factory=list)  # model forward passes it ran
+
+    @property
+    def model_passes(self) -> int:
+        return len(self.passes)
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """One forward pass of a drafter's model, for the cost model."""
+
+    rows: int
+    width: int  # tokens per row, padding included
+    seconds: float
+    cold: bool  # the cache was empty: a prefill, timed per token rather than per step
 
 
 class Drafter(Protocol):
@@ -124,17 +135,15 @@ class DraftModelDrafter:
     ) -> Proposal:
         if gamma == 0:
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs))
-        passes, seconds = self.lm.forward_passes, self.lm.forward_seconds
         drafts: list[list[int]] = [[] for _ in seqs]
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         blocks = self.lm.sync(seqs)
-        step_passes, step_seconds = 0, 0.0
+        passes = []
         for _ in range(gamma):
-            before = self.lm.forward_seconds
+            cold, before = self.lm.width == 0, self.lm.forward_seconds
             logits = self.lm.forward(blocks, [1] * len(seqs))
-            if max(map(len, blocks)) <= 2:  # not a prefill or catch-up pass
-                step_passes += 1
-                step_seconds += self.lm.forward_seconds - before
+            seconds = self.lm.forward_seconds - before
+            passes.append(PassTiming(len(seqs), max(map(len, blocks)), seconds, cold))
             blocks = []
             for i, row_logits in enumerate(logits):
                 token, probs = choose(row_logits[-1], params, generator)
@@ -143,14 +152,7 @@ class DraftModelDrafter:
                     dists[i].append(probs)
                 blocks.append([token])
         probs_out = [torch.stack(d) if d else None for d in dists]
-        return Proposal(
-            tokens=drafts,
-            probs=probs_out,
-            model_passes=self.lm.forward_passes - passes,
-            seconds=self.lm.forward_seconds - seconds,
-            step_passes=step_passes,
-            step_seconds=step_seconds,
-        )
+        return Proposal(tokens=drafts, probs=probs_out, passes=passes)
 
     def select(self, rows: list[int]) -> None:
         self.lm.select(rows)

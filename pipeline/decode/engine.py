@@ -215,6 +215,8 @@ class SpeculativeEngine:
         # Prefill: one target pass over every prompt gives each row its first token.
         self.target.reset(len(rows))
         logits = self.target.forward([r.seq for r in rows], [1] * len(rows))
+        prefill_tokens = len(rows) * max(len(r.seq) for r in rows)
+        self.costs.observe_prefill("target", prefill_tokens, self.target.forward_seconds - target_seconds0)
         batch.target_passes += 1
         for row, row_logits in zip(rows, logits):
             token, _ = choose(row_logits[-1], sampling, generator)
@@ -235,14 +237,20 @@ class SpeculativeEngine:
             # 1. Draft: prompt lookup (free) first, then the draft model for rows it serves worse.
             look = self.lookup.propose(seqs, gamma_cap if use_lookup else 0, sampling, generator)
             look_keys = [f"prompt_lookup:{n}" for n in self.lookup.matched_ngram]
+            remaining = sum(max_new_tokens - r.stats.new_tokens for r in active)
+            catch_up = self._draft_catch_up(seqs) if use_model else 0.0
             cap, model_gamma, by_lookup = self._choose_gammas(
-                len(active), [len(t) for t in look.tokens], look_keys, use_model, gamma_cap
+                [len(t) for t in look.tokens], look_keys, use_model, gamma_cap, remaining, catch_up
             )
             model = Proposal([[] for _ in active], [None] * len(active))
             if model_gamma:
                 model = self.draft.propose(seqs, model_gamma, sampling, generator)
                 batch.draft_passes += model.model_passes
-                self.costs.observe_draft(len(active), model.step_passes, model.step_seconds)
+                for p in model.passes:
+                    if p.cold:
+                        self.costs.observe_prefill("draft", p.rows * p.width, p.seconds)
+                    else:
+                        self.costs.observe_draft(p.rows, p.width, p.seconds)
             drafts, probs, sources = [], [], []
             for i in range(len(active)):
                 if by_lookup[i]:
@@ -368,21 +376,32 @@ class SpeculativeEngine:
     def cost_ratio(self, batch: int) -> float | None:
         """Measured draft step over 1-token target pass at this batch size (None if unknown)."""
         target, draft = self.costs.target_time(batch, 1), self.costs.draft_time(batch)
-        return draft / target if target and draft and batch in self.costs.draft else None
+        return draft / target if target and draft and self.costs.draft.points else None
+
+    def _draft_catch_up(self, seqs: list[list[int]]) -> float:
+        """Seconds the draft model would spend catching up before it can propose (see costs)."""
+        return self.costs.catch_up_time(len(seqs), self.draft.lm.behind(seqs), cold=self.draft.lm.width == 0)
 
     def _draft_seconds(self) -> float:
         return self.draft.lm.forward_seconds if self.draft else 0.0
 
     def _choose_gammas(
-        self, batch: int, look_lens: list[int], look_keys: list[str], use_model: bool, gamma_cap: int
+        self,
+        look_lens: list[int],
+        look_keys: list[str],
+        use_model: bool,
+        gamma_cap: int,
+        remaining: int,
+        catch_up: float,
     ) -> tuple[int, int, list[bool]]:
         """Pick the prompt-lookup cap and the draft-model gamma that maximize expected tokens/s.
 
         Each row takes up to `cap` copied tokens from its lookup match or `gamma` draft-model
         tokens, whichever is expected to yield more; expected tokens come from the running
         acceptance (per drafter, per n-gram size), round time from the measured target cost
-        at the resulting block width plus gamma draft steps. Gamma 0 with no lookup is plain
-        target-only decoding, always a candidate. Returns (cap, gamma, row uses lookup).
+        at the resulting block width plus gamma draft steps, plus the draft's `catch_up`
+        seconds spread over the rounds left for the `remaining` tokens. Gamma 0 with no lookup
+        is plain target-only decoding, always a candidate. Returns (cap, gamma, row uses lookup).
         """
         rows = len(look_lens)
         if gamma_cap <= 0:
@@ -391,21 +410,43 @@ class SpeculativeEngine:
             by_lookup = [n > 0 for n in look_lens]
             gamma = gamma_cap if use_model and not all(by_lookup) else 0
             return gamma_cap, gamma, by_lookup
-        if not self.costs.has_target(batch, 1):
+        if not self.costs.has_target(rows, 1):
             # Measure plain decoding at this batch size first: every choice is compared with it.
             return 0, 0, [False] * rows
-        if len(self.costs.target.get(batch, {})) == 1:  # then try speculating, moderately
-            by_lookup = [n > 0 for n in look_lens]
-            return gamma_cap, (min(4, gamma_cap) if use_model and not all(by_lookup) else 0), by_lookup
         self._rounds_since_plain += 1
         if self._rounds_since_plain > 4 * self.config.probe_every:
             # Re-measure plain decoding now and then: while speculating its cost is never
             # observed, and a value inflated by one slow spell would keep speculation looking good.
             self._rounds_since_plain = 0
             return 0, 0, [False] * rows
-        a_model = self.alpha["draft_model"].value
-        draft_time = self.costs.draft_time(batch) or 0.0
-        plain_rate = rows / self.costs.target_time(batch, 1)
+        choice = (look_lens, look_keys, use_model, gamma_cap, remaining, catch_up)
+        cap, gamma, by_lookup = self._best(*choice, self.alpha["draft_model"].value)
+        if use_model and gamma == 0 and not all(by_lookup):
+            self._rounds_without_model += 1
+            if self._rounds_without_model >= self.config.probe_every:
+                self._rounds_without_model = 0
+                # Re-measure the draft's acceptance, unless even a very good draft would not
+                # pay here (verify passes too dear, or a catch-up the rounds left cannot repay).
+                if self._best(*choice, self.config.probe_alpha)[1]:
+                    gamma = 1
+        if gamma == 0 and not any(by_lookup):
+            self._rounds_since_plain = 0  # this round measures plain decoding anyway
+        return cap, gamma, by_lookup
+
+    def _best(
+        self,
+        look_lens: list[int],
+        look_keys: list[str],
+        use_model: bool,
+        gamma_cap: int,
+        remaining: int,
+        catch_up: float,
+        a_model: float,
+    ) -> tuple[int, int, list[bool]]:
+        """The choice of `_choose_gammas` with the draft model accepting at rate `a_model`."""
+        rows = len(look_lens)
+        draft_time = self.costs.draft_time(rows) or 0.0
+        plain_rate = rows / self.costs.target_time(rows, 1)
         best, best_rate = (0, 0, [False] * rows), plain_rate * (1 + self.config.min_gain)
         for cap in range(gamma_cap + 1) if any(look_lens) else [0]:
             for gamma in range(gamma_cap + 1) if use_model else [0]:
@@ -418,19 +459,9 @@ class SpeculativeEngine:
                     width = max(width, (min(n, cap) if by_lookup[-1] else gamma) + 1)
                 if gamma and all(by_lookup):
                     continue  # the draft model would run for nobody
-                seconds = gamma * draft_time + self.costs.target_time(batch, width)
+                seconds = gamma * draft_time + self.costs.target_time(rows, width)
+                if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
+                    seconds += catch_up * min(tokens / max(remaining, 1), 1.0)
                 if tokens / seconds > best_rate * 1.0001:
                     best, best_rate = (cap, gamma, by_lookup), tokens / seconds
-        cap, gamma, by_lookup = best
-        if use_model and gamma == 0 and not all(by_lookup):
-            self._rounds_without_model += 1
-            # A probe with a cold draft cache pays a whole prefill of the draft first: do it
-            # four times less often (on short generations, once per several documents).
-            cold = self.draft.lm.width == 0
-            if self._rounds_without_model >= self.config.probe_every * (4 if cold else 1):
-                self._rounds_without_model = 0
-                if self.costs.draft_could_pay(batch, gamma_cap, self.config.probe_alpha):
-                    gamma = 1  # re-measure the draft's acceptance
-        if gamma == 0 and not any(by_lookup):
-            self._rounds_since_plain = 0  # this round measures plain decoding anyway
-        return cap, gamma, by_lookup
+        return best
