@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -60,8 +61,31 @@ def ray_head():
     try:
         yield f"http://127.0.0.1:{dashboard}"
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_processes_under(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_processes_under(temp_dir: str) -> None:
+    """Stop this head's processes only. `ray stop` stops every Ray on the machine, the test
+    session's own included; the head's processes name its temp dir on their command lines."""
+    procs = {p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])}
+    for p in list(procs):
+        try:
+            procs.update(p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=15)
 
 
 def test_submit_to_a_ray_head_and_wait(tiny_pair_dirs, tmp_path, ray_head, monkeypatch):
