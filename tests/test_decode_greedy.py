@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.decode.costs import CostModel
-from pipeline.decode.engine import EngineConfig, PromptError, SpeculativeEngine
+from pipeline.decode.engine import EngineConfig, PromptError, RoundOptions, SpeculativeEngine
 
 TEXTS = [
     "The quick brown fox jumps",
@@ -132,7 +132,12 @@ def test_verify_cost_is_interpolated_piecewise_and_width_1_measured_first(tiny_m
     engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0)
     for width in (2, 5):
         engine.costs.observe_target(1, width, CPU_COSTS[0][width])
-    assert engine._choose_gammas([0], ["prompt_lookup:1"], True, 8, 100, 0.0) == (0, 0, [False])
+    assert engine._choose_gammas(_one_row()) == (0, 0, [False])
+
+
+def _one_row(gamma_cap: int = 8) -> RoundOptions:
+    """A round of one row, no lookup match, the draft model warm, 100 tokens to go."""
+    return RoundOptions([0], ["prompt_lookup:1"], True, gamma_cap, remaining=100, catch_up=0.0)
 
 
 def _engine_with_costs(case, costs: CostModel, alpha: float, **config):
@@ -155,9 +160,9 @@ def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(cas
     cold = costs.catch_up_time(8, 396, cold=True)
     assert cold == pytest.approx(22.3, rel=0.01)
     lookup = ([0] * 8, ["prompt_lookup:1"] * 8, True, 8)
-    assert engine._choose_gammas(*lookup, 8 * 23, 0.0)[1] > 0  # warm: speculating pays
-    assert engine._choose_gammas(*lookup, 8 * 23, cold)[1] == 0  # 24 new tokens: it does not
-    assert engine._choose_gammas(*lookup, 8 * 500, cold)[1] > 0  # 500: it does again
+    assert engine._choose_gammas(RoundOptions(*lookup, 8 * 23, 0.0))[1] > 0  # warm: it pays
+    assert engine._choose_gammas(RoundOptions(*lookup, 8 * 23, cold))[1] == 0  # 24 new tokens: not
+    assert engine._choose_gammas(RoundOptions(*lookup, 8 * 500, cold))[1] > 0  # 500: it does again
     # before the draft ever ran, its prefill is priced from the target's at the prior ratio
     unmeasured = _costs(BATCH8_TARGET, {}, {"target": PREFILL_PER_TOKEN["target"]})
     assert unmeasured.catch_up_time(8, 396, cold=True) == pytest.approx(72.9 * 0.4, rel=0.01)
@@ -197,13 +202,13 @@ def test_a_marginal_expected_gain_does_not_start_speculation(case, min_gain, gam
     # 3% more, and every longer gamma less: inside the margin, so target-only.
     costs = _costs({1: 1.0, 2: 1.456, 3: 1.912}, {1: 0.0})
     engine = _engine_with_costs(case, costs, alpha=0.5, min_gain=min_gain)
-    assert engine._choose_gammas([0], ["prompt_lookup:1"], True, 4, 100, 0.0) == (0, gamma, [False])
+    assert engine._choose_gammas(_one_row(gamma_cap=4)) == (0, gamma, [False])
 
 
 def test_plain_decoding_is_re_measured_while_speculating(case):
     costs = _costs(GPU_COSTS[0], {1: GPU_COSTS[1]})
     engine = _engine_with_costs(case, costs, alpha=0.9, probe_every=1)
-    gammas = [engine._choose_gammas([0], ["prompt_lookup:1"], True, 8, 100, 0.0)[1] for _ in range(10)]
+    gammas = [engine._choose_gammas(_one_row())[1] for _ in range(10)]
     assert [g == 0 for g in gammas] == [False] * 4 + [True] + [False] * 4 + [True], gammas
 
 

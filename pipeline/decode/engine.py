@@ -54,6 +54,18 @@ class EngineConfig:
             raise ValueError(f"gamma_max must be in 0..64, got {self.gamma_max}")
 
 
+@dataclass(frozen=True)
+class RoundOptions:
+    """What one round can choose from: each row's lookup match and the draft model's state."""
+
+    look_lens: list[int]  # tokens prompt lookup offers per row (0: no match)
+    look_keys: list[str]  # the acceptance-rate key of each row's match ("prompt_lookup:n")
+    use_model: bool
+    gamma_cap: int
+    remaining: int  # new tokens the active rows may still produce
+    catch_up: float  # seconds the draft model needs before it can propose (see costs)
+
+
 @dataclass
 class RowStats:
     """What speculation did for one row. Invariant: new_tokens == accepted + target_tokens."""
@@ -237,11 +249,15 @@ class SpeculativeEngine:
             # 1. Draft: prompt lookup (free) first, then the draft model for rows it serves worse.
             look = self.lookup.propose(seqs, gamma_cap if use_lookup else 0, sampling, generator)
             look_keys = [f"prompt_lookup:{n}" for n in self.lookup.matched_ngram]
-            remaining = sum(max_new_tokens - r.stats.new_tokens for r in active)
-            catch_up = self._draft_catch_up(seqs) if use_model else 0.0
-            cap, model_gamma, by_lookup = self._choose_gammas(
-                [len(t) for t in look.tokens], look_keys, use_model, gamma_cap, remaining, catch_up
+            options = RoundOptions(
+                look_lens=[len(t) for t in look.tokens],
+                look_keys=look_keys,
+                use_model=use_model,
+                gamma_cap=gamma_cap,
+                remaining=sum(max_new_tokens - r.stats.new_tokens for r in active),
+                catch_up=self._draft_catch_up(seqs) if use_model else 0.0,
             )
+            cap, model_gamma, by_lookup = self._choose_gammas(options)
             model = Proposal([[] for _ in active], [None] * len(active))
             if model_gamma:
                 model = self.draft.propose(seqs, model_gamma, sampling, generator)
@@ -385,30 +401,22 @@ class SpeculativeEngine:
     def _draft_seconds(self) -> float:
         return self.draft.lm.forward_seconds if self.draft else 0.0
 
-    def _choose_gammas(
-        self,
-        look_lens: list[int],
-        look_keys: list[str],
-        use_model: bool,
-        gamma_cap: int,
-        remaining: int,
-        catch_up: float,
-    ) -> tuple[int, int, list[bool]]:
+    def _choose_gammas(self, options: RoundOptions) -> tuple[int, int, list[bool]]:
         """Pick the prompt-lookup cap and the draft-model gamma that maximize expected tokens/s.
 
         Each row takes up to `cap` copied tokens from its lookup match or `gamma` draft-model
         tokens, whichever is expected to yield more; expected tokens come from the running
         acceptance (per drafter, per n-gram size), round time from the measured target cost
-        at the resulting block width plus gamma draft steps, plus the draft's `catch_up`
-        seconds spread over the rounds left for the `remaining` tokens. Gamma 0 with no lookup
-        is plain target-only decoding, always a candidate. Returns (cap, gamma, row uses lookup).
+        at the resulting block width plus gamma draft steps, plus the draft's catch-up seconds
+        spread over the rounds left for the remaining tokens. Gamma 0 with no lookup is plain
+        target-only decoding, always a candidate. Returns (cap, gamma, row uses lookup).
         """
-        rows = len(look_lens)
+        rows, gamma_cap = len(options.look_lens), options.gamma_cap
         if gamma_cap <= 0:
             return 0, 0, [False] * rows
         if not self.config.adaptive:
-            by_lookup = [n > 0 for n in look_lens]
-            gamma = gamma_cap if use_model and not all(by_lookup) else 0
+            by_lookup = [n > 0 for n in options.look_lens]
+            gamma = gamma_cap if options.use_model and not all(by_lookup) else 0
             return gamma_cap, gamma, by_lookup
         if not self.costs.has_target(rows, 1):
             # Measure plain decoding at this batch size first: every choice is compared with it.
@@ -419,37 +427,28 @@ class SpeculativeEngine:
             # observed, and a value inflated by one slow spell would keep speculation looking good.
             self._rounds_since_plain = 0
             return 0, 0, [False] * rows
-        choice = (look_lens, look_keys, use_model, gamma_cap, remaining, catch_up)
-        cap, gamma, by_lookup = self._best(*choice, self.alpha["draft_model"].value)
-        if use_model and gamma == 0 and not all(by_lookup):
+        cap, gamma, by_lookup = self._best(options, self.alpha["draft_model"].value)
+        if options.use_model and gamma == 0 and not all(by_lookup):
             self._rounds_without_model += 1
             if self._rounds_without_model >= self.config.probe_every:
                 self._rounds_without_model = 0
                 # Re-measure the draft's acceptance, unless even a very good draft would not
                 # pay here (verify passes too dear, or a catch-up the rounds left cannot repay).
-                if self._best(*choice, self.config.probe_alpha)[1]:
+                if self._best(options, self.config.probe_alpha)[1]:
                     gamma = 1
         if gamma == 0 and not any(by_lookup):
             self._rounds_since_plain = 0  # this round measures plain decoding anyway
         return cap, gamma, by_lookup
 
-    def _best(
-        self,
-        look_lens: list[int],
-        look_keys: list[str],
-        use_model: bool,
-        gamma_cap: int,
-        remaining: int,
-        catch_up: float,
-        a_model: float,
-    ) -> tuple[int, int, list[bool]]:
+    def _best(self, options: RoundOptions, a_model: float) -> tuple[int, int, list[bool]]:
         """The choice of `_choose_gammas` with the draft model accepting at rate `a_model`."""
+        look_lens, look_keys, gamma_cap = options.look_lens, options.look_keys, options.gamma_cap
         rows = len(look_lens)
         draft_time = self.costs.draft_time(rows) or 0.0
         plain_rate = rows / self.costs.target_time(rows, 1)
         best, best_rate = (0, 0, [False] * rows), plain_rate * (1 + self.config.min_gain)
         for cap in range(gamma_cap + 1) if any(look_lens) else [0]:
-            for gamma in range(gamma_cap + 1) if use_model else [0]:
+            for gamma in range(gamma_cap + 1) if options.use_model else [0]:
                 tokens, width, by_lookup = 0.0, 1, []
                 for n, key in zip(look_lens, look_keys):
                     from_look = expected_tokens(self.alpha[key].value, min(n, cap)) if n and cap else 0.0
@@ -461,7 +460,7 @@ class SpeculativeEngine:
                     continue  # the draft model would run for nobody
                 seconds = gamma * draft_time + self.costs.target_time(rows, width)
                 if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
-                    seconds += catch_up * min(tokens / max(remaining, 1), 1.0)
+                    seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
                 if tokens / seconds > best_rate * 1.0001:
                     best, best_rate = (cap, gamma, by_lookup), tokens / seconds
         return best
