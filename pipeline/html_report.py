@@ -68,9 +68,10 @@ def write_report(
     figures = [f for f in (draw(run) for draw in RUN_FIGURES) if f is not None]
     if (q := quality_figure(scores)) is not None:
         figures.append(q)
-    out = Storage(report_url, storage_options) if report_url else Storage(output_url, storage_options)
-    if not report_url:
-        out = out.child("report")
+    if report_url:
+        out = Storage(report_url, storage_options)
+    else:
+        out = Storage(output_url, storage_options).child("report")
     for figure in figures:
         out.write_bytes(f"figures/{figure.name}.png", figure.png)
     manifest = run.manifest or {}

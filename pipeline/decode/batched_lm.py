@@ -43,6 +43,11 @@ class BatchedLM:
     def width(self) -> int:
         return self.mask.shape[1]
 
+    @property
+    def cold(self) -> bool:
+        """Nothing cached yet: the next pass is a prefill."""
+        return self.width == 0
+
     def sync(self, seqs: list[list[int]]) -> list[list[int]]:
         """Roll each row's cache back to its longest prefix agreeing with `seqs[i]`.
 

@@ -72,6 +72,11 @@ class RunningRate:
         return min(rate, 0.99)
 
 
+def _ema(old: float | None, new: float, smoothing: float) -> float:
+    """Exponential moving average: recent measurements count most, one outlier not too much."""
+    return new if old is None else (1 - smoothing) * old + smoothing * new
+
+
 @dataclass
 class PassCosts:
     """Seconds of one forward pass as a function of the tokens it processes (rows × width).
@@ -87,8 +92,7 @@ class PassCosts:
     points: dict[int, float] = field(default_factory=dict)
 
     def observe(self, tokens: int, seconds: float) -> None:
-        old, k = self.points.get(tokens), self.smoothing
-        self.points[tokens] = seconds if old is None else (1 - k) * old + k * seconds
+        self.points[tokens] = _ema(self.points.get(tokens), seconds, self.smoothing)
 
     def has(self, tokens: int) -> bool:
         return tokens in self.points
@@ -136,6 +140,7 @@ class CostModel:
 
     verify_slope_prior: float = 0.03  # extra cost per extra token in a pass, relative
     draft_ratio_prior: float = 0.4  # draft pass / target pass before any measurement
+    smoothing: float = 0.3  # of the prefill rates
     target: PassCosts = field(default_factory=PassCosts)
     draft: PassCosts = field(default_factory=PassCosts)
     prefill: dict[str, float] = field(default_factory=dict)  # seconds per token, by model
@@ -147,8 +152,7 @@ class CostModel:
         self.draft.observe(batch * width, seconds)
 
     def observe_prefill(self, model: str, tokens: int, seconds: float) -> None:
-        rate, old, k = seconds / max(tokens, 1), self.prefill.get(model), self.target.smoothing
-        self.prefill[model] = rate if old is None else (1 - k) * old + k * rate
+        self.prefill[model] = _ema(self.prefill.get(model), seconds / max(tokens, 1), self.smoothing)
 
     def has_target(self, batch: int, width: int) -> bool:
         return self.target.has(batch * width)

@@ -140,7 +140,7 @@ class DraftModelDrafter:
         blocks = self.lm.sync(seqs)
         passes = []
         for _ in range(gamma):
-            cold, before = self.lm.width == 0, self.lm.forward_seconds
+            cold, before = self.lm.cold, self.lm.forward_seconds
             logits = self.lm.forward(blocks, [1] * len(seqs))
             seconds = self.lm.forward_seconds - before
             passes.append(PassTiming(len(seqs), max(map(len, blocks)), seconds, cold))

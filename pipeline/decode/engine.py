@@ -396,7 +396,7 @@ class SpeculativeEngine:
 
     def _draft_catch_up(self, seqs: list[list[int]]) -> float:
         """Seconds the draft model would spend catching up before it can propose (see costs)."""
-        return self.costs.catch_up_time(len(seqs), self.draft.lm.behind(seqs), cold=self.draft.lm.width == 0)
+        return self.costs.catch_up_time(len(seqs), self.draft.lm.behind(seqs), cold=self.draft.lm.cold)
 
     def _draft_seconds(self) -> float:
         return self.draft.lm.forward_seconds if self.draft else 0.0
