@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pipeline.decode.costs import predicted_speedup
 from pipeline.decode.engine import BatchStats, EngineConfig, SpeculativeEngine
 from pipeline.demo_data import docstrings
 from pipeline.models.loading import LoadedPair
@@ -32,6 +33,7 @@ class Row:
     batch: int
     tokens_per_second: float
     speedup: float | None
+    predicted: float | None  # Leviathan's speedup from this row's tau, draft steps and cost ratio
     alpha: float | None
     tau: float | None
     mean_gamma: float | None
@@ -94,7 +96,14 @@ def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: 
         total.add(b)
         row_passes += sum(r.stats.target_passes for r in rows)
         gamma += sum(r.stats.gamma_sum for r in rows)
+    row_passes = max(row_passes, 1)
     stats = {
+        # Leviathan's prediction from this run's tau, draft steps per target pass and cost ratio
+        "predicted": predicted_speedup(
+            total.new_tokens / row_passes,
+            total.draft_passes / max(total.target_passes, 1),
+            engine.cost_ratio(batch) or 0.0,
+        ),
         "drafted": total.drafted,
         "accepted": total.accepted,
         "passes": total.target_passes,
@@ -249,6 +258,7 @@ def _row(task: str, c: _Config, seconds: float, base: float | None, identical: b
         batch=c.batch,
         tokens_per_second=tokens / seconds,
         speedup=base / seconds if base else 1.0,
+        predicted=s.get("predicted"),
         alpha=(s["accepted"] / drafted if drafted else None) if s else None,
         tau=(s["tokens"] / s["row_passes"]) if s else None,
         mean_gamma=(s["gamma"] / max(s["row_passes"] - len(c.outputs), 1)) if s else None,
@@ -265,8 +275,9 @@ def _row(task: str, c: _Config, seconds: float, base: float | None, identical: b
 
 
 HEADER = (
-    f"{'task':<10} {'method':<24} {'batch':>5} {'tok/s':>7} {'speedup':>8} {'alpha':>6} {'tau':>5} "
-    f"{'gamma':>5} {'pass/tok':>8} {'tgt%':>5} {'dft%':>5} {'oth%':>5} {'same':>5} {'rss MB':>7}"
+    f"{'task':<10} {'method':<24} {'batch':>5} {'tok/s':>7} {'speedup':>8} {'pred':>6} "
+    f"{'alpha':>6} {'tau':>5} {'gamma':>5} {'pass/tok':>8}"
+    f" {'tgt%':>5} {'dft%':>5} {'oth%':>5} {'same':>5} {'rss MB':>7}"
 )
 
 
@@ -279,7 +290,8 @@ def _format_row(r: Row) -> str:
 
     return (
         f"{r.task:<10} {r.method:<24} {r.batch:>5} {r.tokens_per_second:>7.2f} {f(r.speedup):>7}x "
-        f"{f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} {f(r.target_passes_per_token):>8} "
+        f"{f(r.predicted):>5}x {f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} "
+        f"{f(r.target_passes_per_token):>8} "
         f"{pct(r.target_share):>5} {pct(r.draft_share):>5} {pct(r.other_share):>5} "
         f"{'yes' if r.identical else 'NO':>5} {r.peak_rss_mb:>7.0f}"
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from pipeline.decode.costs import alpha_from_tau
+from pipeline.decode.costs import alpha_from_tau, predicted_speedup
 from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.prompts import OverlongDocument, PromptBuilder
@@ -268,8 +268,7 @@ class ShardProcessor:
         )
         row_passes = sum(out.stats.target_passes for out, _ in spec_out)
         tau = spec.new_tokens / row_passes if row_passes else 0.0
-        # Leviathan's prediction: tau / (draft passes per target pass * c + 1), with c the
-        # measured cost of a draft step over a 1-token target pass.
+        # c: the measured cost of a draft step over a 1-token target pass
         c = self.engine.cost_ratio(min(len(sample), self.spec.execution.batch_size)) or 0.0
         per_pass = spec.draft_passes / spec.target_passes if spec.target_passes else 0.0
         base_tps, spec_tps = base.tokens_per_second, spec.tokens_per_second
@@ -283,7 +282,7 @@ class ShardProcessor:
             "speculative_tokens_per_second": spec_tps,
             "measured": spec_tps / base_tps if base_tps else None,
             "cost_ratio": c,
-            "predicted": tau / (per_pass * c + 1.0),
+            "predicted": predicted_speedup(tau, per_pass, c),
             "identical_rows": identical if self.sampling.greedy else None,
         }
 
