@@ -288,9 +288,12 @@ def _format_row(r: Row) -> str:
     def pct(v):
         return "-" if v is None else f"{100 * v:.0f}"
 
+    def times(v):
+        return "-" if v is None else f"{v:.2f}x"
+
     return (
-        f"{r.task:<10} {r.method:<24} {r.batch:>5} {r.tokens_per_second:>7.2f} {f(r.speedup):>7}x "
-        f"{f(r.predicted):>5}x {f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} "
+        f"{r.task:<10} {r.method:<24} {r.batch:>5} {r.tokens_per_second:>7.2f} {times(r.speedup):>8} "
+        f"{times(r.predicted):>6} {f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} "
         f"{f(r.target_passes_per_token):>8} "
         f"{pct(r.target_share):>5} {pct(r.draft_share):>5} {pct(r.other_share):>5} "
         f"{'yes' if r.identical else 'NO':>5} {r.peak_rss_mb:>7.0f}"
