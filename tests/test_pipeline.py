@@ -22,8 +22,11 @@ from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
 
 
-def scrape_metrics(*needles: str, timeout: float = 60.0) -> str:
-    """The Prometheus text of this node's Ray metrics endpoint, once it holds every needle."""
+def wait_for_metrics(*patterns: str, timeout: float = 60.0) -> None:
+    """Wait until every regex pattern matches this node's Ray metrics endpoint.
+
+    Counters from several actors reach the exporter at different times, so a scrape can hold a
+    job's label before its final count: wait for the values, not just the names."""
     port = ray.nodes()[0]["MetricsExportPort"]
     deadline = time.monotonic() + timeout
     text = ""
@@ -32,10 +35,10 @@ def scrape_metrics(*needles: str, timeout: float = 60.0) -> str:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         except OSError:
             text = ""
-        if all(n in text for n in needles):
-            return text
+        if all(re.search(p, text) for p in patterns):
+            return
         time.sleep(2)
-    raise AssertionError(f"metrics {needles} not exported within {timeout}s")
+    raise AssertionError(f"metrics {patterns} not exported within {timeout}s:\n{text[-2000:]}")
 
 
 def test_local_job_outputs_equal_target_only_and_rerun_skips(
@@ -50,10 +53,11 @@ def test_local_job_outputs_equal_target_only_and_rerun_skips(
     out = Storage(str(tmp_path / "out"))
     check_output(tiny_models, spec, out, rows_in)
     rows_out = sum(s["rows_out"] for s in result.done)
-    text = scrape_metrics("ray_pipeline_rows_total{", f'pipeline_job="{spec.name}"')
     job = f'pipeline_job="{spec.name}"'
-    assert re.search(rf"ray_pipeline_rows_total{{[^}}]*{job}[^}}]*}} {rows_out}(\.0)?\b", text)
-    assert re.search(r'ray_pipeline_alpha{[^}]*shard="part-000"', text)
+    wait_for_metrics(
+        rf"ray_pipeline_rows_total{{[^}}]*{job}[^}}]*}} {rows_out}(\.0)?\b",
+        r'ray_pipeline_alpha{[^}]*shard="part-000"',
+    )
 
     before = {n: out.read_bytes(n) for n in out.list("outputs")}
     again = run_job(spec, progress=False)
