@@ -48,6 +48,12 @@ class Row:
     peak_rss_mb: float
 
 
+@dataclass
+class Benchmark:
+    rows: list[Row]
+    costs: dict[str, dict]  # each of our engines' measured cost model, by drafter (CostModel.profile)
+
+
 def task_prompts(tokenizer, task: str, count: int, max_input_tokens: int) -> list[list[int]]:
     """Chat-templated prompts over standard-library docstrings (the demo corpus)."""
     if task == "summarize":
@@ -130,7 +136,7 @@ def run_benchmark(
     hf_lookup_tokens: tuple[int, ...] = (3, 10),
     drafters: tuple[str, ...] = ("draft_model", "prompt_lookup", "auto"),
     log: Callable[[str], None] = print,
-) -> list[Row]:
+) -> Benchmark:
     tok = pair.tokenizer
     eos = eos_ids(tok, pair.target)
     pad = pad_id(tok, pair.target)
@@ -186,7 +192,7 @@ def run_benchmark(
                     base="ours target-only",
                 )
         rows += bench.run(runs, log)
-    return rows
+    return Benchmark(rows, {kind: engine.costs.profile() for kind, engine in engines.items()})
 
 
 def _assistant(draft, k: int):
@@ -300,6 +306,7 @@ def _format_row(r: Row) -> str:
     )
 
 
-def write_json(rows: list[Row], path: str, meta: dict) -> None:
+def write_json(result: Benchmark, path: str, meta: dict) -> None:
     with open(path, "w") as fh:
-        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, fh, indent=2)
+        rows = [asdict(r) for r in result.rows]
+        json.dump({"meta": meta, "rows": rows, "costs": result.costs}, fh, indent=2)

@@ -309,7 +309,7 @@ def bench(
         f"{torch.get_num_threads()} threads"
     )
     click.echo(HEADER)
-    rows = run_benchmark(
+    result = run_benchmark(
         loaded,
         tasks=tuple(tasks.split(",")),
         docs=docs,
@@ -331,8 +331,21 @@ def bench(
         "max_new_tokens": max_new_tokens,
         "docs": docs,
     }
-    write_json(rows, out_path, meta)
+    costs = result.costs["auto"]
+    click.echo(
+        "measured by the auto engine, seconds: target pass by tokens "
+        + _seconds(costs["target_pass_seconds"])
+        + "; draft pass by tokens "
+        + _seconds(costs["draft_pass_seconds"])
+        + "; prefill per token "
+        + _seconds(costs["prefill_seconds_per_token"], ".4f")
+    )
+    write_json(result, out_path, meta)
     click.echo(f"wrote {out_path}")
+
+
+def _seconds(points: dict, spec: str = ".2f") -> str:
+    return ", ".join(f"{k}: {v:{spec}}" for k, v in points.items()) or "-"
 
 
 def _ints(text: str) -> tuple[int, ...]:

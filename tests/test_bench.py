@@ -63,3 +63,12 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
         assert r["predicted"] > 0
         if r["method"] == "ours target-only":
             assert r["predicted"] == 1.0 and r["draft_share"] == 0
+
+    # the measured costs behind the engine's choices come with the table: 1-token target
+    # passes at batch 1 and 2 (1 and 2 tokens processed) and the target's prefill rate
+    costs = report["costs"]
+    assert set(costs) == {"none", "draft_model", "prompt_lookup", "auto"}
+    for profile in costs.values():
+        assert {"1", "2"} <= set(profile["target_pass_seconds"])
+        assert profile["prefill_seconds_per_token"]["target"] > 0
+    assert "measured by the auto engine, seconds: target pass by tokens 1: " in result.output

@@ -167,6 +167,15 @@ class CostModel:
         base = self.target_time(batch, width)
         return None if base is None else base * self.draft_ratio_prior
 
+    def profile(self) -> dict[str, dict]:
+        """What was measured, for a benchmark's record of where the time goes: seconds of a
+        target and a draft pass by tokens processed (rows × width), prefill seconds per token."""
+        return {
+            "target_pass_seconds": dict(sorted(self.target.points.items())),
+            "draft_pass_seconds": dict(sorted(self.draft.points.items())),
+            "prefill_seconds_per_token": dict(sorted(self.prefill.items())),
+        }
+
     def catch_up_time(self, batch: int, behind: int, cold: bool) -> float:
         """Extra seconds the draft needs before its next proposal, beyond an ordinary step.
 
