@@ -33,6 +33,7 @@ class Row:
     batch: int
     tokens_per_second: float
     speedup: float | None
+    # our engine's columns from here on cover all runs (counters summed), not just the last
     predicted: float | None  # Leviathan's speedup from this row's tau, draft steps and cost ratio
     alpha: float | None
     tau: float | None
@@ -102,14 +103,9 @@ def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: 
         total.add(b)
         row_passes += sum(r.stats.target_passes for r in rows)
         gamma += sum(r.stats.gamma_sum for r in rows)
-    row_passes = max(row_passes, 1)
     stats = {
-        # Leviathan's prediction from this run's tau, draft steps per target pass and cost ratio
-        "predicted": predicted_speedup(
-            total.new_tokens / row_passes,
-            total.draft_passes / max(total.target_passes, 1),
-            engine.cost_ratio(batch) or 0.0,
-        ),
+        "cost_ratio": engine.cost_ratio(batch) or 0.0,  # averaged over the runs in _row
+        "draft_passes": total.draft_passes,
         "drafted": total.drafted,
         "accepted": total.accepted,
         "passes": total.target_passes,
@@ -214,7 +210,7 @@ class _Config:
     base: str | None  # method whose time at the same batch size is this one's 1.0x
     times: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # our engine's counters, summed over the runs
 
 
 @dataclass
@@ -236,8 +232,9 @@ class _TaskBench:
         for _ in range(runs):
             for c in self.configs:
                 began = time.perf_counter()
-                c.outputs, c.stats = c.fn()
+                c.outputs, stats = c.fn()
                 c.times.append(time.perf_counter() - began)
+                c.stats = {k: c.stats.get(k, 0) + v for k, v in stats.items()}
         reference = self.configs[0].outputs
         medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
         rows = []
@@ -250,10 +247,16 @@ class _TaskBench:
 
 
 def _row(task: str, c: _Config, seconds: float, base: float | None, identical: bool) -> Row:
-    s = c.stats
+    s, runs = c.stats, len(c.times)
     tokens = sum(len(o) for o in c.outputs)
     drafted = s.get("drafted")
     wall = s.get("wall_seconds") or 0.0
+    tau = s["tokens"] / max(s["row_passes"], 1) if s else None
+    predicted = None
+    if s:
+        # Leviathan's prediction from the runs' tau, draft steps per target pass and cost ratio
+        steps = s["draft_passes"] / max(s["passes"], 1)
+        predicted = predicted_speedup(tau, steps, s["cost_ratio"] / runs)
 
     def share(key: str) -> float | None:
         return s[key] / wall if wall else None
@@ -264,10 +267,11 @@ def _row(task: str, c: _Config, seconds: float, base: float | None, identical: b
         batch=c.batch,
         tokens_per_second=tokens / seconds,
         speedup=base / seconds if base else 1.0,
-        predicted=s.get("predicted"),
+        predicted=predicted,
         alpha=(s["accepted"] / drafted if drafted else None) if s else None,
-        tau=(s["tokens"] / s["row_passes"]) if s else None,
-        mean_gamma=(s["gamma"] / max(s["row_passes"] - len(c.outputs), 1)) if s else None,
+        tau=tau,
+        # each row's first pass is its prefill, which drafts nothing
+        mean_gamma=(s["gamma"] / max(s["row_passes"] - runs * len(c.outputs), 1)) if s else None,
         target_passes_per_token=(s["passes"] / s["tokens"]) if s else None,
         identical=identical,
         seconds_median=seconds,
