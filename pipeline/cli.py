@@ -261,6 +261,12 @@ def demo_data(out, shards, rows):
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
 @click.option(
+    "--batch-invariant/--stock-kernels",
+    default=None,
+    help="Target numerics (default: as a job would load it; see models.batch_invariant). HF runs "
+    "on the same loaded models.",
+)
+@click.option(
     "--hf-assistant-tokens", default="3,5", show_default=True, help="HF num_assistant_tokens to try."
 )
 @click.option(
@@ -282,6 +288,7 @@ def bench(
     runs,
     dtype,
     threads,
+    batch_invariant,
     hf_assistant_tokens,
     hf_lookup_tokens,
     drafters,
@@ -303,10 +310,11 @@ def bench(
     if threads:
         torch.set_num_threads(threads)
     target, draft = resolve_pair(pair)
-    loaded = load_pair(target, draft, dtype=dtype, device="auto")
+    loaded = load_pair(target, draft, dtype=dtype, device="auto", batch_invariant=batch_invariant)
     click.echo(
         f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, "
+        + ("batch-invariant target" if loaded.batch_invariant else "stock kernels")
     )
     click.echo(HEADER)
     result = run_benchmark(

@@ -500,6 +500,12 @@ class ModelsSpec(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when the actor has a GPU, else cpu."
     )
+    batch_invariant: bool | None = Field(
+        None,
+        description="Target numerics that do not depend on how many tokens or rows share a pass, so "
+        "speculative output is bitwise the target's own (1-row matrix products run as 2 rows, "
+        "attention in float64). Default (null): on for bfloat16/float16 on CPU, off otherwise.",
+    )
     trust_remote_code: bool = Field(
         False, description="Allow custom modelling/tokenizer code from the model repository."
     )

@@ -57,6 +57,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         dtype=spec.models.dtype,
         device=spec.models.device,
         trust_remote_code=spec.models.trust_remote_code,
+        batch_invariant=spec.models.batch_invariant,
     )
     tokenizer = pair.tokenizer
     drafter = spec.drafter.kind

@@ -14,6 +14,7 @@ enough on its own: the CLI should print `str(e)` instead of a traceback.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from urllib.parse import unquote, urlparse
 
 import torch
 
+from . import invariant
 from .pairs import (
     ConfigError,
     ModelError,
@@ -35,6 +37,8 @@ from .pairs import (
     load_models_config,
     marker_problem,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ConfigError",
@@ -353,6 +357,7 @@ class LoadedPair:
     device: str
     target_ref: ModelRef
     draft_ref: ModelRef | None = None
+    batch_invariant: bool = False
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -386,6 +391,7 @@ class LoadedPair:
             ),
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": self.device,
+            "batch_invariant": self.batch_invariant,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -428,11 +434,20 @@ def load_pair(
     dtype: str | torch.dtype = "auto",
     device: str = "auto",
     trust_remote_code: bool = False,
+    batch_invariant: bool | None = None,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
-    both models in eval mode. Tokenizers are checked before any weights are read."""
+    both models in eval mode. Tokenizers are checked before any weights are read.
+
+    `batch_invariant` (None: on for 16-bit dtypes on CPU) gives the target numerics that do not
+    depend on how many tokens or rows share a pass, so that speculative output is bitwise the
+    target's own (see `pipeline.models.invariant`). The draft needs no such care: its
+    proposals are checked.
+    """
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    if batch_invariant is None:
+        batch_invariant = invariant.wanted(torch_dtype, device)
     times: dict[str, float] = {}
     t = time.perf_counter()
     tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
@@ -446,6 +461,14 @@ def load_pair(
     target_model = load_model(target, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     times["target_s"] = time.perf_counter() - t
     _check_embeddings(target_model, tokenizer, target, "target")
+    if batch_invariant:
+        invariant.make_batch_invariant(target_model)
+        if device == "cpu" and not invariant.linear_is_row_invariant(torch_dtype):
+            log.warning(
+                "this CPU's %s matrix products round a row differently with the number of rows: "
+                "speculative output may differ from target-only decoding at near-ties",
+                str(torch_dtype).removeprefix("torch."),
+            )
     draft_model = None
     if draft is not None:
         t = time.perf_counter()
@@ -460,5 +483,6 @@ def load_pair(
         device=device,
         target_ref=target,
         draft_ref=draft,
+        batch_invariant=batch_invariant,
         load_seconds=times,
     )

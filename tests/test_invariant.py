@@ -1,0 +1,105 @@
+"""Batch-invariant target numerics: in bf16, speculative output is bitwise the target's own.
+
+In bf16 a token's logits depend on how many tokens share its pass (a 1-row matrix product
+takes another kernel) and on the masked cache slots around its keys, so a near-tie can flip
+between target-only decoding and a wide verify pass. `make_batch_invariant` removes both
+dependencies; these tests check the logits bit for bit, not approximately.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.models import invariant
+from pipeline.models.loading import ModelRef, load_pair
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tiny_pair_dirs):
+    """The tiny pair in bf16, the target made batch-invariant (the session's float32 models stay)."""
+    target_dir, draft_dir = tiny_pair_dirs
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16).eval()
+    return invariant.make_batch_invariant(target), draft
+
+
+def _prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (count, length), generator=gen).tolist()
+
+
+def test_a_token_gets_the_same_logits_alone_in_a_wide_pass_and_in_a_ragged_batch(bf16_pair):
+    target, _ = bf16_pair
+    p = _prompts(3, 120)
+    lm = BatchedLM(target, pad_token_id=0)
+    # alone: prefill, then one token per pass (what target-only decoding does)
+    lm.reset(1)
+    lm.forward([p[0][:110]], [1])
+    alone = torch.cat([lm.forward([[t]], [1])[0] for t in p[0][110:120]])
+    # alone, all ten in one verify pass
+    lm.reset(1)
+    lm.forward([p[0][:110]], [1])
+    wide = lm.forward([p[0][110:120]], [10])[0]
+    # in a batch of three rows of other lengths, after a rejected draft left holes in the cache
+    lm.reset(3)
+    lm.forward([p[0][:105], p[1][:80], p[2][:119]], [1, 1, 1])
+    lm.forward([p[0][105:110] + [7, 7], p[1][80:81], p[2][119:120]], [1, 1, 1])
+    unfed = lm.sync([p[0][:111], p[1][:82], p[2][:120] + [5]])
+    assert unfed == [[p[0][110]], [p[1][81]], [5]]
+    batch = lm.forward([p[0][110:120], p[1][81:82], [5]], [10, 1, 1])[0]
+    assert torch.equal(alone, wide)
+    assert torch.equal(alone, batch)
+
+
+def test_float64_attention_computes_the_same_attention(tiny_pair_dirs):
+    """Same function as the stock attention, to float64 precision rather than bitwise."""
+    target_dir, _ = tiny_pair_dirs
+    ids = torch.tensor(_prompts(2, 40, seed=1))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # a left-padded row
+    stock = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        expected = stock(input_ids=ids, attention_mask=mask).logits
+        got = invariant.make_batch_invariant(stock)(input_ids=ids, attention_mask=mask).logits
+    assert stock.config._attn_implementation == invariant.NAME
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got[1, 7:], expected[1, 7:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "auto"])
+def test_bf16_speculative_output_is_bitwise_target_only(bf16_pair, drafter, batch_size):
+    target, draft = bf16_pair
+    prompts = _prompts(6, 30, seed=2)
+    engine = SpeculativeEngine(
+        target, draft, eos_token_ids=[1], pad_token_id=0, config=EngineConfig(adaptive=False, gamma_max=5)
+    )
+    reference = [engine.generate([p], 24, drafter="none")[0][0].tokens for p in prompts]
+    drafted = 0
+    for start in range(0, len(prompts), batch_size):
+        outputs, stats = engine.generate(prompts[start : start + batch_size], 24, drafter=drafter)
+        assert [o.tokens for o in outputs] == reference[start : start + batch_size]
+        drafted += stats.drafted
+    assert drafted > 0
+
+
+def test_the_loader_makes_16_bit_cpu_targets_invariant(tiny_pair_dirs, caplog):
+    target_dir, draft_dir = tiny_pair_dirs
+    caplog.set_level(logging.WARNING, logger="pipeline.models.loading")
+    bf16 = load_pair(ModelRef(str(target_dir)), ModelRef(str(draft_dir)), dtype="bf16", device="cpu")
+    assert bf16.batch_invariant and bf16.manifest()["batch_invariant"] is True
+    assert bf16.target.config._attn_implementation == invariant.NAME
+    assert bf16.draft.config._attn_implementation != invariant.NAME  # drafts are checked anyway
+    # where this CPU's kernels cannot keep the promise, the loader says so
+    warned = any("near-ties" in r.getMessage() for r in caplog.records)
+    assert warned is not invariant.linear_is_row_invariant(torch.bfloat16)
+    fp32 = load_pair(ModelRef(str(target_dir)), None, dtype="float32", device="cpu")
+    assert not fp32.batch_invariant and fp32.target.config._attn_implementation != invariant.NAME
+    off = load_pair(ModelRef(str(target_dir)), None, dtype="bf16", device="cpu", batch_invariant=False)
+    assert not off.batch_invariant
