@@ -131,6 +131,7 @@ def run_benchmark(
     hf_assistant_tokens: tuple[int, ...] = (3, 5),
     hf_lookup_tokens: tuple[int, ...] = (3, 10),
     drafters: tuple[str, ...] = ("draft_model", "prompt_lookup", "auto"),
+    draft_vocab: int = EngineConfig.draft_vocab,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
     tok = pair.tokenizer
@@ -143,7 +144,7 @@ def run_benchmark(
             eos_token_ids=eos,
             pad_token_id=pad,
             vocab_size=pair.vocab_size,
-            config=EngineConfig(drafter=kind),
+            config=EngineConfig(drafter=kind, draft_vocab=draft_vocab),
         )
         for kind in ("none", "draft_model", "prompt_lookup", "auto")
     }

@@ -278,6 +278,12 @@ def demo_data(out, shards, rows):
     show_default=True,
     help="Our drafters to run at every batch size (target-only always runs).",
 )
+@click.option(
+    "--draft-vocab",
+    default=32768,
+    show_default=True,
+    help="Our draft model proposes among ids below this plus prompt tokens (0: all; drafter.draft_vocab).",
+)
 @click.option("--out", "out_path", default="bench.json", show_default=True, help="Where to write the JSON.")
 def bench(
     pair,
@@ -292,6 +298,7 @@ def bench(
     hf_assistant_tokens,
     hf_lookup_tokens,
     drafters,
+    draft_vocab,
     out_path,
 ):
     """Benchmark target-only vs our speculative engine vs HF assisted generation, one run.
@@ -327,6 +334,7 @@ def bench(
         hf_assistant_tokens=_ints(hf_assistant_tokens),
         hf_lookup_tokens=_ints(hf_lookup_tokens),
         drafters=tuple(d for d in drafters.split(",") if d),
+        draft_vocab=draft_vocab,
         log=click.echo,
     )
     meta = {
@@ -338,6 +346,7 @@ def bench(
         "runs": runs,
         "max_new_tokens": max_new_tokens,
         "docs": docs,
+        "draft_vocab": draft_vocab,
     }
     costs = result.costs["auto"]
     click.echo(

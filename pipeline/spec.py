@@ -538,6 +538,13 @@ class DrafterSpec(_Section):
     )
     ngram_max: int = Field(4, ge=1, le=16, description="Largest n-gram size tried by prompt lookup.")
     ngram_min: int = Field(1, ge=1, le=16, description="Smallest n-gram size tried by prompt lookup.")
+    draft_vocab: int = Field(
+        32768,
+        ge=0,
+        description="The draft model proposes only token ids below this, plus the batch's prompt tokens "
+        "and EOS: a cheaper output layer for the draft (lossless either way; 0 = the whole vocabulary). "
+        "Raise it, or use 0, for output languages whose tokens have high ids.",
+    )
 
     @field_validator("ngram_min")
     @classmethod

@@ -76,6 +76,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
             adaptive=spec.drafter.adaptive,
             ngram_min=spec.drafter.ngram_min,
             ngram_max=spec.drafter.ngram_max,
+            draft_vocab=spec.drafter.draft_vocab,
         ),
     )
     info = pair.manifest()

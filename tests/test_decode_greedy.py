@@ -7,6 +7,7 @@ import torch
 
 from pipeline.decode.costs import CostModel
 from pipeline.decode.engine import EngineConfig, PromptError, RoundOptions, SpeculativeEngine
+from pipeline.decode.sampling import SamplingParams
 
 TEXTS = [
     "The quick brown fox jumps",
@@ -74,6 +75,22 @@ def test_greedy_matches_target_for_every_gamma(case, drafter, batch_size):
             totals["drafted"] += batch.drafted
     # both the accept and the reject paths ran
     assert 0 < totals["accepted"] < totals["drafted"]
+
+
+def test_a_draft_with_a_restricted_output_layer_stays_lossless(case):
+    """The draft proposes among ids below 64 plus its batch's prompt tokens and EOS only."""
+    target, draft, _, prompts, eos, refs = case
+    config = EngineConfig(drafter="draft_model", gamma_max=4, adaptive=False, draft_vocab=64)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    outputs, batch = engine.generate(prompts, MAX_NEW)
+    assert [o.tokens for o in outputs] == refs
+    assert 0 < batch.accepted < batch.drafted
+    # (the draft starts after the prefill: each row's first token, the target's, is in its prompt)
+    allowed = set(range(64)) | {t for p, r in zip(prompts, refs) for t in p + r[:1]} | set(eos)
+    assert set(engine.draft.lm.head_rows.tolist()) == allowed
+    engine.draft.start([prompts[2]])
+    proposal = engine.draft.propose([prompts[2]], 3, SamplingParams(), torch.Generator())
+    assert set(proposal.tokens[0]) <= allowed
 
 
 def test_adaptive_gamma_is_lossless_and_reuses_costs(case):

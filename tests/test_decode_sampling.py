@@ -62,13 +62,13 @@ def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def sample_tokens(target, draft, drafter: str, params: SamplingParams) -> torch.Tensor:
+def sample_tokens(target, draft, drafter: str, params: SamplingParams, draft_vocab: int) -> torch.Tensor:
     engine = SpeculativeEngine(
         target,
         draft,
         eos_token_ids=[],
         pad_token_id=0,
-        config=EngineConfig(drafter=drafter, gamma_max=2, adaptive=False),
+        config=EngineConfig(drafter=drafter, gamma_max=2, adaptive=False, draft_vocab=draft_vocab),
     )
     outputs, batch = engine.generate([PROMPT] * SAMPLES, 3, params)
     assert 0 < batch.accepted < batch.drafted
@@ -83,17 +83,19 @@ def statistics(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]
 
 
 @pytest.mark.parametrize(
-    "drafter,params",
+    "drafter,params,draft_vocab",
     [
-        ("draft_model", SamplingParams(greedy=False, seed=11)),
-        ("draft_model", SamplingParams(greedy=False, temperature=0.7, top_k=5, top_p=0.9, seed=12)),
-        ("prompt_lookup", SamplingParams(greedy=False, seed=13)),
+        ("draft_model", SamplingParams(greedy=False, seed=11), 0),
+        ("draft_model", SamplingParams(greedy=False, temperature=0.7, top_k=5, top_p=0.9, seed=12), 0),
+        ("prompt_lookup", SamplingParams(greedy=False, seed=13), 0),
+        # a draft restricted to ids 0, 1 and the prompt's: it never proposes 4 or 6, the target may
+        ("draft_model", SamplingParams(greedy=False, seed=14), 2),
     ],
 )
-def test_speculative_sampling_follows_the_target(pair, drafter, params):
+def test_speculative_sampling_follows_the_target(pair, drafter, params, draft_vocab):
     target, draft = pair
     joint = exact_joint(target, params)
-    second, pairs = statistics(sample_tokens(target, draft, drafter, params), joint)
+    second, pairs = statistics(sample_tokens(target, draft, drafter, params, draft_vocab), joint)
     assert second < CHI2_CRITICAL[7], second
     assert pairs < CHI2_CRITICAL[63], pairs
 

@@ -30,7 +30,21 @@ class BatchedLM:
         self.device = next(model.parameters()).device
         self.forward_passes = 0
         self.forward_seconds = 0.0
+        self.head_rows: torch.Tensor | None = None  # see restrict_head
         self.reset(0)
+
+    def restrict_head(self, rows: torch.Tensor | None) -> None:
+        """Compute logits only for the token ids `rows` (others get -inf); None: all of them.
+
+        For a draft model: its output layer over a 152k vocabulary is a large share of a small
+        model's step (33 of 85 ms on the 0.5B Qwen draft at batch 1), while its proposals come
+        from a much smaller set of likely tokens. The weight rows are gathered once here.
+        """
+        self.head_rows = rows
+        if rows is not None:
+            head = self.model.get_output_embeddings()
+            self._head_weight = head.weight[rows.to(head.weight.device)]
+            self._head_bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
 
     def reset(self, batch_size: int) -> None:
         """Start an empty cache for `batch_size` rows."""
@@ -110,15 +124,23 @@ class BatchedLM:
 
         base = self.width
         attention = torch.cat([self.mask, block_mask.to(self.device)], dim=1)
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "attention_mask": attention,
+            "position_ids": positions.to(self.device),
+            "past_key_values": self.cache,
+            "use_cache": True,
+        }
+        keep = torch.tensor(columns, device=self.device)
         began = time.perf_counter()
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=attention,
-            position_ids=positions.to(self.device),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=torch.tensor(columns, device=self.device),
-        )
+        if self.head_rows is None:
+            logits = self.model(**inputs, logits_to_keep=keep).logits[..., : self.vocab_size].float()
+        else:
+            hidden = self.model.base_model(**inputs).last_hidden_state[:, keep]
+            some = torch.nn.functional.linear(hidden, self._head_weight, self._head_bias).float()
+            vocab = self.vocab_size or self.model.get_output_embeddings().weight.shape[0]
+            logits = some.new_full((*some.shape[:-1], vocab), float("-inf"))
+            logits[..., self.head_rows] = some
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - began
@@ -128,7 +150,6 @@ class BatchedLM:
         for i, block in enumerate(blocks):
             self.tokens[i].extend(block)
             self.slots[i].extend(range(base, base + len(block)))
-        logits = out.logits[..., : self.vocab_size].float()
         return [logits[i, [column_index[c] for c in cols]] for i, cols in enumerate(wanted)]
 
     def select(self, rows: list[int]) -> None:

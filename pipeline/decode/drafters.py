@@ -124,11 +124,34 @@ class DraftModelDrafter:
     name = "draft_model"
     costs_a_pass = True
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        vocab_size: int | None = None,
+        *,
+        head_tokens: int = 0,
+        always: tuple[int, ...] = (),
+    ):
+        """`head_tokens` > 0 lets the draft propose only token ids below it, plus every token of
+        the batch's prompts (what input-grounded outputs copy) and `always` (EOS): a cheaper
+        output layer (see `BatchedLM.restrict_head`). Byte-level BPE vocabularies number
+        tokens in merge order, so low ids are the common ones. Lossless either way: the target
+        checks every proposal, and a sampled proposal reports the distribution it came from."""
         self.lm = BatchedLM(model, pad_token_id, vocab_size)
+        vocab = vocab_size or model.get_output_embeddings().weight.shape[0]
+        self.head_tokens = head_tokens if 0 < head_tokens < vocab else 0
+        self.always = [t for t in always if t < vocab]
+        self.vocab = vocab
 
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.reset(len(prompts))
+        if self.head_tokens:
+            extra = {t for p in prompts for t in p if self.head_tokens <= t < self.vocab}
+            rows = list(range(self.head_tokens)) + sorted(
+                extra.union(self.always) - set(range(self.head_tokens))
+            )
+            self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
 
     def propose(
         self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator

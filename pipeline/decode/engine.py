@@ -43,6 +43,8 @@ class EngineConfig:
     ngram_max: int = 4
     probe_every: int = 32  # rounds without the draft model before trying it again
     probe_alpha: float = 0.95  # acceptance a probe hopes for: no probe when even that cannot pay
+    # The draft model proposes among token ids below this (plus prompt tokens and EOS); 0: all.
+    draft_vocab: int = 32768
     # Speculate only when the expected rate beats target-only by this much: cost estimates are
     # noisy (a slow spell inflates one measurement), and a marginal gain is not worth the risk.
     min_gain: float = 0.05
@@ -52,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if not 0 <= self.gamma_max <= 64:
             raise ValueError(f"gamma_max must be in 0..64, got {self.gamma_max}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,11 @@ class SpeculativeEngine:
         # and its draft): compare distributions over the tokens both models can produce.
         vocab = vocab_size or min(m.config.vocab_size for m in (target, draft) if m is not None)
         self.target = BatchedLM(target, pad_token_id, vocab)
-        self.draft = DraftModelDrafter(draft, pad_token_id, vocab) if draft is not None else None
+        self.draft = None
+        if draft is not None:
+            self.draft = DraftModelDrafter(
+                draft, pad_token_id, vocab, head_tokens=self.config.draft_vocab, always=tuple(eos_token_ids)
+            )
         self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)
         self.eos = frozenset(eos_token_ids)
         self.decode_text = decode_text
