@@ -120,9 +120,10 @@ def test_actor_killed_mid_shard_is_restarted_and_the_shard_retried(
     tiny_models, tiny_pair_dirs, tmp_path, ray_local
 ):
     rows_in = write_corpus(Storage(str(tmp_path / "in")))
-    spec = spec_from_dict(
-        job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), max_retries=2)
-    )
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), max_retries=2)
+    # shards long enough for the killer to find one mid-decode on a fast (AVX-512) machine
+    data["generation"]["max_new_tokens"] = 48
+    spec = spec_from_dict(data)
     killer = ActorKiller(kills=1)
     killer.start()
     try:
