@@ -147,10 +147,9 @@ class DraftModelDrafter:
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.reset(len(prompts))
         if self.head_tokens:
-            extra = {t for p in prompts for t in p if self.head_tokens <= t < self.vocab}
-            rows = list(range(self.head_tokens)) + sorted(
-                extra.union(self.always) - set(range(self.head_tokens))
-            )
+            extra = {t for p in prompts for t in p}.union(self.always)
+            rare = sorted(t for t in extra if self.head_tokens <= t < self.vocab)
+            rows = list(range(self.head_tokens)) + rare
             self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
 
     def propose(
