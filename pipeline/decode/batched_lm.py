@@ -26,7 +26,8 @@ class BatchedLM:
     def __init__(self, model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None):
         self.model = model
         self.pad_token_id = pad_token_id
-        self.vocab_size = vocab_size  # logits are cut to this width (target and draft may differ)
+        # logits are cut to this width (target and draft embeddings may be padded differently)
+        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
         self.forward_passes = 0
         self.forward_seconds = 0.0
@@ -138,8 +139,7 @@ class BatchedLM:
         else:
             hidden = self.model.base_model(**inputs).last_hidden_state[:, keep]
             some = torch.nn.functional.linear(hidden, self._head_weight, self._head_bias).float()
-            vocab = self.vocab_size or self.model.get_output_embeddings().weight.shape[0]
-            logits = some.new_full((*some.shape[:-1], vocab), float("-inf"))
+            logits = some.new_full((*some.shape[:-1], self.vocab_size), float("-inf"))
             logits[..., self.head_rows] = some
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

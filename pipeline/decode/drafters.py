@@ -139,16 +139,14 @@ class DraftModelDrafter:
         tokens in merge order, so low ids are the common ones. Lossless either way: the target
         checks every proposal, and a sampled proposal reports the distribution it came from."""
         self.lm = BatchedLM(model, pad_token_id, vocab_size)
-        vocab = vocab_size or model.get_output_embeddings().weight.shape[0]
-        self.head_tokens = head_tokens if 0 < head_tokens < vocab else 0
-        self.always = [t for t in always if t < vocab]
-        self.vocab = vocab
+        self.head_tokens = head_tokens if 0 < head_tokens < self.lm.vocab_size else 0
+        self.always = always
 
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.reset(len(prompts))
         if self.head_tokens:
             extra = {t for p in prompts for t in p}.union(self.always)
-            rare = sorted(t for t in extra if self.head_tokens <= t < self.vocab)
+            rare = sorted(t for t in extra if self.head_tokens <= t < self.lm.vocab_size)
             rows = list(range(self.head_tokens)) + rare
             self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
 
