@@ -35,6 +35,7 @@ class Row:
     speedup: float | None
     # our engine's columns from here on cover all runs (counters summed), not just the last
     predicted: float | None  # Leviathan's speedup from this row's tau, draft steps and cost ratio
+    predicted_job: float | None  # the same carried to the whole job: both prefills added back
     alpha: float | None
     tau: float | None
     mean_gamma: float | None
@@ -114,6 +115,8 @@ def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: 
         "tokens": total.new_tokens,
         "target_seconds": total.target_seconds,
         "draft_seconds": total.draft_seconds,
+        "prefill_seconds": total.prefill_seconds,
+        "draft_prefill_seconds": total.draft_prefill_seconds,
         "wall_seconds": total.wall_seconds,
     }
     return outputs, stats
@@ -238,16 +241,33 @@ class _TaskBench:
                 c.stats = {k: c.stats.get(k, 0) + v for k, v in stats.items()}
         reference = self.configs[0].outputs
         medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
+        stats = {(c.method, c.batch): c.stats for c in self.configs}
         rows = []
         for c in self.configs:
             seconds = medians[(c.method, c.batch)]
             base = medians.get((c.base, c.batch)) if c.base else None
-            rows.append(_row(self.task, c, seconds, base, c.outputs == reference))
+            base_stats = stats.get((c.base, c.batch), {}) if c.base else {}
+            rows.append(_row(self.task, c, seconds, base, base_stats, c.outputs == reference))
             log(_format_row(rows[-1]))
         return rows
 
 
-def _row(task: str, c: _Config, seconds: float, base: float | None, identical: bool) -> Row:
+def job_prediction(spec: dict, base: dict, decode_speedup: float | None) -> float | None:
+    """Leviathan's decode-only speedup carried to the whole job.
+
+    His formula covers the decoding rounds; a job also pays the target's prefill (the same with
+    or without speculation) and, with a draft model, the draft's own prefill. Target-only time
+    is split into prefill and decoding as measured; the prediction speeds up only the decoding
+    and adds the speculative run's measured prefills back. Counters are sums over the same runs.
+    """
+    if not (spec and base and decode_speedup and base.get("wall_seconds")):
+        return None
+    base_decode = base["wall_seconds"] - base["prefill_seconds"]
+    prefills = spec["prefill_seconds"] + spec["draft_prefill_seconds"]
+    return base["wall_seconds"] / (prefills + base_decode / decode_speedup)
+
+
+def _row(task: str, c: _Config, seconds: float, base: float | None, base_stats: dict, identical: bool) -> Row:
     s, runs = c.stats, len(c.times)
     tokens = sum(len(o) for o in c.outputs)
     drafted = s.get("drafted")
@@ -269,6 +289,7 @@ def _row(task: str, c: _Config, seconds: float, base: float | None, identical: b
         tokens_per_second=tokens / seconds,
         speedup=base / seconds if base else 1.0,
         predicted=predicted,
+        predicted_job=job_prediction(s, base_stats, predicted),
         alpha=(s["accepted"] / drafted if drafted else None) if s else None,
         tau=tau,
         # each row's first pass is its prefill, which drafts nothing
@@ -286,7 +307,7 @@ def _row(task: str, c: _Config, seconds: float, base: float | None, identical: b
 
 
 HEADER = (
-    f"{'task':<10} {'method':<24} {'batch':>5} {'tok/s':>7} {'speedup':>8} {'pred':>6} "
+    f"{'task':<10} {'method':<24} {'batch':>5} {'tok/s':>7} {'speedup':>8} {'pred':>6} {'job':>6} "
     f"{'alpha':>6} {'tau':>5} {'gamma':>5} {'pass/tok':>8}"
     f" {'tgt%':>5} {'dft%':>5} {'oth%':>5} {'same':>5} {'rss MB':>7}"
 )
@@ -304,7 +325,8 @@ def _format_row(r: Row) -> str:
 
     return (
         f"{r.task:<10} {r.method:<24} {r.batch:>5} {r.tokens_per_second:>7.2f} {times(r.speedup):>8} "
-        f"{times(r.predicted):>6} {f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} "
+        f"{times(r.predicted):>6} {times(r.predicted_job):>6} "
+        f"{f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} "
         f"{f(r.target_passes_per_token):>8} "
         f"{pct(r.target_share):>5} {pct(r.draft_share):>5} {pct(r.other_share):>5} "
         f"{'yes' if r.identical else 'NO':>5} {r.peak_rss_mb:>7.0f}"

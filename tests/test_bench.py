@@ -11,7 +11,7 @@ import textwrap
 
 from click.testing import CliRunner
 
-from pipeline.bench import HEADER
+from pipeline.bench import HEADER, job_prediction
 from pipeline.cli import main
 
 
@@ -63,6 +63,9 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
         assert r["predicted"] > 0
         if r["method"] == "ours target-only":
             assert r["predicted"] == 1.0 and r["draft_share"] == 0
+            assert r["predicted_job"] is None  # it is the baseline
+        else:
+            assert r["predicted_job"] > 0
 
     # the measured costs behind the engine's choices come with the table: 1-token target
     # passes at batch 1 and 2 (1 and 2 tokens processed) and the target's prefill rate
@@ -72,3 +75,12 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
         assert {"1", "2"} <= set(profile["target_pass_seconds"])
         assert profile["prefill_seconds_per_token"]["target"] > 0
     assert "measured by the auto engine, seconds: target pass by tokens 1: " in result.output
+
+
+def test_the_job_prediction_speeds_up_only_the_decoding_and_adds_the_prefills_back():
+    # target-only: 10 s, of which 2 s prefill; speculative: the same prefill plus 1 s of draft
+    # prefill, and decoding predicted 2x faster: 2 + 1 + 8 / 2 = 7 s, so 10 / 7
+    base = {"wall_seconds": 10.0, "prefill_seconds": 2.0, "draft_prefill_seconds": 0.0}
+    spec = {"wall_seconds": 6.5, "prefill_seconds": 2.0, "draft_prefill_seconds": 1.0}
+    assert abs(job_prediction(spec, base, 2.0) - 10 / 7) < 1e-12
+    assert job_prediction(spec, {}, 2.0) is None and job_prediction(spec, base, None) is None

@@ -259,6 +259,9 @@ def test_counters_are_consistent(case):
     assert batch.new_tokens == sum(len(o.tokens) for o in outputs)
     assert batch.accepted <= batch.drafted
     assert batch.target_seconds > 0 and batch.draft_seconds > 0
+    # the prefills are timed apart (the benchmark's whole-job prediction adds them back)
+    assert 0 < batch.prefill_seconds < batch.target_seconds
+    assert 0 < batch.draft_prefill_seconds < batch.draft_seconds
     assert {o.finish_reason for o in outputs} <= {"eos", "length"}
 
 

@@ -14,6 +14,7 @@ of every block can attend to at least one valid key and no attention row is full
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -32,6 +33,7 @@ class BatchedLM:
         self.forward_passes = 0
         self.forward_seconds = 0.0
         self.head_rows: torch.Tensor | None = None  # see restrict_head
+        self.cache_keyword = _cache_keyword(model)
         self.reset(0)
 
     def restrict_head(self, rows: torch.Tensor | None) -> None:
@@ -129,7 +131,7 @@ class BatchedLM:
             "input_ids": ids.to(self.device),
             "attention_mask": attention,
             "position_ids": positions.to(self.device),
-            "past_key_values": self.cache,
+            self.cache_keyword: self.cache,
             "use_cache": True,
         }
         keep = torch.tensor(columns, device=self.device)
@@ -186,3 +188,13 @@ class BatchedLM:
             idx = gather[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[-1])
             layer.values = layer.values.gather(2, idx)
         self.mask = mask.to(self.device)
+
+
+def _cache_keyword(model: PreTrainedModel) -> str:
+    """The forward argument that takes the KV cache.
+
+    transformers renamed `past_key_values` to `cache` in 5.24 and warns on the old name until
+    it is removed in 5.40; models written for older releases only know the old one.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

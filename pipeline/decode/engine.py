@@ -124,6 +124,8 @@ class BatchStats:
     draft_passes: int = 0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the target's prefill pass, part of target_seconds
+    draft_prefill_seconds: float = 0.0  # the draft's cold catch-up passes, part of draft_seconds
     wall_seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
@@ -137,7 +139,13 @@ class BatchStats:
         """Accumulate another batch's counters (a shard or a benchmark is many batches)."""
         for key in ("rows", "new_tokens", "target_passes", "draft_passes", "drafted", "accepted"):
             setattr(self, key, getattr(self, key) + getattr(other, key))
-        for key in ("target_seconds", "draft_seconds", "wall_seconds"):
+        for key in (
+            "target_seconds",
+            "draft_seconds",
+            "prefill_seconds",
+            "draft_prefill_seconds",
+            "wall_seconds",
+        ):
             setattr(self, key, getattr(self, key) + getattr(other, key))
         for gamma, count in other.gamma_histogram.items():
             self.gamma_histogram[gamma] = self.gamma_histogram.get(gamma, 0) + count
@@ -236,7 +244,8 @@ class SpeculativeEngine:
         self.target.reset(len(rows))
         logits = self.target.forward([r.seq for r in rows], [1] * len(rows))
         prefill_tokens = len(rows) * max(len(r.seq) for r in rows)
-        self.costs.observe_prefill("target", prefill_tokens, self.target.forward_seconds - target_seconds0)
+        batch.prefill_seconds = self.target.forward_seconds - target_seconds0
+        self.costs.observe_prefill("target", prefill_tokens, batch.prefill_seconds)
         batch.target_passes += 1
         for row, row_logits in zip(rows, logits):
             token, _ = choose(row_logits[-1], sampling, generator)
@@ -272,6 +281,7 @@ class SpeculativeEngine:
                 batch.draft_passes += model.model_passes
                 for p in model.passes:
                     if p.cold:
+                        batch.draft_prefill_seconds += p.seconds
                         self.costs.observe_prefill("draft", p.rows * p.width, p.seconds)
                     else:
                         self.costs.observe_draft(p.rows, p.width, p.seconds)
