@@ -19,7 +19,7 @@ import torch
 
 from pipeline.decode.costs import predicted_speedup
 from pipeline.decode.engine import BatchStats, EngineConfig, SpeculativeEngine
-from pipeline.demo_data import docstrings
+from pipeline.demo_data import CORPORA
 from pipeline.models.loading import LoadedPair
 from pipeline.prompts import PromptBuilder
 from pipeline.spec import TaskSpec
@@ -56,8 +56,10 @@ class Benchmark:
     costs: dict[str, dict]  # each of our engines' measured cost model, by drafter (CostModel.profile)
 
 
-def task_prompts(tokenizer, task: str, count: int, max_input_tokens: int) -> list[list[int]]:
-    """Chat-templated prompts over standard-library docstrings (the demo corpus)."""
+def task_prompts(
+    tokenizer, task: str, count: int, max_input_tokens: int, corpus: str = "docstrings"
+) -> list[list[int]]:
+    """Chat-templated prompts over the first `count` documents of a corpus (see CORPORA)."""
     if task == "summarize":
         spec = TaskSpec(kind="summarize", max_input_tokens=max_input_tokens)
     else:
@@ -68,9 +70,9 @@ def task_prompts(tokenizer, task: str, count: int, max_input_tokens: int) -> lis
             max_input_tokens=max_input_tokens,
         )
     builder = PromptBuilder(tokenizer, spec)
-    docs = docstrings()[:count]
+    docs = CORPORA[corpus]()[:count]
     if len(docs) < count:
-        raise ValueError(f"only {len(docs)} documents available")
+        raise ValueError(f"only {len(docs)} {corpus} documents on this machine, {count} asked for")
     return [builder.build(d["text"]).ids for d in docs]
 
 
@@ -130,6 +132,7 @@ def run_benchmark(
     batches: tuple[int, ...] = (1, 4),
     max_new_tokens: int = 48,
     max_input_tokens: int = 384,
+    corpus: str = "docstrings",
     runs: int = 3,
     hf_assistant_tokens: tuple[int, ...] = (3, 5),
     hf_lookup_tokens: tuple[int, ...] = (3, 10),
@@ -153,7 +156,7 @@ def run_benchmark(
     }
     rows: list[Row] = []
     for task in tasks:
-        prompts = task_prompts(tok, task, docs, max_input_tokens)
+        prompts = task_prompts(tok, task, docs, max_input_tokens, corpus)
         # warm-up: first calls pay for allocations and (for our engine) cost calibration
         for kind, engine in engines.items():
             engine.generate(prompts[:1], 8, drafter=kind)

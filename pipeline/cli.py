@@ -255,6 +255,14 @@ def demo_data(out, shards, rows):
 )
 @click.option("--tasks", default="summarize,translate", show_default=True)
 @click.option("--docs", default=4, show_default=True, help="Documents per task.")
+@click.option(
+    "--corpus",
+    type=click.Choice(["docstrings", "licenses"]),
+    default="docstrings",
+    show_default=True,
+    help="Standard-library docstrings (the demo corpus), or sections of the license texts shipped "
+    "with Python and the OS (legal prose whose summaries copy more of their input).",
+)
 @click.option("--batches", default="1,4", show_default=True, help="Batch sizes for our engine.")
 @click.option("--max-new-tokens", default=48, show_default=True)
 @click.option("--runs", default=3, show_default=True, help="Runs per configuration (median reported).")
@@ -289,6 +297,7 @@ def bench(
     pair,
     tasks,
     docs,
+    corpus,
     batches,
     max_new_tokens,
     runs,
@@ -328,6 +337,7 @@ def bench(
         loaded,
         tasks=tuple(tasks.split(",")),
         docs=docs,
+        corpus=corpus,
         batches=tuple(int(b) for b in batches.split(",")),
         max_new_tokens=max_new_tokens,
         runs=runs,
@@ -346,6 +356,7 @@ def bench(
         "runs": runs,
         "max_new_tokens": max_new_tokens,
         "docs": docs,
+        "corpus": corpus,
         "draft_vocab": draft_vocab,
     }
     costs = result.costs["auto"]
