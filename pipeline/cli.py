@@ -275,6 +275,12 @@ def demo_data(out, shards, rows):
     "on the same loaded models.",
 )
 @click.option(
+    "--draft-int8/--draft-as-loaded",
+    default=None,
+    help="Draft decode steps on int8 weights (default: as a job would load it; see "
+    "models.draft_int8). HF's assisted generation gets the same draft.",
+)
+@click.option(
     "--hf-assistant-tokens", default="3,5", show_default=True, help="HF num_assistant_tokens to try."
 )
 @click.option(
@@ -304,6 +310,7 @@ def bench(
     dtype,
     threads,
     batch_invariant,
+    draft_int8,
     hf_assistant_tokens,
     hf_lookup_tokens,
     drafters,
@@ -326,11 +333,14 @@ def bench(
     if threads:
         torch.set_num_threads(threads)
     target, draft = resolve_pair(pair)
-    loaded = load_pair(target, draft, dtype=dtype, device="auto", batch_invariant=batch_invariant)
+    loaded = load_pair(
+        target, draft, dtype=dtype, device="auto", batch_invariant=batch_invariant, draft_int8=draft_int8
+    )
     click.echo(
         f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
         f"{torch.get_num_threads()} threads, "
         + ("batch-invariant target" if loaded.batch_invariant else "stock kernels")
+        + (", int8 draft steps" if loaded.draft_int8 else "")
     )
     click.echo(HEADER)
     result = run_benchmark(

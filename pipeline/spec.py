@@ -506,6 +506,13 @@ class ModelsSpec(_Section):
         "speculative output is bitwise the target's own (1-row matrix products run as 2 rows, "
         "attention in float64). Default (null): on for bfloat16/float16 on CPU, off otherwise.",
     )
+    draft_int8: bool | None = Field(
+        None,
+        description="Draft decode steps read int8 copies of the draft's weights (one scale per "
+        "output row): half the bytes of a memory-bound step, at some cost in acceptance; the "
+        "output cannot change, the target checks every token. Default (null): on for CPU, off "
+        "on GPU.",
+    )
     trust_remote_code: bool = Field(
         False, description="Allow custom modelling/tokenizer code from the model repository."
     )

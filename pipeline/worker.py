@@ -58,6 +58,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         device=spec.models.device,
         trust_remote_code=spec.models.trust_remote_code,
         batch_invariant=spec.models.batch_invariant,
+        draft_int8=spec.models.draft_int8,
     )
     tokenizer = pair.tokenizer
     drafter = spec.drafter.kind

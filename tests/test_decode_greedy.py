@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from pipeline.decode.costs import CostModel
 from pipeline.decode.engine import EngineConfig, PromptError, RoundOptions, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
+from pipeline.models.draft_int8 import quantize_draft
 
 TEXTS = [
     "The quick brown fox jumps",
@@ -91,6 +94,21 @@ def test_a_draft_with_a_restricted_output_layer_stays_lossless(case):
     engine.draft.start([prompts[2]])
     proposal = engine.draft.propose([prompts[2]], 3, SamplingParams(), torch.Generator())
     assert set(proposal.tokens[0]) <= allowed
+
+
+def test_a_draft_on_int8_weights_stays_lossless(case):
+    """Int8 decode steps change what the draft proposes, never what the target emits."""
+    target, draft, _, prompts, eos, refs = case
+    quantized = copy.deepcopy(draft)
+    assert quantize_draft(quantized) > 0
+    config = EngineConfig(drafter="draft_model", gamma_max=4, adaptive=False)
+    for batch_size in (1, 8):  # draft steps of 1 row (int8) and of 8 (the loaded weights)
+        engine = SpeculativeEngine(target, quantized, eos_token_ids=eos, pad_token_id=0, config=config)
+        outputs = []
+        for start in range(0, len(prompts), batch_size):
+            outputs += engine.generate(prompts[start : start + batch_size], MAX_NEW)[0]
+        assert [o.tokens for o in outputs] == refs
+        assert 0 < sum(o.stats.accepted for o in outputs) < sum(o.stats.drafted for o in outputs)
 
 
 def test_adaptive_gamma_is_lossless_and_reuses_costs(case):
@@ -211,6 +229,26 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
     outputs, batch = engine.generate(prompts, MAX_NEW, drafter="draft_model")
     assert [o.tokens for o in outputs] == refs
     assert (batch.draft_passes > 0) is probes
+
+
+@pytest.mark.parametrize("probe_every, probes", [(10_000, False), (2, True)])
+def test_prompt_lookup_is_probed_where_an_unmeasured_cost_looks_too_dear(case, probe_every, probes):
+    """The batch-4 benchmark defect: alone, prompt lookup never drafted at batch 4, because a
+    2-token verify pass there was priced from other shapes, never measured, and too dear."""
+    target, draft, _, prompts, eos, refs = case
+    config = EngineConfig(probe_every=probe_every)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    # a plain pass 1 s and a 3-token pass 30 s: 2 tokens, never measured, interpolate to 15.5 s
+    engine.costs.observe_target(1, 1, 1.0)
+    engine.costs.observe_target(1, 3, 30.0)
+    drafted = 0
+    for k in (1, 7):  # prompts that repeat themselves, so lookup finds matches
+        outputs, batch = engine.generate([prompts[k]], MAX_NEW, drafter="prompt_lookup")
+        assert outputs[0].tokens == refs[k]
+        drafted += batch.drafted
+    assert (drafted > 0) is probes
+    # probing measured the 2-token pass (the tiny model's milliseconds), not extrapolated any more
+    assert engine.costs.target.has(2) is probes
 
 
 @pytest.mark.parametrize("min_gain, gamma", [(0.05, 0), (0.0, 1)])

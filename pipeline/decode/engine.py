@@ -41,7 +41,7 @@ class EngineConfig:
     adaptive: bool = True
     ngram_min: int = 1
     ngram_max: int = 4
-    probe_every: int = 32  # rounds without the draft model before trying it again
+    probe_every: int = 32  # rounds without a drafter (draft model, prompt lookup) before trying it again
     probe_alpha: float = 0.95  # acceptance a probe hopes for: no probe when even that cannot pay
     # The draft model proposes among token ids below this (plus prompt tokens and EOS); 0: all.
     draft_vocab: int = 32768
@@ -203,6 +203,7 @@ class SpeculativeEngine:
         for n in range(self.config.ngram_min, self.config.ngram_max + 1):
             self.alpha[f"prompt_lookup:{n}"] = RunningRate(prior=min(0.2 + 0.15 * n, 0.8))
         self._rounds_without_model = 0
+        self._rounds_without_lookup = 0
         self._rounds_since_plain = 0
 
     def generate(
@@ -454,6 +455,15 @@ class SpeculativeEngine:
                 # pay here (verify passes too dear, or a catch-up the rounds left cannot repay).
                 if self._best(options, self.config.probe_alpha)[1]:
                     gamma = 1
+        if gamma == 0 and not any(by_lookup) and any(options.look_lens):
+            self._rounds_without_lookup += 1
+            if self._rounds_without_lookup >= self.config.probe_every:
+                self._rounds_without_lookup = 0
+                # Re-measure prompt lookup's acceptance and the cost of a 2-token verify pass at
+                # this batch size. Until measured that cost is extrapolated from other shapes (4
+                # rows x 1 token next to 1 row x 3), which can overprice it so much that lookup
+                # is never tried. A probe costs one slightly wider pass, no draft steps.
+                cap, by_lookup = 1, [n > 0 for n in options.look_lens]
         if gamma == 0 and not any(by_lookup):
             self._rounds_since_plain = 0  # this round measures plain decoding anyway
         return cap, gamma, by_lookup

@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlparse
 
 import torch
 
+from . import draft_int8 as int8_draft
 from . import invariant
 from .pairs import (
     ConfigError,
@@ -358,6 +359,7 @@ class LoadedPair:
     target_ref: ModelRef
     draft_ref: ModelRef | None = None
     batch_invariant: bool = False
+    draft_int8: bool = False
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -392,6 +394,7 @@ class LoadedPair:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": self.device,
             "batch_invariant": self.batch_invariant,
+            "draft_int8": self.draft_int8,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -427,6 +430,17 @@ def _same_tokenizer_files(a: ModelRef, b: ModelRef) -> bool:
     return True
 
 
+def _quantize(draft_model, dtype: torch.dtype, device: str, asked: bool | None) -> bool:
+    """Give the draft's decode steps int8 weights where asked (None: where wanted); returns
+    whether it did. A kernel that fails its check here leaves the draft as loaded."""
+    if not (asked if asked is not None else int8_draft.wanted(device)):
+        return False
+    if device != "cpu" or not int8_draft.kernel_works(dtype):
+        log.warning("no int8 draft weights here (%s, %s): the draft stays as loaded", device, dtype)
+        return False
+    return int8_draft.quantize_draft(draft_model) > 0
+
+
 def load_pair(
     target: ModelRef,
     draft: ModelRef | None,
@@ -435,6 +449,7 @@ def load_pair(
     device: str = "auto",
     trust_remote_code: bool = False,
     batch_invariant: bool | None = None,
+    draft_int8: bool | None = None,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -442,7 +457,8 @@ def load_pair(
     `batch_invariant` (None: on for 16-bit dtypes on CPU) gives the target numerics that do not
     depend on how many tokens or rows share a pass, so that speculative output is bitwise the
     target's own (see `pipeline.models.invariant`). The draft needs no such care: its
-    proposals are checked.
+    proposals are checked. So `draft_int8` (None: on for CPU) may give its decode steps int8
+    weights, which halves what a memory-bound step reads (see `pipeline.models.draft_int8`).
     """
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -475,6 +491,7 @@ def load_pair(
         draft_model = load_model(draft, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
         times["draft_s"] = time.perf_counter() - t
         _check_embeddings(draft_model, tokenizer, draft, "draft")
+        draft_int8 = _quantize(draft_model, torch_dtype, device, draft_int8)
     return LoadedPair(
         tokenizer=tokenizer,
         target=target_model,
@@ -484,5 +501,6 @@ def load_pair(
         target_ref=target,
         draft_ref=draft,
         batch_invariant=batch_invariant,
+        draft_int8=bool(draft_model is not None and draft_int8),
         load_seconds=times,
     )
