@@ -13,6 +13,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from pipeline.decode.costs import predicted_speedup
 from pipeline.decode.engine import BatchStats, EngineConfig, SpeculativeEngine
 from pipeline.demo_data import CORPORA
+from pipeline.models.draft_int8 import loaded_weights
 from pipeline.models.loading import LoadedPair
 from pipeline.prompts import PromptBuilder
 from pipeline.spec import TaskSpec
@@ -163,13 +165,15 @@ def run_benchmark(
         bench = _TaskBench(task)
         # the first configuration is also the reference every output is compared with
         bench.add("hf target-only", 1, lambda p=prompts: hf_generate(pair, p, max_new_tokens, eos, pad))
-        for k in hf_assistant_tokens:
+        # HF's assisted generation as its users run it: the draft as loaded; and, where our
+        # engine's draft steps use int8 weights, also with those, the same draft as ours
+        for k, int8 in [(k, False) for k in hf_assistant_tokens] + [
+            (k, True) for k in hf_assistant_tokens if pair.draft_int8
+        ]:
             bench.add(
-                f"hf assisted k={k}",
+                f"hf assisted k={k}" + (" int8" if int8 else ""),
                 1,
-                lambda k=k, p=prompts: hf_generate(
-                    pair, p, max_new_tokens, eos, pad, assistant_model=_assistant(pair.draft, k)
-                ),
+                lambda k=k, i=int8, p=prompts: hf_assisted(pair, p, max_new_tokens, eos, pad, k, i),
                 base="hf target-only",
             )
         for k in hf_lookup_tokens:
@@ -207,6 +211,12 @@ def _assistant(draft, k: int):
     draft.generation_config.num_assistant_tokens = k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     return draft
+
+
+def hf_assisted(pair: LoadedPair, prompts, max_new: int, eos, pad, k: int, int8: bool):
+    """HF assisted generation with the draft on its int8 decode steps, or as loaded."""
+    with nullcontext() if int8 else loaded_weights(pair.draft):
+        return hf_generate(pair, prompts, max_new, eos, pad, assistant_model=_assistant(pair.draft, k))
 
 
 @dataclass

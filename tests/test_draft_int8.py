@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.models.draft_int8 import INT8_MAX_ROWS, Int8Linear, kernel_works, quantize_draft
+from pipeline.models.draft_int8 import (
+    INT8_MAX_ROWS,
+    Int8Linear,
+    kernel_works,
+    loaded_weights,
+    quantize_draft,
+)
 from pipeline.models.loading import ModelRef, load_pair
 
 
@@ -47,6 +53,10 @@ def test_quantize_draft_replaces_the_layers_but_not_the_output_layer(tiny_models
         one, ref = model(ids[:, :1]).logits[0, -1], draft(ids[:, :1]).logits[0, -1]
     assert (one - ref).abs().max() < 0.05 * ref.abs().max()
     assert one.argmax() == ref.argmax()
+    with loaded_weights(model), torch.no_grad():  # the draft as it came, for a reference run
+        assert torch.equal(model(ids[:, :1]).logits[0, -1], ref)
+    with torch.no_grad():
+        assert torch.equal(model(ids[:, :1]).logits[0, -1], one)
 
 
 def test_load_pair_quantizes_the_draft_on_cpu_unless_told_not_to(tiny_pair_dirs):

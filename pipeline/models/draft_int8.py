@@ -16,6 +16,9 @@ with a float product on this machine.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -38,9 +41,10 @@ class Int8Linear(nn.Module):
         quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("weight_int8", quantized)
         self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.use_int8 = True  # see loaded_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[:-1].numel() > INT8_MAX_ROWS:
+        if not self.use_int8 or x.shape[:-1].numel() > INT8_MAX_ROWS:
             return self.linear(x)
         rows = x.reshape(-1, self.linear.in_features).contiguous()
         y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
@@ -86,3 +90,17 @@ def quantize_draft(model: nn.Module) -> int:
                 setattr(parent, name, Int8Linear(child))
                 replaced += 1
     return replaced
+
+
+@contextmanager
+def loaded_weights(model: nn.Module) -> Iterator[nn.Module]:
+    """Run `model` on its loaded weights alone for a while: the draft as it came, for a
+    reference implementation that users would run with the stock model."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    for layer in layers:
+        layer.use_int8 = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.use_int8 = True
