@@ -278,7 +278,8 @@ def demo_data(out, shards, rows):
     "--draft-int8/--draft-as-loaded",
     default=None,
     help="Draft decode steps on int8 weights (default: as a job would load it; see "
-    "models.draft_int8). HF's assisted generation gets the same draft.",
+    "models.draft_int8). HF's assisted generation runs with the draft as loaded and, when this "
+    "is on, with the int8 steps too.",
 )
 @click.option(
     "--hf-assistant-tokens", default="3,5", show_default=True, help="HF num_assistant_tokens to try."
