@@ -44,6 +44,7 @@ def test_quantize_draft_replaces_the_layers_but_not_the_output_layer(tiny_models
     head = model.get_output_embeddings()
     layers = model.config.num_hidden_layers
     assert quantize_draft(model) == 7 * layers  # q, k, v, o, gate, up, down per layer
+    assert quantize_draft(model) == 0  # once is all
     assert model.get_output_embeddings() is head and isinstance(head, nn.Linear)
     ids = torch.tensor([[5, 17, 42, 9]])
     with torch.no_grad():
