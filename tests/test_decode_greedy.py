@@ -80,6 +80,30 @@ def test_greedy_matches_target_for_every_gamma(case, drafter, batch_size):
     assert 0 < totals["accepted"] < totals["drafted"]
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_prompts_sharing_a_template_decode_as_they_would_alone(tiny_models, batch_size):
+    """A corpus job's prompts share their chat markup and instruction; the engine computes that
+    start once (target and draft alike) and copies it into later rows."""
+    target, draft, tokenizer = tiny_models
+    template = "Data teams run batch jobs every night on a cluster of machines.\nSummarize:\n"
+    prompts = [tokenizer(template + t).input_ids for t in TEXTS]
+    refs = [reference(target, p, MAX_NEW, [1]) for p in prompts]
+    engine = SpeculativeEngine(
+        target, draft, eos_token_ids=[1], pad_token_id=0, config=EngineConfig(adaptive=False, gamma_max=3)
+    )
+    fed = []
+    for start in range(0, len(prompts), batch_size):
+        outputs, batch = engine.generate(prompts[start : start + batch_size], MAX_NEW, drafter="draft_model")
+        assert [o.tokens for o in outputs] == refs[start : start + batch_size]
+        fed.append(batch.prefill_tokens)
+    shared = len(tokenizer(template).input_ids) - 1  # the template's last token may merge onward
+    for lm in (engine.target, engine.draft.lm):
+        assert lm.template is not None and len(lm.template.tokens) >= shared
+    # the first prompt shows no template yet; every later one reuses it
+    assert fed[0] >= len(prompts[0])
+    assert sum(fed) <= sum(map(len, prompts)) - shared * (len(prompts) - 1)
+
+
 def test_a_draft_with_a_restricted_output_layer_stays_lossless(case):
     """The draft proposes among ids below 64 plus its batch's prompt tokens and EOS only."""
     target, draft, _, prompts, eos, refs = case
@@ -192,7 +216,7 @@ def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(cas
     prompts took 22 s, which no one had charged to the choice of drafting."""
     costs = _costs(BATCH8_TARGET, BATCH8_DRAFT, PREFILL_PER_TOKEN)
     engine = _engine_with_costs(case, costs, alpha=0.76)
-    cold = costs.catch_up_time(8, 396, cold=True)
+    cold = costs.prefill_time("draft", 8 * 396)
     assert cold == pytest.approx(22.3, rel=0.01)
     lookup = ([0] * 8, ["prompt_lookup:1"] * 8, True, 8)
     assert engine._choose_gammas(RoundOptions(*lookup, 8 * 23, 0.0))[1] > 0  # warm: it pays
@@ -200,12 +224,10 @@ def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(cas
     assert engine._choose_gammas(RoundOptions(*lookup, 8 * 500, cold))[1] > 0  # 500: it does again
     # before the draft ever ran, its prefill is priced from the target's at the prior ratio
     unmeasured = _costs(BATCH8_TARGET, {}, {"target": PREFILL_PER_TOKEN["target"]})
-    assert unmeasured.catch_up_time(8, 396, cold=True) == pytest.approx(72.9 * 0.4, rel=0.01)
+    assert unmeasured.prefill_time("draft", 8 * 396) == pytest.approx(72.9 * 0.4, rel=0.01)
     # a warm draft a few tokens behind costs only the extra width of its catch-up pass
-    assert costs.catch_up_time(8, 2, cold=False) == 0.0
-    assert costs.catch_up_time(8, 2 + 1, cold=False) == pytest.approx(
-        0.64 + (0.64 - 0.50) - 0.50
-    )  # 24 tokens
+    assert costs.catch_up_time(8, 2) == 0.0
+    assert costs.catch_up_time(8, 2 + 1) == pytest.approx(0.64 + (0.64 - 0.50) - 0.50)  # 24 tokens
 
 
 @pytest.mark.parametrize("costs, probes", [(CPU_COSTS, False), (GPU_COSTS, True)])

@@ -57,6 +57,42 @@ def test_a_token_gets_the_same_logits_alone_in_a_wide_pass_and_in_a_ragged_batch
     assert torch.equal(alone, batch)
 
 
+@pytest.mark.parametrize("per_row", [True, False])
+def test_a_prefill_from_a_template_or_row_by_row_gives_the_logits_of_one_padded_pass(bf16_pair, per_row):
+    """Prompts that share a start: after two different ones showed it, later rows copy its keys
+    and values instead of computing them; on a CPU each row is prefilled in a pass of its own.
+    Neither may change a bit of what the rows decode next."""
+    target, _ = bf16_pair
+    template = _prompts(1, 24, seed=3)[0]
+    docs = _prompts(4, 60, seed=4)
+    prompts = [template + d[: 20 + 10 * i] for i, d in enumerate(docs)]
+    nexts = [[5, 9, 11], [7], [3, 4], [8, 8]]
+
+    fresh = BatchedLM(target, pad_token_id=0, per_row_prefill=False)
+    fresh.reset(3)
+    expected = fresh.forward(prompts[1:], [1, 1, 1])
+    expected_next = fresh.forward(nexts[1:], [len(n) for n in nexts[1:]])
+    assert fresh.fed_tokens == sum(map(len, nexts[1:]))
+
+    lm = BatchedLM(target, pad_token_id=0, per_row_prefill=per_row)
+    lm.reset(1)
+    lm.forward(prompts[:1], [1])  # the first prompt: nothing to share with yet
+    assert lm.template is None and lm.fed_tokens == len(prompts[0])
+    lm.reset(3)
+    got = lm.forward(prompts[1:], [1, 1, 1])
+    assert lm.template is not None and lm.template.tokens[:24] == template
+    shared = len(lm.template.tokens)
+    assert lm.fed_tokens == sum(map(len, prompts[1:])) - 3 * shared
+    got_next = lm.forward(nexts[1:], [len(n) for n in nexts[1:]])
+    for a, b in zip(got + got_next, expected + expected_next):
+        assert torch.equal(a, b)
+    # a twin of the previous prompt reuses the template only, not its twin's whole cache
+    lm.reset(1)
+    lm.forward([prompts[3]], [1])
+    assert lm.fed_tokens == len(prompts[3]) - shared
+    assert lm.prefill_tokens([prompts[3], prompts[0]]) == len(prompts[3]) + len(prompts[0]) - 2 * shared
+
+
 def test_float64_attention_computes_the_same_attention(tiny_pair_dirs):
     """Same function as the stock attention, to float64 precision rather than bitwise."""
     target_dir, _ = tiny_pair_dirs

@@ -10,28 +10,78 @@ nothing but memory and attention width; `compact()` squeezes them out when they 
 
 Every row's tokens in a block come first and padding last ("right padding"), so every query
 of every block can attend to at least one valid key and no attention row is fully masked.
+
+The first pass of a batch (the prefill) is the costliest by far, and two things make it cheaper
+without changing a bit of its result:
+- On a CPU each row's prompt is prefilled in a pass of its own, then the rows' caches are
+  laid side by side. A CPU is busy with one long prompt already; padding rows to the longest
+  only adds work (8 docstring prompts of 124-396 tokens: 9.2 s one by one against 14.4 s
+  padded, Qwen2.5-Coder 1.5B in bf16). A GPU prefills the batch in one padded pass.
+- Prompts of a corpus job share a template (chat markup, system prompt, instruction: 35
+  tokens of every summarization prompt here). Once two different prompts have shown a common
+  start, its keys and values are kept and copied into every later row that starts the same
+  way, instead of being computed again (`reusable`).
 """
 
 from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+# A common start shorter than this is not worth keeping as a template (a BOS token, one word).
+MIN_TEMPLATE = 8
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """Some leading tokens of a prompt and their keys and values, per layer [1, heads, n, dim]."""
+
+    tokens: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def head(self, n: int) -> _Prefix:
+        return _Prefix(self.tokens[:n], [(k[:, :, :n], v[:, :, :n]) for k, v in self.layers])
+
+
+def _common_start(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    # halving on whole-prefix comparisons runs at C speed; a Python loop per token would not
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class BatchedLM:
     """Runs `model` over ragged blocks of tokens for a batch of rows, keeping a slot cache."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        vocab_size: int | None = None,
+        *,
+        per_row_prefill: bool | None = None,
+    ):
         self.model = model
         self.pad_token_id = pad_token_id
         # logits are cut to this width (target and draft embeddings may be padded differently)
         self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
-        self.forward_passes = 0
         self.forward_seconds = 0.0
+        self.fed_tokens = 0  # tokens the last `forward` computed (not padding, not reused ones)
+        # None: one prefill pass per row on a CPU, one padded pass for the batch elsewhere
+        self.per_row_prefill = self.device.type == "cpu" if per_row_prefill is None else per_row_prefill
+        self.template: _Prefix | None = None  # a start shared by two different prompts
+        self.previous: _Prefix | None = None  # the last prompt prefilled, to find templates with
         self.head_rows: torch.Tensor | None = None  # see restrict_head
         self.cache_keyword = _cache_keyword(model)
         self.reset(0)
@@ -88,6 +138,25 @@ class BatchedLM:
         """The most tokens any row would feed if `sync(seqs)` ran now (what a catch-up costs)."""
         return max((len(seq) - self._agreeing(i, seq) for i, seq in enumerate(seqs)), default=0)
 
+    def reusable(self, seq: list[int], learn: bool = False) -> int:
+        """Leading tokens of `seq` whose keys and values a prefill copies from the template.
+
+        A template is a start that two *different* prompts shared (they diverge after it); with
+        `learn`, `seq` and the previous prompt may set a longer one. A prompt identical to the
+        one before it reuses only the template, not its twin's whole cache: the target-only
+        check re-decodes rows it has just decoded, and must pay what a new row pays.
+        """
+        shared = _common_start(seq, self.template.tokens) if self.template else 0
+        if learn and self.previous is not None:
+            common = _common_start(seq, self.previous.tokens)
+            if shared < common < min(len(seq), len(self.previous.tokens)) and common >= MIN_TEMPLATE:
+                self.template, shared = self.previous.head(common), common
+        return min(shared, len(seq) - 1)  # the last token is fed, for its logits
+
+    def prefill_tokens(self, seqs: list[list[int]]) -> int:
+        """Tokens a prefill of `seqs` from a cold cache would compute (what a catch-up costs)."""
+        return sum(len(seq) - self.reusable(seq) for seq in seqs)
+
     def _agreeing(self, row: int, seq: list[int]) -> int:
         """Leading cached tokens of `row` that agree with `seq`; never its last token, which
         must be fed again for its logits."""
@@ -108,6 +177,64 @@ class BatchedLM:
         through the LM head, which matters for long prompts and large vocabularies.
         """
         assert len(blocks) == len(self.tokens) and all(blocks), "one non-empty block per row"
+        if self.cold:
+            return self._prefill(blocks, logits_per_row)
+        self.fed_tokens = sum(map(len, blocks))
+        return self._append(blocks, logits_per_row)
+
+    def _prefill(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
+        """The first pass of a batch: per row or all together, each from its template start."""
+        groups = [[i] for i in range(len(blocks))] if self.per_row_prefill else [list(range(len(blocks)))]
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(blocks)
+        states = []
+        self.fed_tokens = 0
+        for group in groups:
+            rows = [blocks[i] for i in group]
+            wanted = [logits_per_row[i] for i in group]
+            for b in rows:
+                self.reusable(b, learn=True)
+            seed = min(min(self.reusable(b), len(b) - n) for b, n in zip(rows, wanted))
+            self._seed(len(group), seed)
+            for i, row_logits in zip(group, self._append([b[seed:] for b in rows], wanted)):
+                logits[i] = row_logits
+            self.fed_tokens += sum(len(b) - seed for b in rows)
+            states.append((self.cache, self.mask, self.tokens, self.slots))
+            n = len(rows[0])
+            layers = [(layer.keys[:1, :, :n], layer.values[:1, :, :n]) for layer in self.cache.layers]
+            self.previous = _Prefix(list(rows[0]), layers)
+        if len(states) > 1:
+            self._merge(states)
+        return logits
+
+    def _seed(self, rows: int, n: int) -> None:
+        """An empty batch of `rows` rows whose caches start with the template's first n tokens."""
+        self.reset(rows)
+        if n:
+            for index, (k, v) in enumerate(self.template.head(n).layers):
+                self.cache.update(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1), index)
+            self.mask = torch.ones(rows, n, dtype=torch.long, device=self.device)
+            self.tokens = [list(self.template.tokens[:n]) for _ in range(rows)]
+            self.slots = [list(range(n)) for _ in range(rows)]
+
+    def _merge(self, states: list[tuple]) -> None:
+        """Lay groups' caches side by side, each right-padded with invalid slots to the widest."""
+        width = max(mask.shape[1] for _, mask, _, _ in states)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [..., slots, dim] or a mask [rows, slots]
+            extra = width - t.shape[-2 if t.dim() == 4 else -1]
+            return torch.nn.functional.pad(t, (0, 0, 0, extra) if t.dim() == 4 else (0, extra))
+
+        self.cache = DynamicCache(config=self.model.config)
+        for index in range(len(states[0][0].layers)):
+            keys = torch.cat([padded(cache.layers[index].keys) for cache, _, _, _ in states])
+            values = torch.cat([padded(cache.layers[index].values) for cache, _, _, _ in states])
+            self.cache.update(keys, values, index)
+        self.mask = torch.cat([padded(mask) for _, mask, _, _ in states])
+        self.tokens = [t for _, _, tokens, _ in states for t in tokens]
+        self.slots = [s for _, _, _, slots in states for s in slots]
+
+    def _append(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
+        """Run one pass over a block per row, appending it to the cache."""
         width = max(len(b) for b in blocks)
         batch = len(blocks)
         ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
@@ -146,7 +273,6 @@ class BatchedLM:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - began
-        self.forward_passes += 1
 
         self.mask = attention
         for i, block in enumerate(blocks):

@@ -133,7 +133,7 @@ class CostModel:
     A draft model whose cache is cold (a new batch) or far behind (rows served by prompt
     lookup) must first catch up: at batch 8 with 400-token prompts that prefill took 22 s on
     the 0.5B draft, more than speculating saved over 24 new tokens. The engine charges that
-    one-off cost against the rounds left (`catch_up_time`).
+    one-off cost against the rounds left (`prefill_time`, `catch_up_time`).
     """
 
     verify_slope_prior: float = 0.03  # extra cost per extra token in a pass, relative
@@ -176,18 +176,20 @@ class CostModel:
             "prefill_seconds_per_token": dict(sorted(self.prefill.items())),
         }
 
-    def catch_up_time(self, batch: int, behind: int, cold: bool) -> float:
-        """Extra seconds the draft needs before its next proposal, beyond an ordinary step.
+    def prefill_time(self, model: str, tokens: int) -> float:
+        """Seconds for `model` to prefill `tokens` tokens from a cold cache: at its own measured
+        rate, or before the draft's first prefill at the target's times the prior ratio."""
+        rate = self.prefill.get(model)
+        if rate is None and model == "draft" and "target" in self.prefill:
+            rate = self.prefill["target"] * self.draft_ratio_prior
+        return (rate or 0.0) * tokens
 
-        `behind` is the most tokens any row must feed it. A cold cache is a prefill (rated per
-        token, from the draft's own prefills or else the target's times the prior ratio); a
-        warm one only matters when it fell more than the usual 1–2 tokens behind.
+    def catch_up_time(self, batch: int, behind: int) -> float:
+        """Extra seconds a warm draft needs before its next proposal, beyond an ordinary step.
+
+        `behind` is the most tokens any row must feed it; that only matters when it fell more
+        than the usual 1–2 tokens behind (rows served by prompt lookup for a while).
         """
-        if cold:
-            rate = self.prefill.get("draft")
-            if rate is None and "target" in self.prefill:
-                rate = self.prefill["target"] * self.draft_ratio_prior
-            return (rate or 0.0) * batch * behind
         if behind <= 2:
             return 0.0
         return max((self.draft_time(batch, behind) or 0.0) - (self.draft_time(batch, 1) or 0.0), 0.0)

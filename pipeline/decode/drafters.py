@@ -42,6 +42,7 @@ class PassTiming:
     width: int  # tokens per row, padding included
     seconds: float
     cold: bool  # the cache was empty: a prefill, timed per token rather than per step
+    tokens: int  # tokens computed (a prefill pads no row, and reuses a template's start)
 
 
 class Drafter(Protocol):
@@ -163,7 +164,7 @@ class DraftModelDrafter:
             cold, before = self.lm.cold, self.lm.forward_seconds
             logits = self.lm.forward(blocks, [1] * len(seqs))
             seconds = self.lm.forward_seconds - before
-            passes.append(PassTiming(len(seqs), max(map(len, blocks)), seconds, cold))
+            passes.append(PassTiming(len(seqs), max(map(len, blocks)), seconds, cold, self.lm.fed_tokens))
             blocks = []
             for i, row_logits in enumerate(logits):
                 token, probs = choose(row_logits[-1], params, generator)

@@ -124,6 +124,7 @@ class BatchStats:
     draft_passes: int = 0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens the target's prefill computed (not a template's)
     prefill_seconds: float = 0.0  # the target's prefill pass, part of target_seconds
     draft_prefill_seconds: float = 0.0  # the draft's cold catch-up passes, part of draft_seconds
     wall_seconds: float = 0.0
@@ -137,7 +138,15 @@ class BatchStats:
 
     def add(self, other: BatchStats) -> None:
         """Accumulate another batch's counters (a shard or a benchmark is many batches)."""
-        for key in ("rows", "new_tokens", "target_passes", "draft_passes", "drafted", "accepted"):
+        for key in (
+            "rows",
+            "new_tokens",
+            "prefill_tokens",
+            "target_passes",
+            "draft_passes",
+            "drafted",
+            "accepted",
+        ):
             setattr(self, key, getattr(self, key) + getattr(other, key))
         for key in (
             "target_seconds",
@@ -244,9 +253,9 @@ class SpeculativeEngine:
         # Prefill: one target pass over every prompt gives each row its first token.
         self.target.reset(len(rows))
         logits = self.target.forward([r.seq for r in rows], [1] * len(rows))
-        prefill_tokens = len(rows) * max(len(r.seq) for r in rows)
         batch.prefill_seconds = self.target.forward_seconds - target_seconds0
-        self.costs.observe_prefill("target", prefill_tokens, batch.prefill_seconds)
+        batch.prefill_tokens = self.target.fed_tokens
+        self.costs.observe_prefill("target", batch.prefill_tokens, batch.prefill_seconds)
         batch.target_passes += 1
         for row, row_logits in zip(rows, logits):
             token, _ = choose(row_logits[-1], sampling, generator)
@@ -283,7 +292,7 @@ class SpeculativeEngine:
                 for p in model.passes:
                     if p.cold:
                         batch.draft_prefill_seconds += p.seconds
-                        self.costs.observe_prefill("draft", p.rows * p.width, p.seconds)
+                        self.costs.observe_prefill("draft", p.tokens, p.seconds)
                     else:
                         self.costs.observe_draft(p.rows, p.width, p.seconds)
             drafts, probs, sources = [], [], []
@@ -415,7 +424,10 @@ class SpeculativeEngine:
 
     def _draft_catch_up(self, seqs: list[list[int]]) -> float:
         """Seconds the draft model would spend catching up before it can propose (see costs)."""
-        return self.costs.catch_up_time(len(seqs), self.draft.lm.behind(seqs), cold=self.draft.lm.cold)
+        lm = self.draft.lm
+        if lm.cold:
+            return self.costs.prefill_time("draft", lm.prefill_tokens(seqs))
+        return self.costs.catch_up_time(len(seqs), lm.behind(seqs))
 
     def _draft_seconds(self) -> float:
         return self.draft.lm.forward_seconds if self.draft else 0.0
