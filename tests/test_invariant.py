@@ -53,8 +53,12 @@ def test_a_token_gets_the_same_logits_alone_in_a_wide_pass_and_in_a_ragged_batch
     unfed = lm.sync([p[0][:111], p[1][:82], p[2][:120] + [5]])
     assert unfed == [[p[0][110]], [p[1][81]], [5]]
     batch = lm.forward([p[0][110:120], p[1][81:82], [5]], [10, 1, 1])[0]
+    # inside a long prefill, whose attention runs in blocks of queries
+    lm.reset(1)
+    prefill = lm.forward([p[0][:120]], [10])[0]
     assert torch.equal(alone, wide)
     assert torch.equal(alone, batch)
+    assert torch.equal(alone, prefill)
 
 
 @pytest.mark.parametrize("per_row", [True, False])
