@@ -140,7 +140,7 @@ def test_actor_killed_mid_shard_is_restarted_and_the_shard_retried(
 def test_an_actor_killed_more_often_than_ray_restarts_it_is_replaced(tiny_pair_dirs, tmp_path, ray_local):
     """A long night can kill one actor more often than Ray's restart budget: the job goes on."""
     # enough shards that work is still queued when the third kill comes, however fast they run
-    expected = clean_corpus(Storage(str(tmp_path / "in")), shards=8, rows=6)
+    expected = clean_corpus(Storage(str(tmp_path / "in")), shards=8, rows=12)
     data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), max_retries=4)
     data["input"]["keep_columns"] = []
     killer = ActorKiller(kills=ACTOR_RESTARTS + 1)
