@@ -157,11 +157,13 @@ PREFILL_PER_TOKEN = {"target": 72.9 / (8 * 396), "draft": 22.3 / (8 * 396)}
 
 
 def _costs(target: dict, draft: dict, prefill: dict | None = None) -> CostModel:
+    """A cost model that measured these tables (each size twice: confirmed, see PassCosts.time)."""
     model = CostModel()
-    for tokens, seconds in target.items():
-        model.observe_target(1, tokens, seconds)
-    for tokens, seconds in draft.items():
-        model.observe_draft(1, tokens, seconds)
+    for _ in range(2):
+        for tokens, seconds in target.items():
+            model.observe_target(1, tokens, seconds)
+        for tokens, seconds in draft.items():
+            model.observe_draft(1, tokens, seconds)
     for name, rate in (prefill or {}).items():
         model.observe_prefill(name, 1000, rate * 1000)
     return model
@@ -173,6 +175,22 @@ def test_pass_costs_are_keyed_by_tokens_so_every_batch_size_shares_them():
     assert model.target_time(7, 1) == pytest.approx(1.61 - (1.82 - 1.61) / 8)  # a shrinking batch
     assert model.target_time(8, 4) == pytest.approx(2.05 + (2.32 - 2.05) / 2)
     assert model.draft_time(8) == 0.50 and model.draft_time(8, 2) == 0.64
+
+
+def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):
+    """From the translate benchmark: one 4-token pass took 0.23 s beside 0.14 s for 3, and
+    `auto` never went that wide again. A size seen once costs no more than its neighbours say
+    until a second measurement confirms it; a confirmed one is believed."""
+    model = _costs({1: 0.15, 2: 0.14, 3: 0.14}, {})
+    model.observe_target(1, 4, 0.23)
+    assert model.target_time(1, 4) == pytest.approx(0.14)  # extrapolated from 2 and 3
+    engine = _engine_with_costs(case, model, alpha=0.8)
+    engine.costs.observe_draft(1, 1, 0.02)
+    engine.costs.observe_draft(1, 1, 0.02)
+    assert engine._choose_gammas(_one_row())[1] >= 3  # a 4-token verify pass is on the table
+    model.observe_target(1, 4, 0.23)  # confirmed: the size really is that dear
+    assert model.target_time(1, 4) == pytest.approx(0.23)
+    assert engine._choose_gammas(_one_row())[1] < 3
 
 
 def test_verify_cost_is_interpolated_piecewise_and_width_1_measured_first(tiny_models):
@@ -260,9 +278,11 @@ def test_prompt_lookup_is_probed_where_an_unmeasured_cost_looks_too_dear(case, p
     target, draft, _, prompts, eos, refs = case
     config = EngineConfig(probe_every=probe_every)
     engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
-    # a plain pass 1 s and a 3-token pass 30 s: 2 tokens, never measured, interpolate to 15.5 s
-    engine.costs.observe_target(1, 1, 1.0)
-    engine.costs.observe_target(1, 3, 30.0)
+    # a plain pass 1 s and a 3-token pass 30 s (each seen twice: confirmed): 2 tokens, never
+    # measured, interpolate to 15.5 s
+    for _ in range(2):
+        engine.costs.observe_target(1, 1, 1.0)
+        engine.costs.observe_target(1, 3, 30.0)
     drafted = 0
     for k in (1, 7):  # prompts that repeat themselves, so lookup finds matches
         outputs, batch = engine.generate([prompts[k]], MAX_NEW, drafter="prompt_lookup")
