@@ -248,6 +248,19 @@ def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(cas
     assert costs.catch_up_time(8, 2 + 1) == pytest.approx(0.64 + (0.64 - 0.50) - 0.50)  # 24 tokens
 
 
+@pytest.mark.parametrize("left, probes", [(100, False), (500, True)])
+def test_a_probe_risks_a_cold_prefill_only_where_the_work_left_dwarfs_it(case, left, probes):
+    """The batch-4 translation benchmark: a probe hoping for α 0.95 started a cold draft whose
+    prefill took 12% of the job, and the α of 0.57 it found never repaid it. A probe may risk
+    at most 5% of the plain decoding left on the draft's catch-up."""
+    costs = _costs(BATCH8_TARGET, BATCH8_DRAFT, PREFILL_PER_TOKEN)
+    engine = _engine_with_costs(case, costs, alpha=0.3, probe_every=1)  # believed poor
+    cold = costs.prefill_time("draft", 8 * 396)  # 22.3 s; 100 tokens per row: 161 s plain
+    options = RoundOptions([0] * 8, ["prompt_lookup:1"] * 8, True, 8, 8 * left, cold)
+    assert engine._best(options, engine.config.probe_alpha)[1] > 0  # a hopeful α would pay
+    assert (engine._choose_gammas(options)[1] > 0) is probes
+
+
 @pytest.mark.parametrize("costs, probes", [(CPU_COSTS, False), (GPU_COSTS, True)])
 def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
     """Going target-only, the engine re-tries the draft now and then to re-measure α, unless

@@ -43,6 +43,7 @@ class EngineConfig:
     ngram_max: int = 4
     probe_every: int = 32  # rounds without a drafter (draft model, prompt lookup) before trying it again
     probe_alpha: float = 0.95  # acceptance a probe hopes for: no probe when even that cannot pay
+    probe_budget: float = 0.05  # most a probe may risk on catch-up, as a share of the plain decoding left
     # The draft model proposes among token ids below this (plus prompt tokens and EOS); 0: all.
     draft_vocab: int = 32768
     # Speculate only when the expected rate beats target-only by this much: cost estimates are
@@ -465,7 +466,11 @@ class SpeculativeEngine:
                 self._rounds_without_model = 0
                 # Re-measure the draft's acceptance, unless even a very good draft would not
                 # pay here (verify passes too dear, or a catch-up the rounds left cannot repay).
-                if self._best(options, self.config.probe_alpha)[1]:
+                # A probe also risks the draft's catch-up (a whole prefill when cold): at batch 4
+                # on translations one spent 12% of the job on a prefill that α 0.57 never repaid.
+                plain_left = options.remaining / rows * self.costs.target_time(rows, 1)
+                affordable = options.catch_up <= self.config.probe_budget * plain_left
+                if affordable and self._best(options, self.config.probe_alpha)[1]:
                     gamma = 1
         if gamma == 0 and not any(by_lookup) and any(options.look_lens):
             self._rounds_without_lookup += 1
