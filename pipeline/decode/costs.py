@@ -107,15 +107,14 @@ class PassCosts:
         (a 4-token pass stuck at 0.23 s beside 0.14 s for 3 tokens kept `auto` at γ 2 on
         translations while the draft model alone ran γ 3 and faster).
         """
-        if not self.points:
-            return None
+        measured = self.points.get(tokens)
+        if measured is not None and self.counts[tokens] >= 2:
+            return measured  # the common case, first: `_best` asks for many sizes every round
         others = {n: s for n, s in self.points.items() if n != tokens}
         estimate = _piecewise(others, tokens, prior_slope) if others else None
-        if tokens not in self.points:
+        if measured is None:
             return estimate
-        if self.counts.get(tokens, 0) >= 2 or estimate is None:
-            return self.points[tokens]
-        return min(self.points[tokens], estimate)
+        return measured if estimate is None else min(measured, estimate)
 
 
 def _piecewise(row: dict[int, float], tokens: int, prior_slope: float) -> float:
