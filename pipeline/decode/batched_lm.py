@@ -219,17 +219,14 @@ class BatchedLM:
     def _merge(self, states: list[tuple]) -> None:
         """Lay groups' caches side by side, each right-padded with invalid slots to the widest."""
         width = max(mask.shape[1] for _, mask, _, _ in states)
-
-        def padded(t: torch.Tensor) -> torch.Tensor:  # [..., slots, dim] or a mask [rows, slots]
-            extra = width - t.shape[-2 if t.dim() == 4 else -1]
-            return torch.nn.functional.pad(t, (0, 0, 0, extra) if t.dim() == 4 else (0, extra))
-
+        pad = torch.nn.functional.pad
         self.cache = DynamicCache(config=self.model.config)
         for index in range(len(states[0][0].layers)):
-            keys = torch.cat([padded(cache.layers[index].keys) for cache, _, _, _ in states])
-            values = torch.cat([padded(cache.layers[index].values) for cache, _, _, _ in states])
+            layers = [cache.layers[index] for cache, _, _, _ in states]  # [rows, heads, slots, dim]
+            keys = torch.cat([pad(la.keys, (0, 0, 0, width - la.keys.shape[2])) for la in layers])
+            values = torch.cat([pad(la.values, (0, 0, 0, width - la.values.shape[2])) for la in layers])
             self.cache.update(keys, values, index)
-        self.mask = torch.cat([padded(mask) for _, mask, _, _ in states])
+        self.mask = torch.cat([pad(mask, (0, width - mask.shape[1])) for _, mask, _, _ in states])
         self.tokens = [t for _, _, tokens, _ in states for t in tokens]
         self.slots = [s for _, _, _, slots in states for s in slots]
 
