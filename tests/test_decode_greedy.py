@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from pipeline.decode.costs import CostModel
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.costs import CostModel, RunningRate
 from pipeline.decode.engine import EngineConfig, PromptError, RoundOptions, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.models.draft_int8 import quantize_draft
@@ -161,9 +162,9 @@ def _costs(target: dict, draft: dict, prefill: dict | None = None) -> CostModel:
     model = CostModel()
     for _ in range(2):
         for tokens, seconds in target.items():
-            model.observe_target(1, tokens, seconds)
+            model.observe_target(tokens, seconds)
         for tokens, seconds in draft.items():
-            model.observe_draft(1, tokens, seconds)
+            model.observe_draft(tokens, seconds)
     for name, rate in (prefill or {}).items():
         model.observe_prefill(name, 1000, rate * 1000)
     return model
@@ -171,10 +172,10 @@ def _costs(target: dict, draft: dict, prefill: dict | None = None) -> CostModel:
 
 def test_pass_costs_are_keyed_by_tokens_so_every_batch_size_shares_them():
     model = _costs(BATCH8_TARGET, BATCH8_DRAFT)
-    assert model.target_time(8, 1) == model.target_time(4, 2) == model.target_time(1, 8) == 1.61
-    assert model.target_time(7, 1) == pytest.approx(1.61 - (1.82 - 1.61) / 8)  # a shrinking batch
-    assert model.target_time(8, 4) == pytest.approx(2.05 + (2.32 - 2.05) / 2)
-    assert model.draft_time(8) == 0.50 and model.draft_time(8, 2) == 0.64
+    assert model.target_time(8) == 1.61  # 8 rows × 1 token, 4 × 2, or 1 × 8
+    assert model.target_time(7) == pytest.approx(1.61 - (1.82 - 1.61) / 8)  # a shrinking batch
+    assert model.target_time(32) == pytest.approx(2.05 + (2.32 - 2.05) / 2)  # 8 × 4
+    assert model.draft_time(8) == 0.50 and model.draft_time(16) == 0.64
 
 
 def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):
@@ -182,14 +183,14 @@ def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):
     `auto` never went that wide again. A size seen once costs no more than its neighbours say
     until a second measurement confirms it; a confirmed one is believed."""
     model = _costs({1: 0.15, 2: 0.14, 3: 0.14}, {})
-    model.observe_target(1, 4, 0.23)
-    assert model.target_time(1, 4) == pytest.approx(0.14)  # extrapolated from 2 and 3
+    model.observe_target(4, 0.23)
+    assert model.target_time(4) == pytest.approx(0.14)  # extrapolated from 2 and 3
     engine = _engine_with_costs(case, model, alpha=0.8)
-    engine.costs.observe_draft(1, 1, 0.02)
-    engine.costs.observe_draft(1, 1, 0.02)
+    engine.costs.observe_draft(1, 0.02)
+    engine.costs.observe_draft(1, 0.02)
     assert engine._choose_gammas(_one_row())[1] >= 3  # a 4-token verify pass is on the table
-    model.observe_target(1, 4, 0.23)  # confirmed: the size really is that dear
-    assert model.target_time(1, 4) == pytest.approx(0.23)
+    model.observe_target(4, 0.23)  # confirmed: the size really is that dear
+    assert model.target_time(4) == pytest.approx(0.23)
     assert engine._choose_gammas(_one_row())[1] < 3
 
 
@@ -197,19 +198,19 @@ def test_verify_cost_is_interpolated_piecewise_and_width_1_measured_first(tiny_m
     """On a CPU a 1-token pass takes a faster path: the cost jumps from width 1 to 2, then grows
     gently. One line through the wider passes would put width 1 near 0.7 s instead of 0.4 s."""
     model = _costs(CPU_COSTS[0], {})
-    assert model.target_time(1, 1) == 0.40
-    assert model.target_time(1, 3) == pytest.approx(0.83 + (1.23 - 0.83) / 3)
-    assert model.target_time(1, 8) == pytest.approx(1.23 + 3 * (1.23 - 0.83) / 3)
+    assert model.target_time(1) == 0.40
+    assert model.target_time(3) == pytest.approx(0.83 + (1.23 - 0.83) / 3)
+    assert model.target_time(8) == pytest.approx(1.23 + 3 * (1.23 - 0.83) / 3)
     # the 1-token pass is no slope anchor: from {1, 2} alone, wider passes get the prior slope
     # (and get measured), not the 1→2 jump repeated for every token (0.40 s more per token)
     model = _costs({1: 0.40, 2: 0.83}, {})
-    assert model.target_time(1, 5) == pytest.approx(0.83 * (1 + 0.03 * 4) / (1 + 0.03))
+    assert model.target_time(5) == pytest.approx(0.83 * (1 + 0.03 * 4) / (1 + 0.03))
     # an engine that knows only wider passes measures plain decoding before any choice
     target, draft, _ = tiny_models
     engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0)
     for width in (2, 5):
-        engine.costs.observe_target(1, width, CPU_COSTS[0][width])
-    assert engine._choose_gammas(_one_row()) == (0, 0, [False])
+        engine.costs.observe_target(width, CPU_COSTS[0][width])
+    assert engine._choose_gammas(_one_row()) == (0, 0, [None])
 
 
 def _one_row(gamma_cap: int = 8) -> RoundOptions:
@@ -244,8 +245,8 @@ def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(cas
     unmeasured = _costs(BATCH8_TARGET, {}, {"target": PREFILL_PER_TOKEN["target"]})
     assert unmeasured.prefill_time("draft", 8 * 396) == pytest.approx(72.9 * 0.4, rel=0.01)
     # a warm draft a few tokens behind costs only the extra width of its catch-up pass
-    assert costs.catch_up_time(8, 2) == 0.0
-    assert costs.catch_up_time(8, 2 + 1) == pytest.approx(0.64 + (0.64 - 0.50) - 0.50)  # 24 tokens
+    assert costs.catch_up_time(8, 8 * 2) == 0.0
+    assert costs.catch_up_time(8, 8 * 3) == pytest.approx(0.64 + (0.64 - 0.50) - 0.50)  # 24 tokens
 
 
 @pytest.mark.parametrize("left, probes", [(100, False), (500, True)])
@@ -273,8 +274,8 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
     # every pass size the batch can produce, each as dear as its tokens say (CPU) or not (GPU)
     w1, w2 = widths[1], widths[2]
     for tokens in range(1, len(prompts) * 9 + 1):
-        engine.costs.observe_target(1, tokens, w1 + (w2 - w1) * (tokens - 1) if probes else w1 * tokens)
-        engine.costs.observe_draft(1, tokens, draft_seconds)
+        engine.costs.observe_target(tokens, w1 + (w2 - w1) * (tokens - 1) if probes else w1 * tokens)
+        engine.costs.observe_draft(tokens, draft_seconds)
     # keep these costs: the tiny model's own passes take milliseconds, and mixing them in would
     # make (say) 3 rows × 2 tokens look as cheap as the measured 6 rows × 1 token
     engine.costs.target.smoothing = engine.costs.draft.smoothing = 0.0
@@ -294,8 +295,8 @@ def test_prompt_lookup_is_probed_where_an_unmeasured_cost_looks_too_dear(case, p
     # a plain pass 1 s and a 3-token pass 30 s (each seen twice: confirmed): 2 tokens, never
     # measured, interpolate to 15.5 s
     for _ in range(2):
-        engine.costs.observe_target(1, 1, 1.0)
-        engine.costs.observe_target(1, 3, 30.0)
+        engine.costs.observe_target(1, 1.0)
+        engine.costs.observe_target(3, 30.0)
     drafted = 0
     for k in (1, 7):  # prompts that repeat themselves, so lookup finds matches
         outputs, batch = engine.generate([prompts[k]], MAX_NEW, drafter="prompt_lookup")
@@ -312,7 +313,7 @@ def test_a_marginal_expected_gain_does_not_start_speculation(case, min_gain, gam
     # 3% more, and every longer gamma less: inside the margin, so target-only.
     costs = _costs({1: 1.0, 2: 1.456, 3: 1.912}, {1: 0.0})
     engine = _engine_with_costs(case, costs, alpha=0.5, min_gain=min_gain)
-    assert engine._choose_gammas(_one_row(gamma_cap=4)) == (0, gamma, [False])
+    assert engine._choose_gammas(_one_row(gamma_cap=4)) == (0, gamma, ["model" if gamma else None])
 
 
 def test_plain_decoding_is_re_measured_while_speculating(case):
@@ -395,3 +396,48 @@ def test_overlong_prompt_refused_or_truncated(case):
     outputs, _ = engine.generate([long_prompt], 8, overlong="truncate")
     assert outputs[0].truncated_tokens == 4 and outputs[0].prompt_tokens == context - 8
     assert outputs[0].tokens == reference(target, long_prompt[4:], 8, eos)
+
+
+def test_at_batch_8_a_row_verifies_copied_tokens_only_where_they_pay_for_themselves(case):
+    """In a packed pass each row pays for its own verify tokens (3-7% of a pass each at batch
+    8 on this CPU): a strong 4-gram match is worth verifying, a weak 1-gram match is not."""
+    costs = _costs({8: 0.186, 12: 0.236, 16: 0.243, 24: 0.280, 40: 0.40}, {})
+    engine = _engine_with_costs(case, costs, alpha=0.5)
+    assert engine.target.pack  # a CPU
+    engine.alpha["prompt_lookup:4"] = RunningRate(prior=0.95, weight=1e6)
+    engine.alpha["prompt_lookup:1"] = RunningRate(prior=0.15, weight=1e6)
+    keys = ["prompt_lookup:4", "prompt_lookup:1"] + ["prompt_lookup:1"] * 6
+    options = RoundOptions([6, 6] + [0] * 6, keys, False, 8, remaining=8 * 100, catch_up=0.0)
+    cap, gamma, sources = engine._choose_gammas(options)
+    assert gamma == 0 and cap >= 4
+    assert sources == ["lookup"] + [None] * 7
+
+
+def test_logits_that_are_more_than_the_output_layer_come_from_the_models_own_forward(tiny_models):
+    """Only the wanted positions go through the output layer, where that is all a model's
+    logits are (Llama); Granite divides them by `logits_scaling`, so its own forward runs."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    target, _, _ = tiny_models
+    torch.manual_seed(0)
+    config = GraniteConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        logits_scaling=8.0,
+    )
+    granite = GraniteForCausalLM(config).eval()
+    seqs = [list(range(3, 40)), list(range(50, 70))]
+    for model, plain in ((target, True), (granite, False)):
+        lm = BatchedLM(model, pad_token_id=0)
+        lm.reset(2)
+        lm.forward([seqs[0][:30], seqs[1][:19]], [1, 1])
+        got = lm.forward([seqs[0][30:], seqs[1][19:]], [7, 1])  # a ragged 2 × 7 pass
+        assert model._plain_head is plain
+        with torch.no_grad():
+            for row, seq in enumerate(seqs):
+                want = model(input_ids=torch.tensor([seq])).logits[0, -len(got[row]) :].float()
+                torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)

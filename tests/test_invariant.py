@@ -143,3 +143,26 @@ def test_the_loader_makes_16_bit_cpu_targets_invariant(tiny_pair_dirs, caplog):
     assert not fp32.batch_invariant and fp32.target.config._attn_implementation != invariant.NAME
     off = load_pair(ModelRef(str(target_dir)), None, dtype="bf16", device="cpu", batch_invariant=False)
     assert not off.batch_invariant
+
+
+def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(bf16_pair):
+    """At batch 8 one row may verify 5 copied tokens while seven verify 1: packed, the weights'
+    products run over the real tokens only (see `packing`), and every logit keeps its bits."""
+    target, _ = bf16_pair
+    p = _prompts(3, 60, seed=5)
+    blocks = [p[0][40:47], p[1][50:51], p[2][55:57]]  # 7, 1 and 2 tokens: a 3 × 7 rectangle
+    seen: list[int] = []
+    layer = target.model.layers[0].mlp.down_proj
+    results = {}
+    for pack in (False, True):
+        lm = BatchedLM(target, pad_token_id=0, pack=pack)
+        lm.reset(3)
+        lm.forward([p[0][:40], p[1][:50], p[2][:55]], [1, 1, 1])
+        seen.clear()
+        hook = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[:-1].numel()))
+        results[pack] = lm.forward(blocks, [7, 1, 2])
+        hook.remove()
+        assert seen == ([10] if pack else [21])
+        assert lm.pass_tokens([7, 1, 2]) == (10 if pack else 21)
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)

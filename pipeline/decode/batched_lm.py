@@ -21,6 +21,10 @@ without changing a bit of its result:
   tokens of every summarization prompt here). Once two different prompts have shown a common
   start, its keys and values are kept and copied into every later row that starts the same
   way, instead of being computed again (`reusable`).
+
+Later passes are ragged (one row verifies 5 drafts, the next 1 token). On a CPU their weights'
+products and attention run on the real tokens only (`packing`), and only the positions whose
+logits a caller wants go through the output layer.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from pipeline.decode import packing
 
 # A common start shorter than this is not worth keeping as a template (a BOS token, one word).
 MIN_TEMPLATE = 8
@@ -70,6 +76,7 @@ class BatchedLM:
         vocab_size: int | None = None,
         *,
         per_row_prefill: bool | None = None,
+        pack: bool | None = None,
     ):
         self.model = model
         self.pad_token_id = pad_token_id
@@ -80,6 +87,11 @@ class BatchedLM:
         self.fed_tokens = 0  # tokens the last `forward` computed (not padding, not reused ones)
         # None: one prefill pass per row on a CPU, one padded pass for the batch elsewhere
         self.per_row_prefill = self.device.type == "cpu" if per_row_prefill is None else per_row_prefill
+        # None: ragged passes skip their padding on a CPU (see `packing`); a GPU pays no
+        # more for the padding than for the gathers that would skip it
+        self.pack = self.device.type == "cpu" if pack is None else pack
+        if self.pack:
+            packing.install(model)
         self.template: _Prefix | None = None  # a start shared by two different prompts
         self.previous: _Prefix | None = None  # the last prompt prefilled, to find templates with
         self.head_rows: torch.Tensor | None = None  # see restrict_head
@@ -110,6 +122,11 @@ class BatchedLM:
     def width(self) -> int:
         return self.mask.shape[1]
 
+    def pass_tokens(self, lengths: list[int]) -> int:
+        """What a pass over blocks of these lengths costs, in tokens: the real ones when
+        packed, else the whole rectangle (padding included)."""
+        return sum(lengths) if self.pack else len(lengths) * max(lengths, default=0)
+
     @property
     def cold(self) -> bool:
         """Nothing cached yet: the next pass is a prefill."""
@@ -134,9 +151,10 @@ class BatchedLM:
             unfed.append(seq[keep:])
         return unfed
 
-    def behind(self, seqs: list[list[int]]) -> int:
-        """The most tokens any row would feed if `sync(seqs)` ran now (what a catch-up costs)."""
-        return max((len(seq) - self._agreeing(i, seq) for i, seq in enumerate(seqs)), default=0)
+    def catch_up_tokens(self, seqs: list[list[int]]) -> int:
+        """What the pass after `sync(seqs)` would cost in tokens (see `pass_tokens`): a draft
+        that fell behind pays this before its next proposal."""
+        return self.pass_tokens([len(seq) - self._agreeing(i, seq) for i, seq in enumerate(seqs)])
 
     def reusable(self, seq: list[int], learn: bool = False) -> int:
         """Leading tokens of `seq` whose keys and values a prefill copies from the template.
@@ -237,7 +255,7 @@ class BatchedLM:
         ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         positions = torch.zeros((batch, width), dtype=torch.long)
         block_mask = torch.zeros((batch, width), dtype=torch.long)
-        wanted: list[list[int]] = []
+        wanted: list[int] = []  # flat positions (row * width + column) that need logits
         for i, block in enumerate(blocks):
             n = len(block)
             start = len(self.tokens[i])
@@ -245,9 +263,7 @@ class BatchedLM:
             positions[i, :n] = torch.arange(start, start + n)
             positions[i, n:] = start + n - 1
             block_mask[i, :n] = 1
-            wanted.append(list(range(n - logits_per_row[i], n)))
-        columns = sorted({c for cols in wanted for c in cols})
-        column_index = {c: k for k, c in enumerate(columns)}
+            wanted.extend(i * width + c for c in range(n - logits_per_row[i], n))
 
         base = self.width
         attention = torch.cat([self.mask, block_mask.to(self.device)], dim=1)
@@ -258,15 +274,12 @@ class BatchedLM:
             self.cache_keyword: self.cache,
             "use_cache": True,
         }
-        keep = torch.tensor(columns, device=self.device)
+        lengths = [len(b) for b in blocks]
+        layout = None
+        if self.pack and sum(lengths) < batch * width:
+            layout = packing.Layout.of(lengths, width, self.device)
         began = time.perf_counter()
-        if self.head_rows is None:
-            logits = self.model(**inputs, logits_to_keep=keep).logits[..., : self.vocab_size].float()
-        else:
-            hidden = self.model.base_model(**inputs).last_hidden_state[:, keep]
-            some = torch.nn.functional.linear(hidden, self._head_weight, self._head_bias).float()
-            logits = some.new_full((*some.shape[:-1], self.vocab_size), float("-inf"))
-            logits[..., self.head_rows] = some
+        logits = self._logits(inputs, torch.tensor(wanted, device=self.device), layout)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - began
@@ -275,7 +288,31 @@ class BatchedLM:
         for i, block in enumerate(blocks):
             self.tokens[i].extend(block)
             self.slots[i].extend(range(base, base + len(block)))
-        return [logits[i, [column_index[c] for c in cols]] for i, cols in enumerate(wanted)]
+        return list(logits.split(logits_per_row))
+
+    def _logits(self, inputs: dict, wanted: torch.Tensor, layout: packing.Layout | None) -> torch.Tensor:
+        """Float logits [len(wanted), vocab] at the flat positions `wanted` of the pass.
+
+        Only those positions go through the output layer: a 152k-token vocabulary makes it
+        dear, and at batch 8 the logits of a padded 8 × 9 rectangle took 60 ms to convert to
+        float alone. Models whose logits are more than the output layer of the last hidden
+        states (soft-capped, scaled) run their own forward instead (see `_plain_head`).
+        """
+        with packing.packed(layout):
+            if self.head_rows is None and not _plain_head(self.model):
+                width = inputs["input_ids"].shape[1]
+                columns = torch.unique(wanted % width)  # sorted
+                rect = self.model(**inputs, logits_to_keep=columns).logits
+                rows, at = wanted // width, torch.searchsorted(columns, wanted % width)
+                return rect[rows, at, : self.vocab_size].float()
+            hidden = self.model.base_model(**inputs).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])[wanted]
+        if self.head_rows is None:
+            return self.model.get_output_embeddings()(hidden)[:, : self.vocab_size].float()
+        some = torch.nn.functional.linear(hidden, self._head_weight, self._head_bias).float()
+        logits = some.new_full((some.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.head_rows] = some
+        return logits
 
     def select(self, rows: list[int]) -> None:
         """Keep only `rows` (finished rows stop costing compute)."""
@@ -311,6 +348,21 @@ class BatchedLM:
             idx = gather[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[-1])
             layer.values = layer.values.gather(2, idx)
         self.mask = mask.to(self.device)
+
+
+def _plain_head(model: PreTrainedModel) -> bool:
+    """Are the model's logits its output layer applied to its last hidden states, bit for bit,
+    and nothing more (no soft-capping or scaling, which Gemma 2 or Granite add)? Checked once
+    per model on a 3-token input."""
+    known = getattr(model, "_plain_head", None)
+    if known is None:
+        ids = torch.tensor([[1, 2, 3]], device=next(model.parameters()).device)
+        with torch.no_grad():
+            own = model(input_ids=ids, use_cache=False).logits
+            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+            known = torch.equal(own.float(), model.get_output_embeddings()(hidden).float())
+        model._plain_head = known
+    return known
 
 
 def _cache_keyword(model: PreTrainedModel) -> str:

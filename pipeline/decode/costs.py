@@ -77,7 +77,8 @@ def _ema(old: float | None, new: float, smoothing: float) -> float:
 
 @dataclass
 class PassCosts:
-    """Seconds of one forward pass as a function of the tokens it processes (rows × width).
+    """Seconds of one forward pass as a function of the tokens it processes: the real tokens
+    of a packed pass, rows × width of a padded one (see `BatchedLM.pass_tokens`).
 
     Keyed by tokens, not by (rows, width): the weights' matrix products dominate a pass and
     cost about the same for 8 rows × 1 token as for 1 row × 8 tokens (measured on the 1.5B
@@ -160,28 +161,28 @@ class CostModel:
     draft: PassCosts = field(default_factory=PassCosts)
     prefill: dict[str, float] = field(default_factory=dict)  # seconds per token, by model
 
-    def observe_target(self, batch: int, width: int, seconds: float) -> None:
-        self.target.observe(batch * width, seconds)
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        self.target.observe(tokens, seconds)
 
-    def observe_draft(self, batch: int, width: int, seconds: float) -> None:
-        self.draft.observe(batch * width, seconds)
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        self.draft.observe(tokens, seconds)
 
     def observe_prefill(self, model: str, tokens: int, seconds: float) -> None:
         self.prefill[model] = _ema(self.prefill.get(model), seconds / max(tokens, 1), self.smoothing)
 
-    def has_target(self, batch: int, width: int) -> bool:
-        return self.target.has(batch * width)
+    def has_target(self, tokens: int) -> bool:
+        return self.target.has(tokens)
 
-    def target_time(self, batch: int, width: int) -> float | None:
-        """Seconds for one target pass over `batch` rows of `width` tokens (padding included)."""
-        return self.target.time(batch * width, self.verify_slope_prior)
+    def target_time(self, tokens: int) -> float | None:
+        """Seconds for one target pass that costs `tokens` (see `BatchedLM.pass_tokens`)."""
+        return self.target.time(tokens, self.verify_slope_prior)
 
-    def draft_time(self, batch: int, width: int = 1) -> float | None:
+    def draft_time(self, tokens: int) -> float | None:
         """Seconds for one draft pass; before any is timed, a prior share of the target's."""
-        measured = self.draft.time(batch * width, self.verify_slope_prior)
+        measured = self.draft.time(tokens, self.verify_slope_prior)
         if measured is not None:
             return measured
-        base = self.target_time(batch, width)
+        base = self.target_time(tokens)
         return None if base is None else base * self.draft_ratio_prior
 
     def profile(self) -> dict[str, dict]:
@@ -201,12 +202,14 @@ class CostModel:
             rate = self.prefill["target"] * self.draft_ratio_prior
         return (rate or 0.0) * tokens
 
-    def catch_up_time(self, batch: int, behind: int) -> float:
+    def catch_up_time(self, step: int, catch_up: int) -> float:
         """Extra seconds a warm draft needs before its next proposal, beyond an ordinary step.
 
-        `behind` is the most tokens any row must feed it; that only matters when it fell more
-        than the usual 1–2 tokens behind (rows served by prompt lookup for a while).
+        `step` is what an ordinary step costs in tokens (one per row), `catch_up` what the
+        first pass costs when rows must feed the tokens the draft has not seen. That only
+        matters when some row fell more than the usual 1–2 tokens behind (rows served by
+        prompt lookup for a while).
         """
-        if behind <= 2:
+        if catch_up <= 2 * step:
             return 0.0
-        return max((self.draft_time(batch, behind) or 0.0) - (self.draft_time(batch, 1) or 0.0), 0.0)
+        return max((self.draft_time(catch_up) or 0.0) - (self.draft_time(step) or 0.0), 0.0)

@@ -38,8 +38,7 @@ class Proposal:
 class PassTiming:
     """One forward pass of a drafter's model, for the cost model."""
 
-    rows: int
-    width: int  # tokens per row, padding included
+    cost_tokens: int  # what the pass cost in tokens (see `BatchedLM.pass_tokens`)
     seconds: float
     cold: bool  # the cache was empty: a prefill, timed per token rather than per step
     tokens: int  # tokens computed (a prefill pads no row, and reuses a template's start)
@@ -164,7 +163,8 @@ class DraftModelDrafter:
             cold, before = self.lm.cold, self.lm.forward_seconds
             logits = self.lm.forward(blocks, [1] * len(seqs))
             seconds = self.lm.forward_seconds - before
-            passes.append(PassTiming(len(seqs), max(map(len, blocks)), seconds, cold, self.lm.fed_tokens))
+            cost = self.lm.pass_tokens([len(b) for b in blocks])
+            passes.append(PassTiming(cost, seconds, cold, self.lm.fed_tokens))
             blocks = []
             for i, row_logits in enumerate(logits):
                 token, probs = choose(row_logits[-1], params, generator)

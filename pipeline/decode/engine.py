@@ -285,7 +285,7 @@ class SpeculativeEngine:
                 remaining=sum(max_new_tokens - r.stats.new_tokens for r in active),
                 catch_up=self._draft_catch_up(seqs) if use_model else 0.0,
             )
-            cap, model_gamma, by_lookup = self._choose_gammas(options)
+            cap, model_gamma, chosen = self._choose_gammas(options)
             model = Proposal([[] for _ in active], [None] * len(active))
             if model_gamma:
                 model = self.draft.propose(seqs, model_gamma, sampling, generator)
@@ -295,25 +295,29 @@ class SpeculativeEngine:
                         batch.draft_prefill_seconds += p.seconds
                         self.costs.observe_prefill("draft", p.tokens, p.seconds)
                     else:
-                        self.costs.observe_draft(p.rows, p.width, p.seconds)
+                        self.costs.observe_draft(p.cost_tokens, p.seconds)
             drafts, probs, sources = [], [], []
-            for i in range(len(active)):
-                if by_lookup[i]:
+            for i, source in enumerate(chosen):
+                if source == "lookup":
                     drafts.append(look.tokens[i][:cap])
                     probs.append(None)
                     sources.append(look_keys[i])
-                else:
+                elif source == "model" and model.tokens[i]:
                     drafts.append(model.tokens[i])
                     probs.append(model.probs[i])
-                    sources.append("draft_model" if model.tokens[i] else None)
+                    sources.append("draft_model")
+                else:
+                    drafts.append([])
+                    probs.append(None)
+                    sources.append(None)
 
             # 2. Verify: one target pass over each row's unfed tokens plus its drafts.
             unfed = self.target.sync(seqs)
             blocks = [u + d for u, d in zip(unfed, drafts)]
             before = self.target.forward_seconds
             logits = self.target.forward(blocks, [len(d) + 1 for d in drafts])
-            width = max(len(b) for b in blocks)
-            self.costs.observe_target(len(active), width, self.target.forward_seconds - before)
+            cost = self.target.pass_tokens([len(b) for b in blocks])
+            self.costs.observe_target(cost, self.target.forward_seconds - before)
             batch.target_passes += 1
             batch.gamma_histogram[max(map(len, drafts))] = (
                 batch.gamma_histogram.get(max(map(len, drafts)), 0) + 1
@@ -420,7 +424,7 @@ class SpeculativeEngine:
 
     def cost_ratio(self, batch: int) -> float | None:
         """Measured draft step over 1-token target pass at this batch size (None if unknown)."""
-        target, draft = self.costs.target_time(batch, 1), self.costs.draft_time(batch)
+        target, draft = self.costs.target_time(batch), self.costs.draft_time(batch)
         return draft / target if target and draft and self.costs.draft.points else None
 
     def _draft_catch_up(self, seqs: list[list[int]]) -> float:
@@ -428,39 +432,43 @@ class SpeculativeEngine:
         lm = self.draft.lm
         if lm.cold:
             return self.costs.prefill_time("draft", lm.prefill_tokens(seqs))
-        return self.costs.catch_up_time(len(seqs), lm.behind(seqs))
+        return self.costs.catch_up_time(len(seqs), lm.catch_up_tokens(seqs))
 
     def _draft_seconds(self) -> float:
         return self.draft.lm.forward_seconds if self.draft else 0.0
 
-    def _choose_gammas(self, options: RoundOptions) -> tuple[int, int, list[bool]]:
+    def _choose_gammas(self, options: RoundOptions) -> tuple[int, int, list[str | None]]:
         """Pick the prompt-lookup cap and the draft-model gamma that maximize expected tokens/s.
 
-        Each row takes up to `cap` copied tokens from its lookup match or `gamma` draft-model
-        tokens, whichever is expected to yield more; expected tokens come from the running
-        acceptance (per drafter, per n-gram size), round time from the measured target cost
-        at the resulting block width plus gamma draft steps, plus the draft's catch-up seconds
-        spread over the rounds left for the remaining tokens. Gamma 0 with no lookup is plain
-        target-only decoding, always a candidate. Returns (cap, gamma, row uses lookup).
+        Each row takes up to `cap` copied tokens from its lookup match, or `gamma` draft-model
+        tokens, or none (see `_best`); expected tokens come from the running acceptance (per
+        drafter, per n-gram size), round time from the measured target cost of the resulting
+        pass plus gamma draft steps, plus the draft's catch-up seconds spread over the rounds
+        left for the remaining tokens. Gamma 0 with no lookup is plain target-only decoding,
+        always a candidate. Returns (cap, gamma, each row's source: "lookup", "model" or None).
         """
         rows, gamma_cap = len(options.look_lens), options.gamma_cap
+        plain: list[str | None] = [None] * rows
         if gamma_cap <= 0:
-            return 0, 0, [False] * rows
+            return 0, 0, plain
         if not self.config.adaptive:
-            by_lookup = [n > 0 for n in options.look_lens]
-            gamma = gamma_cap if options.use_model and not all(by_lookup) else 0
-            return gamma_cap, gamma, by_lookup
-        if not self.costs.has_target(rows, 1):
+            gamma = gamma_cap if options.use_model and not all(options.look_lens) else 0
+            return (
+                gamma_cap,
+                gamma,
+                ["lookup" if n else "model" if gamma else None for n in options.look_lens],
+            )
+        if not self.costs.has_target(rows):
             # Measure plain decoding at this batch size first: every choice is compared with it.
-            return 0, 0, [False] * rows
+            return 0, 0, plain
         self._rounds_since_plain += 1
         if self._rounds_since_plain > 4 * self.config.probe_every:
             # Re-measure plain decoding now and then: while speculating its cost is never
             # observed, and a value inflated by one slow spell would keep speculation looking good.
             self._rounds_since_plain = 0
-            return 0, 0, [False] * rows
-        cap, gamma, by_lookup = self._best(options, self.alpha["draft_model"].value)
-        if options.use_model and gamma == 0 and not all(by_lookup):
+            return 0, 0, plain
+        cap, gamma, sources = self._best(options, self.alpha["draft_model"].value)
+        if options.use_model and gamma == 0 and None in sources:
             self._rounds_without_model += 1
             if self._rounds_without_model >= self.config.probe_every:
                 self._rounds_without_model = 0
@@ -468,11 +476,11 @@ class SpeculativeEngine:
                 # pay here (verify passes too dear, or a catch-up the rounds left cannot repay).
                 # A probe also risks the draft's catch-up (a whole prefill when cold): at batch 4
                 # on translations one spent 12% of the job on a prefill that α 0.57 never repaid.
-                plain_left = options.remaining / rows * self.costs.target_time(rows, 1)
+                plain_left = options.remaining / rows * self.costs.target_time(rows)
                 affordable = options.catch_up <= self.config.probe_budget * plain_left
                 if affordable and self._best(options, self.config.probe_alpha)[1]:
-                    gamma = 1
-        if gamma == 0 and not any(by_lookup) and any(options.look_lens):
+                    gamma, sources = 1, [s or "model" for s in sources]
+        if gamma == 0 and "lookup" not in sources and any(options.look_lens):
             self._rounds_without_lookup += 1
             if self._rounds_without_lookup >= self.config.probe_every:
                 self._rounds_without_lookup = 0
@@ -480,32 +488,49 @@ class SpeculativeEngine:
                 # this batch size. Until measured that cost is extrapolated from other shapes (4
                 # rows x 1 token next to 1 row x 3), which can overprice it so much that lookup
                 # is never tried. A probe costs one slightly wider pass, no draft steps.
-                cap, by_lookup = 1, [n > 0 for n in options.look_lens]
-        if gamma == 0 and not any(by_lookup):
+                cap, sources = 1, ["lookup" if n else None for n in options.look_lens]
+        if gamma == 0 and "lookup" not in sources:
             self._rounds_since_plain = 0  # this round measures plain decoding anyway
-        return cap, gamma, by_lookup
+        return cap, gamma, sources
 
-    def _best(self, options: RoundOptions, a_model: float) -> tuple[int, int, list[bool]]:
-        """The choice of `_choose_gammas` with the draft model accepting at rate `a_model`."""
+    def _best(self, options: RoundOptions, a_model: float) -> tuple[int, int, list[str | None]]:
+        """The choice of `_choose_gammas` with the draft model accepting at rate `a_model`.
+
+        Each row takes the source worth most to it: expected tokens, less what its extra verify
+        tokens cost at the best rate so far. In a padded pass (a GPU) the verify tokens are
+        priced at nothing, since the widest row sets the cost; in a packed one (a CPU) a row
+        pays for its own: at batch 8 on the 1.5B target in bf16 a token beyond the first of
+        each row costs 3% of a pass, so a weak 1-gram match is not worth verifying there.
+        A lone row needs no such split: the whole round's rate below decides for it.
+        """
         look_lens, look_keys, gamma_cap = options.look_lens, options.look_keys, options.gamma_cap
         rows = len(look_lens)
         draft_time = self.costs.draft_time(rows) or 0.0
-        plain_rate = rows / self.costs.target_time(rows, 1)
-        best, best_rate = (0, 0, [False] * rows), plain_rate * (1 + self.config.min_gain)
+        plain_seconds = self.costs.target_time(rows)
+        per_token = 0.0  # seconds per extra verify token at this batch size; one row: see above
+        if self.target.pack and rows > 1:
+            per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
+        best = (0, 0, [None] * rows)
+        best_rate = rows / plain_seconds * (1 + self.config.min_gain)
         for cap in range(gamma_cap + 1) if any(look_lens) else [0]:
             for gamma in range(gamma_cap + 1) if options.use_model else [0]:
-                tokens, width, by_lookup = 0.0, 1, []
+                from_model = expected_tokens(a_model, gamma)
+                tokens, lengths, sources = 0.0, [], []
                 for n, key in zip(look_lens, look_keys):
-                    from_look = expected_tokens(self.alpha[key].value, min(n, cap)) if n and cap else 0.0
-                    from_model = expected_tokens(a_model, gamma)
-                    by_lookup.append(from_look > from_model)
-                    tokens += max(from_look, from_model)
-                    width = max(width, (min(n, cap) if by_lookup[-1] else gamma) + 1)
-                if gamma and all(by_lookup):
+                    choices = [(1.0, 0, None), (from_model, gamma, "model")] if gamma else [(1.0, 0, None)]
+                    if n and cap:
+                        choices.append(
+                            (expected_tokens(self.alpha[key].value, min(n, cap)), min(n, cap), "lookup")
+                        )
+                    expected, drafts, source = max(choices, key=lambda c: c[0] - best_rate * per_token * c[1])
+                    tokens += expected
+                    lengths.append(drafts + 1)
+                    sources.append(source)
+                if gamma and "model" not in sources:
                     continue  # the draft model would run for nobody
-                seconds = gamma * draft_time + self.costs.target_time(rows, width)
+                seconds = gamma * draft_time + self.costs.target_time(self.target.pass_tokens(lengths))
                 if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
                     seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
                 if tokens / seconds > best_rate * 1.0001:
-                    best, best_rate = (cap, gamma, by_lookup), tokens / seconds
+                    best, best_rate = (cap, gamma, sources), tokens / seconds
         return best

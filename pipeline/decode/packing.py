@@ -1,0 +1,98 @@
+"""Skip padding: a ragged pass computes its weights' matrix products on real tokens only.
+
+Why: a speculative pass over a batch is ragged. At batch 8 one row may verify 5 copied tokens
+while seven rows verify 1, and the rectangle the model runs over is 8 × 5 = 40 positions of
+which 12 are real. On a GPU the padding is nearly free (the pass is bound by reading the
+weights); on a CPU it is not. Measured on Qwen2.5-Coder 1.5B in bf16 (2 cores, 400 cached
+tokens): 8 real tokens 0.17 s; 12 real in a 40-wide rectangle 0.32 s, packed 0.19 s.
+
+How: while a pass runs under `packed(layout)`, every Linear layer of a model that went
+through `install` gathers the real positions of its input into a dense matrix, multiplies
+that, and scatters the result back into the rectangle (zeros at padding). Each real row gets
+the bits it gets unpacked: the CPU's kernels give a row the same result whatever the number
+of rows (see `invariant.linear_is_row_invariant`). The float64 attention of batch-invariant
+models reads `current()` too and attends for each row's real queries only. Everything else
+(norms, rotary, activations) is elementwise and cheap at any width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which positions of a [rows, width] pass are real: the first `lengths[i]` of row i."""
+
+    lengths: tuple[int, ...]
+    width: int
+    index: torch.Tensor  # the real positions, flat (row * width + column)
+
+    @classmethod
+    def of(cls, lengths: list[int], width: int, device: torch.device | str) -> Layout:
+        real = [i * width + j for i, n in enumerate(lengths) for j in range(n)]
+        return cls(tuple(lengths), width, torch.tensor(real, device=device))
+
+    @property
+    def positions(self) -> int:
+        return len(self.lengths) * self.width
+
+
+_current: ContextVar[Layout | None] = ContextVar("packing_layout", default=None)
+
+
+def current() -> Layout | None:
+    """The layout of the pass running now, if it runs packed."""
+    return _current.get()
+
+
+@contextmanager
+def packed(layout: Layout | None) -> Iterator[None]:
+    """Run the passes inside this block on `layout`'s real positions (None: as they are)."""
+    token = _current.set(layout)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _gather(linear: nn.Module, args: tuple) -> tuple | None:
+    layout, x = _current.get(), args[0]
+    if layout is None or x.shape[:-1].numel() != layout.positions:
+        return None  # not a token-wise input of this pass (or no packed pass running)
+    linear._packed_shape = x.shape
+    return (x.reshape(-1, x.shape[-1])[layout.index], *args[1:])
+
+
+def _scatter(linear: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    shape = linear._packed_shape
+    if shape is None:
+        return None
+    linear._packed_shape = None
+    full = out.new_zeros(shape[:-1].numel(), out.shape[-1])
+    full[_current.get().index] = out
+    return full.view(*shape[:-1], out.shape[-1])
+
+
+def install(model: nn.Module) -> nn.Module:
+    """Let `model`'s Linear layers run packed under `packed`; idempotent.
+
+    The gather runs before any other pre-hook and the scatter after the other forward hooks,
+    so that hooks which reshape a layer's rows (the batch-invariant 2-row trick, which
+    registers its forward hook in front) see the packed rows, whichever was installed first.
+    """
+    if getattr(model, "_packing", False):
+        return model
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module._packed_shape = None
+            module.register_forward_pre_hook(_gather, prepend=True)
+            module.register_forward_hook(_scatter)
+    model._packing = True
+    return model
