@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from pipeline.decode.costs import predicted_speedup
-from pipeline.decode.engine import BatchStats, EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.demo_data import CORPORA
 from pipeline.models.draft_int8 import loaded_weights
 from pipeline.models.loading import LoadedPair
@@ -101,13 +101,10 @@ def hf_generate(pair: LoadedPair, prompts, max_new: int, eos: list[int], pad: in
 
 
 def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str):
-    outputs, total, row_passes, gamma = [], BatchStats(), 0, 0
-    for start in range(0, len(prompts), batch):
-        rows, b = engine.generate(prompts[start : start + batch], max_new, drafter=drafter)
-        outputs += [r.tokens for r in rows]
-        total.add(b)
-        row_passes += sum(r.stats.target_passes for r in rows)
-        gamma += sum(r.stats.gamma_sum for r in rows)
+    rows, total = engine.generate(prompts, max_new, drafter=drafter, batch_size=batch)
+    outputs = [r.tokens for r in rows]
+    row_passes = sum(r.stats.target_passes for r in rows)
+    gamma = sum(r.stats.gamma_sum for r in rows)
     stats = {
         "cost_ratio": engine.cost_ratio(batch) or 0.0,  # averaged over the runs in _row
         "draft_passes": total.draft_passes,

@@ -203,49 +203,45 @@ class ShardProcessor:
     def _decode_sorted(
         self, prompts: list[list[int]], drafter: str | None = None
     ) -> tuple[list[tuple[RowOutput, float]], BatchStats]:
-        """Decode in batches of similar length (less padding).
+        """Decode every prompt, `batch_size` rows at a time, longest first.
 
-        Returns (output, latency) per prompt in input order, and the batches' summed counters.
+        One engine call for all of them: as rows finish, waiting ones take their places
+        (continuous batching). Longest first, so that a batch too big for the device fails
+        before any work is done rather than at the end of the shard.
+        Returns (output, latency) per prompt in input order, and the summed counters.
         """
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list = [None] * len(prompts)
-        totals = BatchStats()
-        size = self.spec.execution.batch_size
-        for start in range(0, len(order), size):
-            batch_rows = order[start : start + size]
-            for chunk, outputs, batch in self._generate_fitting(batch_rows, prompts, drafter):
-                for i, out in zip(chunk, outputs):
-                    results[i] = (out, out.stats.seconds)
-                totals.add(batch)
+        outputs, totals = self._generate_fitting([prompts[i] for i in order], drafter)
+        for i, out in zip(order, outputs):
+            results[i] = (out, out.stats.seconds)
         return results, totals
 
-    def _generate_fitting(self, chunk: list[int], prompts: list[list[int]], drafter: str | None):
-        """Decode one batch; on out-of-memory, halve it and decode the halves.
+    def _generate_fitting(self, prompts: list[list[int]], drafter: str | None, size: int | None = None):
+        """Decode at the job's batch size; on out-of-memory, halve it and start again.
 
         Long documents make some batches much bigger than the rest; halving keeps the shard
-        going instead of failing it. Only a single row that still does not fit fails the
-        attempt (the executor then retries the shard, then records it as failed).
+        going instead of failing it. Only a batch of a single row that still does not fit
+        fails the attempt (the executor then retries the shard, then records it as failed).
         """
+        size = size or self.spec.execution.batch_size
         try:
-            outputs, batch = self.engine.generate(
-                [prompts[i] for i in chunk],
+            return self.engine.generate(
+                prompts,
                 self.spec.generation.max_new_tokens,
                 self.sampling,
                 stop_strings=self.spec.generation.stop,
                 drafter=drafter,
                 overlong="truncate",
+                batch_size=size,
             )
         except torch.OutOfMemoryError:
-            if len(chunk) == 1:
+            if size == 1:
                 raise
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            half = len(chunk) // 2
             self.oom_splits += 1
-            return self._generate_fitting(chunk[:half], prompts, drafter) + self._generate_fitting(
-                chunk[half:], prompts, drafter
-            )
-        return [(chunk, outputs, batch)]
+            return self._generate_fitting(prompts, drafter, size // 2)
 
     def _speedup_sample(self, rows, prompts, decoded) -> dict:
         """Decode a sample of rows both ways on this actor to measure the real speedup.

@@ -441,3 +441,40 @@ def test_logits_that_are_more_than_the_output_layer_come_from_the_models_own_for
             for row, seq in enumerate(seqs):
                 want = model(input_ids=torch.tensor([seq])).logits[0, -len(got[row]) :].float()
                 torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "prompt_lookup", "auto"])
+@pytest.mark.parametrize("gamma_max, adaptive", [(3, False), (8, True)])
+def test_continuous_batching_admits_waiting_rows_as_others_finish(case, drafter, gamma_max, adaptive):
+    """Eight prompts through three places: rows stop at different times (EOS), and each
+    place a finished row frees is taken by a waiting prompt, prefilled beside running rows.
+    Every output stays the target's own, in input order."""
+    target, draft, _, prompts, eos, refs = case
+    config = EngineConfig(drafter=drafter, gamma_max=gamma_max, adaptive=adaptive)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    rows_per_pass: list[int] = []
+    hook = target.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: rows_per_pass.append(args[0].shape[0])
+    )
+    running: list[int] = []  # rows decoding when each admission's prefill ran
+    admit = engine.target.admit
+
+    def admit_and_count(blocks, logits_per_row):
+        running.append(len(engine.target.tokens))
+        return admit(blocks, logits_per_row)
+
+    engine.target.admit = admit_and_count
+    try:
+        outputs, batch = engine.generate(prompts, MAX_NEW, batch_size=3)
+    finally:
+        hook.remove()
+    assert running[0] == 0 and max(running) == 2  # joined a running batch, not an empty one
+    assert [o.tokens for o in outputs] == refs
+    assert batch.rows == len(prompts) and batch.new_tokens == sum(map(len, refs))
+    # prefills one row at a time (a CPU) and decode passes over at most three rows
+    assert max(rows_per_pass) <= 3
+    decode_rows = [n for n in rows_per_pass[3:] if n > 1]
+    assert 3 in decode_rows  # places were refilled: three rows ran again after the first finished
+    assert batch.prefill_tokens == sum(map(len, prompts))
+    if drafter != "none" and not adaptive:  # adaptive: tiny models' costs may say "don't"
+        assert batch.drafted > 0

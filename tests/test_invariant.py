@@ -166,3 +166,17 @@ def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(bf16_pai
         assert lm.pass_tokens([7, 1, 2]) == (10 if pack else 21)
     for a, b in zip(results[False], results[True]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "auto"])
+def test_bf16_rows_admitted_into_a_running_batch_decode_bitwise_as_alone(bf16_pair, drafter):
+    target, draft = bf16_pair
+    prompts = [p[: 12 + 5 * i] for i, p in enumerate(_prompts(7, 50, seed=6))]
+    engine = SpeculativeEngine(
+        target, draft, eos_token_ids=[1], pad_token_id=0, config=EngineConfig(adaptive=False, gamma_max=4)
+    )
+    reference = [engine.generate([p], 16, drafter="none")[0][0].tokens for p in prompts]
+    # rows that accept more drafts finish sooner and free their places for waiting ones
+    outputs, stats = engine.generate(prompts, 16, drafter=drafter, batch_size=3)
+    assert [o.tokens for o in outputs] == reference
+    assert stats.drafted > 0

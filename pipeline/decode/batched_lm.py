@@ -118,6 +118,36 @@ class BatchedLM:
         self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
         self.slots: list[list[int]] = [[] for _ in range(batch_size)]
 
+    def admit(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
+        """Prefill new rows and append them to the batch (continuous batching).
+
+        The new rows' prefill runs as a batch of its own (per row on a CPU), then its cache is
+        laid beside the running rows' one; logits as `forward` gives them.
+        """
+        if not self.tokens:
+            self.reset(len(blocks))
+            return self.forward(blocks, logits_per_row)
+        running = (self.cache, self.mask, self.tokens, self.slots)
+        logits = self._prefill(blocks, logits_per_row)
+        self._merge([running, (self.cache, self.mask, self.tokens, self.slots)])
+        return logits
+
+    def add_rows(self, count: int) -> None:
+        """Append `count` rows with nothing cached: their next pass feeds their whole sequence.
+
+        For a draft model, whose new rows can catch up inside its next step (packed on a CPU,
+        so the running rows' single tokens do not wait for a padded prefill).
+        """
+        if self.width:
+            for layer in self.cache.layers:
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(count, *layer.keys.shape[1:])])
+                layer.values = torch.cat(
+                    [layer.values, layer.values.new_zeros(count, *layer.values.shape[1:])]
+                )
+        self.mask = torch.cat([self.mask, self.mask.new_zeros(count, self.width)])
+        self.tokens += [[] for _ in range(count)]
+        self.slots += [[] for _ in range(count)]
+
     @property
     def width(self) -> int:
         return self.mask.shape[1]

@@ -56,6 +56,9 @@ class Drafter(Protocol):
     ) -> Proposal:
         """Propose up to `gamma` tokens after each sequence."""
 
+    def admit(self, prompts: list[list[int]]) -> None:
+        """New rows join the batch, after the running ones."""
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (the others finished)."""
 
@@ -78,9 +81,13 @@ class PromptLookupDrafter:
     matched_ngram: list[int] = field(default_factory=list, repr=False)
 
     def start(self, prompts: list[list[int]]) -> None:
-        self._index = [{} for _ in prompts]
-        self._indexed = [0 for _ in prompts]
-        self.matched_ngram = [0 for _ in prompts]
+        self._index, self._indexed, self.matched_ngram = [], [], []
+        self.admit(prompts)
+
+    def admit(self, prompts: list[list[int]]) -> None:
+        self._index += [{} for _ in prompts]
+        self._indexed += [0 for _ in prompts]
+        self.matched_ngram += [0 for _ in prompts]
 
     def _update_index(self, row: int, seq: list[int]) -> None:
         """Record n-grams that end before the last token, each mapped to where its follower is."""
@@ -143,12 +150,20 @@ class DraftModelDrafter:
         self.always = always
 
     def start(self, prompts: list[list[int]]) -> None:
-        self.lm.reset(len(prompts))
+        self.lm.reset(0)
+        self.lm.restrict_head(None)
+        self._rare: set[int] = set()  # prompt tokens at or above head_tokens, for the head
+        self.admit(prompts)
+
+    def admit(self, prompts: list[list[int]]) -> None:
+        self.lm.add_rows(len(prompts))
         if self.head_tokens:
             extra = {t for p in prompts for t in p}.union(self.always)
-            rare = sorted(t for t in extra if self.head_tokens <= t < self.lm.vocab_size)
-            rows = list(range(self.head_tokens)) + rare
-            self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
+            rare = {t for t in extra if self.head_tokens <= t < self.lm.vocab_size}
+            if self.lm.head_rows is None or not rare <= self._rare:
+                self._rare |= rare
+                rows = list(range(self.head_tokens)) + sorted(self._rare)
+                self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
 
     def propose(
         self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator

@@ -6,7 +6,8 @@ One round, for every unfinished row at once:
   2. ONE target forward pass over each row's unfed tokens plus its drafts;
   3. each row keeps the drafts the target agrees with (greedy: equal to its argmax; sampling:
      the accept/resample rule) plus one token from the target itself;
-  4. rows that hit EOS, a stop string or max_new_tokens leave the batch.
+  4. rows that hit EOS, a stop string or max_new_tokens leave the batch, and waiting prompts
+     take their places (prefilled beside the running rows: continuous batching).
 The caches are rolled back lazily at the start of the next round (`BatchedLM.sync`).
 With the drafter "none" the same loop is plain target-only decoding: the baseline for speedups.
 """
@@ -14,6 +15,7 @@ With the drafter "none" the same loop is plain target-only decoding: the baselin
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -225,12 +227,16 @@ class SpeculativeEngine:
         stop_strings: Sequence[str] = (),
         drafter: str | None = None,
         overlong: str = "error",
+        batch_size: int | None = None,
     ) -> tuple[list[RowOutput], BatchStats]:
         """Decode every prompt; results keep the input order.
 
         `drafter` overrides the configured one for this call ("none" gives the target-only
         baseline). `overlong` is "error" (raise PromptError) or "truncate" (keep the last
         tokens that fit the context with room for `max_new_tokens`, and report how many went).
+        `batch_size` rows decode at once (None: all); whenever rows finish, waiting prompts
+        take their places (continuous batching), so a row that speculation finishes early
+        frees its place for the next one instead of idling until the slowest row is done.
         """
         sampling = sampling or SamplingParams()
         drafter = drafter or self.config.drafter
@@ -240,34 +246,51 @@ class SpeculativeEngine:
             raise ValueError("stop strings need decode_text (a tokenizer's decode)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         use_model = drafter in ("auto", "draft_model") and self.draft is not None
         if drafter == "draft_model" and self.draft is None:
             raise ValueError("drafter 'draft_model' needs a draft model")
         use_lookup = drafter in ("auto", "prompt_lookup")
 
         rows, truncated = self._prepare(prompts, max_new_tokens, overlong)
+        waiting = deque(rows)
+        size = batch_size or len(rows)
         generator = torch.Generator().manual_seed(sampling.seed)
         batch = BatchStats(rows=len(rows))
         started = time.perf_counter()
         target_seconds0, draft_seconds0 = self.target.forward_seconds, self._draft_seconds()
-
-        # Prefill: one target pass over every prompt gives each row its first token.
-        self.target.reset(len(rows))
-        logits = self.target.forward([r.seq for r in rows], [1] * len(rows))
-        batch.prefill_seconds = self.target.forward_seconds - target_seconds0
-        batch.prefill_tokens = self.target.fed_tokens
-        self.costs.observe_prefill("target", batch.prefill_tokens, batch.prefill_seconds)
-        batch.target_passes += 1
-        for row, row_logits in zip(rows, logits):
-            token, _ = choose(row_logits[-1], sampling, generator)
-            self._append(row, [token], max_new_tokens, stop_strings, started)
-            row.stats.target_passes += 1
-            row.stats.target_tokens += 1
-        active = [r for r in rows if r.finish_reason is None]
-        self.lookup.start([r.seq for r in active])
+        self.target.reset(0)
+        self.lookup.start([])
         if use_model:
-            self.draft.start([r.seq for r in active])
-        self._keep(active, [r.index for r in rows if r.finish_reason is None], use_model)
+            self.draft.start([])
+
+        def admit(active: list[_Row]) -> list[_Row]:
+            """Prefill waiting rows into free places: one target pass gives each its first token."""
+            new = [waiting.popleft() for _ in range(min(size - len(active), len(waiting)))]
+            before = self.target.forward_seconds
+            logits = self.target.admit([r.seq for r in new], [1] * len(new))
+            seconds = self.target.forward_seconds - before
+            batch.prefill_seconds += seconds
+            batch.prefill_tokens += self.target.fed_tokens
+            self.costs.observe_prefill("target", self.target.fed_tokens, seconds)
+            batch.target_passes += 1
+            for row, row_logits in zip(new, logits):
+                token, _ = choose(row_logits[-1], sampling, generator)
+                self._append(row, [token], max_new_tokens, stop_strings, started)
+                row.stats.target_passes += 1
+                row.stats.target_tokens += 1
+            self.lookup.admit([r.seq for r in new])
+            if use_model:
+                self.draft.admit([r.seq for r in new])
+            active = active + new
+            keep = [i for i, r in enumerate(active) if r.finish_reason is None]
+            self._keep(keep, use_model)
+            return [active[i] for i in keep]
+
+        active: list[_Row] = []
+        while waiting and len(active) < size:  # rows that end at their first token free places
+            active = admit(active)
 
         while active:
             seqs = [r.seq for r in active]
@@ -345,10 +368,12 @@ class SpeculativeEngine:
             for name, (acc, drafted_n) in round_counts.items():
                 self.alpha[name].update(acc, drafted_n)
 
-            # 4. Finished rows leave the batch and stop costing compute.
+            # 4. Finished rows leave the batch and stop costing compute; waiting rows join.
             keep = [i for i, r in enumerate(active) if r.finish_reason is None]
             active = [active[i] for i in keep]
-            self._keep(active, keep, use_model)
+            self._keep(keep, use_model)
+            while waiting and len(active) < size:
+                active = admit(active)
 
         batch.new_tokens = sum(r.stats.new_tokens for r in rows)
         batch.wall_seconds = time.perf_counter() - started
@@ -416,7 +441,7 @@ class SpeculativeEngine:
         tail = self.decode_text(row.seq[max(row.prompt_len, len(row.seq) - longest - 4) :])
         return any(s in tail for s in stop_strings)
 
-    def _keep(self, active: list[_Row], keep: list[int], use_model: bool) -> None:
+    def _keep(self, keep: list[int], use_model: bool) -> None:
         self.target.select(keep)
         self.lookup.select(keep)
         if use_model:
