@@ -318,6 +318,11 @@ class ShardProcessor:
             "draft_passes": totals.draft_passes,
             "target_seconds": totals.target_seconds,
             "draft_seconds": totals.draft_seconds,
+            # the target's prefills (part of target_seconds): the same with or without a drafter,
+            # so they bound any speedup; tokens computed, a shared template's start not counted
+            "prefill_seconds": totals.prefill_seconds,
+            "prefill_tokens": totals.prefill_tokens,
+            "draft_prefill_seconds": totals.draft_prefill_seconds,
             "decode_seconds": totals.wall_seconds,
             "tokens_per_second": totals.tokens_per_second,
             "speedup": sample,

@@ -565,7 +565,13 @@ class DrafterSpec(_Section):
 class ExecutionSpec(_Section):
     """How the work is spread over Ray actors."""
 
-    batch_size: int = Field(8, ge=1, le=512, description="Documents decoded together per actor.")
+    batch_size: int = Field(
+        8,
+        ge=1,
+        le=512,
+        description="Documents decoding at once per actor; as one finishes, the next waiting "
+        "document takes its place (continuous batching).",
+    )
     num_actors: int = Field(1, ge=1, le=10_000, description="Number of decoding actors.")
     num_cpus: float = Field(1, gt=0, description="CPUs reserved per actor.")
     num_gpus: float = Field(0, ge=0, description="GPUs reserved per actor (fractions allowed).")

@@ -114,6 +114,7 @@ def check_output(tiny_models, spec, out: Storage, rows_in: int) -> None:
             assert s["speedup"]["identical_rows"] == s["speedup"]["sample_rows"] >= 1
             assert s["speedup"]["measured"] > 0 and s["speedup"]["predicted"] > 0
             assert s["tokens_per_second"] > 0
+            assert 0 < s["prefill_seconds"] <= s["target_seconds"] and s["prefill_tokens"] > 0
         else:
             assert "corrupt.parquet" in s["error"]
     manifest = out.read_json("manifest.json")

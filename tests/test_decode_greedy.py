@@ -478,3 +478,15 @@ def test_continuous_batching_admits_waiting_rows_as_others_finish(case, drafter,
     assert batch.prefill_tokens == sum(map(len, prompts))
     if drafter != "none" and not adaptive:  # adaptive: tiny models' costs may say "don't"
         assert batch.drafted > 0
+
+
+def test_rows_admitted_into_a_running_batch_keep_no_autograd_graph(tiny_models):
+    """Admission prefills beside running rows; without no_grad there, every admitted row's
+    activations stayed alive through its cache (a batch-8 benchmark grew to 17 GB)."""
+    target, _, _ = tiny_models
+    lm = BatchedLM(target, pad_token_id=0)
+    lm.reset(1)
+    lm.forward([list(range(3, 30))], [1])
+    logits = lm.admit([list(range(5, 20)), list(range(7, 12))], [1, 1])
+    assert len(lm.tokens) == 3 and not any(t.requires_grad for t in logits)
+    assert not any(layer.keys.requires_grad or layer.values.requires_grad for layer in lm.cache.layers)

@@ -118,6 +118,7 @@ class BatchedLM:
         self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
         self.slots: list[list[int]] = [[] for _ in range(batch_size)]
 
+    @torch.no_grad()
     def admit(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
         """Prefill new rows and append them to the batch (continuous batching).
 
@@ -345,8 +346,12 @@ class BatchedLM:
         return logits
 
     def select(self, rows: list[int]) -> None:
-        """Keep only `rows` (finished rows stop costing compute)."""
+        """Keep only `rows` (finished rows stop costing compute). No rows left: a cold cache,
+        so that rows added next start with a prefill (and its template), not a catch-up."""
         if len(rows) == len(self.tokens):
+            return
+        if not rows:
+            self.reset(0)
             return
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.width:

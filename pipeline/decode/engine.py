@@ -85,7 +85,7 @@ class RowStats:
     target_tokens: int = 0  # tokens the target chose itself: corrections, bonuses, the first
     gamma_sum: int = 0  # sum over rounds of the gamma offered to this row
     drafted_by: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0  # from the batch start until this row finished
+    seconds: float = 0.0  # from joining the batch (its prefill) until this row finished
 
     @property
     def alpha(self) -> float:
@@ -172,6 +172,7 @@ class _Row:
     prompt_len: int
     stats: RowStats = field(default_factory=RowStats)
     finish_reason: str | None = None
+    admitted: float = 0.0  # perf_counter when it joined the batch
 
 
 class SpeculativeEngine:
@@ -268,6 +269,8 @@ class SpeculativeEngine:
         def admit(active: list[_Row]) -> list[_Row]:
             """Prefill waiting rows into free places: one target pass gives each its first token."""
             new = [waiting.popleft() for _ in range(min(size - len(active), len(waiting)))]
+            for row in new:
+                row.admitted = time.perf_counter()
             before = self.target.forward_seconds
             logits = self.target.admit([r.seq for r in new], [1] * len(new))
             seconds = self.target.forward_seconds - before
@@ -277,7 +280,7 @@ class SpeculativeEngine:
             batch.target_passes += 1
             for row, row_logits in zip(new, logits):
                 token, _ = choose(row_logits[-1], sampling, generator)
-                self._append(row, [token], max_new_tokens, stop_strings, started)
+                self._append(row, [token], max_new_tokens, stop_strings)
                 row.stats.target_passes += 1
                 row.stats.target_tokens += 1
             self.lookup.admit([r.seq for r in new])
@@ -350,7 +353,7 @@ class SpeculativeEngine:
             round_counts = {name: [0, 0] for name in self.alpha}
             for row, draft, draft_probs, source, row_logits in zip(active, drafts, probs, sources, logits):
                 accepted, token = verify(row_logits, draft, draft_probs, sampling, generator)
-                kept = self._append(row, draft[:accepted] + [token], max_new_tokens, stop_strings, started)
+                kept = self._append(row, draft[:accepted] + [token], max_new_tokens, stop_strings)
                 stats = row.stats
                 stats.target_passes += 1
                 stats.draft_passes += model.model_passes
@@ -413,7 +416,7 @@ class SpeculativeEngine:
             truncated.append(cut)
         return rows, truncated
 
-    def _append(self, row: _Row, tokens: list[int], max_new_tokens: int, stop_strings, started: float) -> int:
+    def _append(self, row: _Row, tokens: list[int], max_new_tokens: int, stop_strings) -> int:
         """Add the round's tokens to a row, cutting at EOS, the length limit or a stop string.
 
         Returns how many tokens were kept. Cutting exactly where target-only decoding would
@@ -431,7 +434,7 @@ class SpeculativeEngine:
             elif row.stats.new_tokens >= max_new_tokens:
                 row.finish_reason = "length"
             if row.finish_reason:
-                row.stats.seconds = time.perf_counter() - started
+                row.stats.seconds = time.perf_counter() - row.admitted
                 break
         return kept
 
