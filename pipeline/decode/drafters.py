@@ -152,24 +152,30 @@ class DraftModelDrafter:
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.reset(0)
         self.lm.restrict_head(None)
-        self._rare: set[int] = set()  # prompt tokens at or above head_tokens, for the head
+        self._rare: set[int] = set()  # prompt tokens (and EOS) at or above head_tokens
+        self._head_rare = -1  # how many of them the restricted head holds
         self.admit(prompts)
 
     def admit(self, prompts: list[list[int]]) -> None:
         self.lm.add_rows(len(prompts))
         if self.head_tokens:
             extra = {t for p in prompts for t in p}.union(self.always)
-            rare = {t for t in extra if self.head_tokens <= t < self.lm.vocab_size}
-            if self.lm.head_rows is None or not rare <= self._rare:
-                self._rare |= rare
-                rows = list(range(self.head_tokens)) + sorted(self._rare)
-                self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
+            self._rare |= {t for t in extra if self.head_tokens <= t < self.lm.vocab_size}
+
+    def _restrict_head(self) -> None:
+        """Gather the head's rows once they changed, when a proposal needs them rather than at
+        every admission (a 33k-row gather of the 0.5B draft's head is ~60 MB of copying)."""
+        if self.head_tokens and self._head_rare != len(self._rare):
+            rows = list(range(self.head_tokens)) + sorted(self._rare)
+            self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
+            self._head_rare = len(self._rare)
 
     def propose(
         self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
         if gamma == 0:
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs))
+        self._restrict_head()
         drafts: list[list[int]] = [[] for _ in seqs]
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
         blocks = self.lm.sync(seqs)
