@@ -332,10 +332,10 @@ class BatchedLM:
         with packing.packed(layout):
             if self.head_rows is None and not _plain_head(self.model):
                 width = inputs["input_ids"].shape[1]
-                columns = torch.unique(wanted % width)  # sorted
+                rows, cols = wanted // width, wanted % width
+                columns = torch.unique(cols)  # sorted
                 rect = self.model(**inputs, logits_to_keep=columns).logits
-                rows, at = wanted // width, torch.searchsorted(columns, wanted % width)
-                return rect[rows, at, : self.vocab_size].float()
+                return rect[rows, torch.searchsorted(columns, cols), : self.vocab_size].float()
             hidden = self.model.base_model(**inputs).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])[wanted]
         if self.head_rows is None:

@@ -4,7 +4,7 @@ Why: a speculative pass over a batch is ragged. At batch 8 one row may verify 5 
 while seven rows verify 1, and the rectangle the model runs over is 8 × 5 = 40 positions of
 which 12 are real. On a GPU the padding is nearly free (the pass is bound by reading the
 weights); on a CPU it is not. Measured on Qwen2.5-Coder 1.5B in bf16 (2 cores, 400 cached
-tokens): 8 real tokens 0.17 s; 12 real in a 40-wide rectangle 0.32 s, packed 0.19 s.
+tokens): 8 real tokens 0.18 s; 12 real in a 40-wide rectangle 0.31 s, packed 0.23 s.
 
 How: while a pass runs under `packed(layout)`, every Linear layer of a model that went
 through `install` gathers the real positions of its input into a dense matrix, multiplies
