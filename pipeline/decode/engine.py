@@ -528,7 +528,8 @@ class SpeculativeEngine:
         tokens cost at the best rate so far. In a padded pass (a GPU) the verify tokens are
         priced at nothing, since the widest row sets the cost; in a packed one (a CPU) a row
         pays for its own: at batch 8 on the 1.5B target in bf16 a token beyond the first of
-        each row costs 3% of a pass, so a weak 1-gram match is not worth verifying there.
+        each row costs 2-8% of a pass (the pass's first such token 10-16%), so a weak 1-gram
+        match is not worth verifying there.
         A lone row needs no such split: the whole round's rate below decides for it.
         """
         look_lens, look_keys, gamma_cap = options.look_lens, options.look_keys, options.gamma_cap
