@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.costs import CostModel, RunningRate
+from pipeline.decode.costs import CostModel, RunningRate, expected_drain_advance, expected_tokens
 from pipeline.decode.engine import EngineConfig, PromptError, RoundOptions, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.models.draft_int8 import quantize_draft
@@ -411,6 +411,51 @@ def test_at_batch_8_a_row_verifies_copied_tokens_only_where_they_pay_for_themsel
     cap, gamma, sources = engine._choose_gammas(options)
     assert gamma == 0 and cap >= 4
     assert sources == ["lookup"] + [None] * 7
+
+
+def test_a_draining_round_is_worth_how_far_it_brings_the_last_row_in():
+    """With no prompt waiting, the batch ends when its row with most tokens left does."""
+    assert expected_drain_advance([(0, 4, 0.6)]) == pytest.approx(expected_tokens(0.6, 4))  # one row
+    # 8 even rows: one that drafts nothing holds the advance at 1, however well the rest copy
+    assert expected_drain_advance([(0, 0, 0.0)] + [(0, 4, 0.95)] * 7) == 1.0
+    assert expected_drain_advance([(0, 1, 0.6)] * 8) == pytest.approx(1 + 0.6**8)
+    # a row 5 tokens ahead cannot hold back an advance of at most 4; one 1 token ahead can
+    assert expected_drain_advance([(0, 3, 0.9), (5, 0, 0.0)]) == pytest.approx(expected_tokens(0.9, 3))
+    assert expected_drain_advance([(0, 3, 0.9), (1, 0, 0.0)]) == pytest.approx(1.9)
+
+
+def test_a_draining_batch_speculates_only_where_it_brings_the_end_closer(case):
+    """The batch-8 benchmark with 8 documents in 8 places: every row ran to the 64-token limit
+    and the batch made 63-64 passes whatever the drafter, so verifying copied tokens only made
+    passes wider (0.94-0.96x target-only). Priced by how far a round brings in the row with
+    most tokens left, even rows decode plainly; a row left behind alone still speculates."""
+    costs = _costs({8: 0.186, 12: 0.236, 16: 0.243, 24: 0.280, 40: 0.40}, {})
+    engine = _engine_with_costs(case, costs, alpha=0.5)
+    engine.alpha["prompt_lookup:4"] = RunningRate(prior=0.8, weight=1e6)
+    engine.runs_to_limit = RunningRate(prior=0.99, weight=1e6)  # rows have run to the limit
+    keys = ["prompt_lookup:4"] * 8
+    waiting = RoundOptions([4] * 8, keys, False, 8, remaining=8 * 40, catch_up=0.0)
+    assert engine._choose_gammas(waiting)[2] == ["lookup"] * 8  # prompts wait: every token counts
+    draining = RoundOptions([4] * 8, keys, False, 8, 8 * 40, 0.0, drain_budgets=[40] * 8)
+    assert engine._choose_gammas(draining) == (0, 0, [None] * 8)
+    behind = RoundOptions([4] * 8, keys, False, 8, 7 * 16 + 40, 0.0, drain_budgets=[16] * 7 + [40])
+    cap, _, sources = engine._choose_gammas(behind)
+    assert cap == 4 and sources == [None] * 7 + ["lookup"]
+    # rows that end at EOS make the row with most tokens left a guess: throughput decides again
+    engine.runs_to_limit = RunningRate(prior=0.01, weight=1e6)
+    assert engine._choose_gammas(draining)[2] == ["lookup"] * 8
+
+
+def test_the_engine_learns_whether_rows_run_to_the_limit(case):
+    target, draft, _, prompts, eos, _ = case
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0)
+    outputs, _ = engine.generate(prompts, 2)
+    assert all(o.finish_reason == "length" for o in outputs)
+    long_rows = engine.runs_to_limit.value
+    assert long_rows > 0.7
+    outputs, _ = engine.generate(prompts, MAX_NEW, batch_size=3)
+    assert any(o.finish_reason == "eos" for o in outputs)
+    assert engine.runs_to_limit.value < long_rows
 
 
 def test_logits_that_are_more_than_the_output_layer_come_from_the_models_own_forward(tiny_models):

@@ -24,6 +24,31 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def expected_drain_advance(rows: list[tuple[int, int, float]]) -> float:
+    """Tokens one round is expected to take off the most any row has left: in a batch that only
+    drains (no prompts wait for places) that row sets how many rounds remain.
+
+    Each row is (lead, drafts, alpha): how many tokens fewer it has left than the row furthest
+    behind, how many drafts it verifies, and their i.i.d. acceptance. The most left falls by k
+    only if every row gets within k of its own limit: P = prod over rows of P(tokens >= k - lead),
+    and a row verifying d drafts yields at least j tokens with probability alpha^(j-1), j <= d+1.
+    With every row even, one row that drafts nothing keeps the advance at 1: speculation must
+    serve them all, or it only widens the pass.
+    """
+    total, k = 0.0, 1
+    while True:
+        p = 1.0
+        for lead, drafts, alpha in rows:
+            need = k - lead
+            if need <= 1:
+                continue
+            if need > drafts + 1:
+                return total
+            p *= alpha ** (need - 1)
+        total += p
+        k += 1
+
+
 def alpha_from_tau(tau: float, gamma: float) -> float:
     """Invert `expected_tokens` (Leviathan's alpha from the measured tokens per pass)."""
     if gamma <= 0 or tau <= 1.0:

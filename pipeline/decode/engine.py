@@ -23,7 +23,13 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.costs import CostModel, RunningRate, alpha_from_tau, expected_tokens
+from pipeline.decode.costs import (
+    CostModel,
+    RunningRate,
+    alpha_from_tau,
+    expected_drain_advance,
+    expected_tokens,
+)
 from pipeline.decode.drafters import DraftModelDrafter, PromptLookupDrafter, Proposal
 from pipeline.decode.sampling import SamplingParams, choose, verify
 
@@ -71,6 +77,9 @@ class RoundOptions:
     gamma_cap: int
     remaining: int  # new tokens the active rows may still produce
     catch_up: float  # seconds the draft model needs before it can propose (see costs)
+    # Each row's tokens left before max_new_tokens when no prompt waits for a place (the batch
+    # only drains); None while prompts wait, when every token anywhere brings the end closer.
+    drain_budgets: list[int] | None = None
 
 
 @dataclass
@@ -215,6 +224,9 @@ class SpeculativeEngine:
         self.alpha = {"draft_model": RunningRate(prior=0.6)}
         for n in range(self.config.ngram_min, self.config.ngram_max + 1):
             self.alpha[f"prompt_lookup:{n}"] = RunningRate(prior=min(0.2 + 0.15 * n, 0.8))
+        # How often a row runs to max_new_tokens rather than ending at EOS or a stop string: a
+        # draining batch's end is set by the row with most tokens left only when rows run that far.
+        self.runs_to_limit = RunningRate(prior=0.5, weight=4.0)
         self._rounds_without_model = 0
         self._rounds_without_lookup = 0
         self._rounds_since_plain = 0
@@ -310,6 +322,7 @@ class SpeculativeEngine:
                 gamma_cap=gamma_cap,
                 remaining=sum(max_new_tokens - r.stats.new_tokens for r in active),
                 catch_up=self._draft_catch_up(seqs) if use_model else 0.0,
+                drain_budgets=None if waiting else [max_new_tokens - r.stats.new_tokens for r in active],
             )
             cap, model_gamma, chosen = self._choose_gammas(options)
             model = Proposal([[] for _ in active], [None] * len(active))
@@ -435,6 +448,7 @@ class SpeculativeEngine:
                 row.finish_reason = "length"
             if row.finish_reason:
                 row.stats.seconds = time.perf_counter() - row.admitted
+                self.runs_to_limit.update(row.finish_reason == "length", 1)
                 break
         return kept
 
@@ -530,6 +544,14 @@ class SpeculativeEngine:
         pays for its own: at batch 8 on the 1.5B target in bf16 a token beyond the first of
         each row costs 2-8% of a pass (the pass's first such token 10-16%), so a weak 1-gram
         match is not worth verifying there.
+        While prompts wait for places every token brings the end of the job closer. A batch
+        that only drains ends when its row with most tokens left does, if rows run to
+        max_new_tokens: then a round is worth how far it takes that row's count down
+        (`expected_drain_advance`), and tokens of rows ahead of it are worth nothing. With 8
+        even rows that is the rare round where all 8 accept, so such a batch decodes plainly
+        instead of widening its passes (measured: 63-64 passes for 64 tokens whatever the
+        drafter). Rows that end at EOS make the row with most tokens left a guess, so the two
+        values are weighed by how often rows have run to the limit so far.
         A lone row needs no such split: the whole round's rate below decides for it.
         """
         look_lens, look_keys, gamma_cap = options.look_lens, options.look_keys, options.gamma_cap
@@ -539,27 +561,42 @@ class SpeculativeEngine:
         per_token = 0.0  # seconds per extra verify token at this batch size; one row: see above
         if self.target.pack and rows > 1:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
+        budgets = options.drain_budgets if rows > 1 else None
+        to_limit = self.runs_to_limit.value if budgets else 0.0
+        leads = [max(budgets) - b for b in budgets] if budgets else [0] * rows
         best = (0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
         for cap in range(gamma_cap + 1) if any(look_lens) else [0]:
             for gamma in range(gamma_cap + 1) if options.use_model else [0]:
                 from_model = expected_tokens(a_model, gamma)
-                tokens, lengths, sources = 0.0, [], []
-                for n, key in zip(look_lens, look_keys):
-                    choices = [(1.0, 0, None), (from_model, gamma, "model")] if gamma else [(1.0, 0, None)]
+                # In a drain only rows within `reach` of the one furthest behind can hold its end
+                # back this round; they share what the round is worth, the rows ahead get nothing.
+                reach = max(cap, gamma)
+                near = sum(lead < reach for lead in leads)
+                tokens, lengths, sources, drains = 0.0, [], [], []
+                for n, key, lead in zip(look_lens, look_keys, leads):
+                    choices = [(1.0, 0, None, 0.0)]
+                    if gamma:
+                        choices.append((from_model, gamma, "model", a_model))
                     if n and cap:
-                        choices.append(
-                            (expected_tokens(self.alpha[key].value, min(n, cap)), min(n, cap), "lookup")
-                        )
-                    expected, drafts, source = max(choices, key=lambda c: c[0] - best_rate * per_token * c[1])
+                        a_look = self.alpha[key].value
+                        choices.append((expected_tokens(a_look, min(n, cap)), min(n, cap), "lookup", a_look))
+                    weight = 1.0 - to_limit + (to_limit * rows / near if lead < reach else 0.0)
+                    expected, drafts, source, alpha = max(
+                        choices, key=lambda c: weight * c[0] - best_rate * per_token * c[1]
+                    )
                     tokens += expected
                     lengths.append(drafts + 1)
                     sources.append(source)
+                    drains.append((lead, drafts, alpha))
                 if gamma and "model" not in sources:
                     continue  # the draft model would run for nobody
                 seconds = gamma * draft_time + self.costs.target_time(self.target.pass_tokens(lengths))
                 if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
                     seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
-                if tokens / seconds > best_rate * 1.0001:
-                    best, best_rate = (cap, gamma, sources), tokens / seconds
+                worth = tokens
+                if budgets:
+                    worth = (1.0 - to_limit) * tokens + to_limit * rows * expected_drain_advance(drains)
+                if worth / seconds > best_rate * 1.0001:
+                    best, best_rate = (cap, gamma, sources), worth / seconds
         return best
