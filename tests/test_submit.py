@@ -22,10 +22,18 @@ from pipeline.storage import Storage
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports. The sockets stay open until all n are bound: a port
+    released at once can be handed out again by the next bind (CI once got the GCS and the
+    dashboard agent the same port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @pytest.fixture
@@ -35,7 +43,7 @@ def ray_head():
     ray_bin = str(Path(sys.executable).parent / "ray")
     # every port chosen here: Ray's defaults (e.g. the agent's 52365) may still be held by a
     # Ray that an earlier test shut down a moment ago
-    gcs, dashboard, agent, metrics = free_port(), free_port(), free_port(), free_port()
+    gcs, dashboard, agent, metrics = free_ports(4)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     started = subprocess.run(
         [
