@@ -309,7 +309,8 @@ class SpeculativeEngine:
 
         while active:
             seqs = [r.seq for r in active]
-            room = min(max_new_tokens - r.stats.new_tokens for r in active)
+            left = [max_new_tokens - r.stats.new_tokens for r in active]  # each row's budget
+            room = min(left)
             gamma_cap = min(self.config.gamma_max, room)
 
             # 1. Draft: prompt lookup (free) first, then the draft model for rows it serves worse.
@@ -320,9 +321,9 @@ class SpeculativeEngine:
                 look_keys=look_keys,
                 use_model=use_model,
                 gamma_cap=gamma_cap,
-                remaining=sum(max_new_tokens - r.stats.new_tokens for r in active),
+                remaining=sum(left),
                 catch_up=self._draft_catch_up(seqs) if use_model else 0.0,
-                drain_budgets=None if waiting else [max_new_tokens - r.stats.new_tokens for r in active],
+                drain_budgets=None if waiting else left,
             )
             cap, model_gamma, chosen = self._choose_gammas(options)
             model = Proposal([[] for _ in active], [None] * len(active))
@@ -448,7 +449,7 @@ class SpeculativeEngine:
                 row.finish_reason = "length"
             if row.finish_reason:
                 row.stats.seconds = time.perf_counter() - row.admitted
-                self.runs_to_limit.update(row.finish_reason == "length", 1)
+                self.runs_to_limit.update(int(row.finish_reason == "length"), 1)
                 break
         return kept
 
