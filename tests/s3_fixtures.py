@@ -55,10 +55,18 @@ TEST_SECRET = "testing-secret-9c1e"
 LOOPBACK = "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports. The sockets stay open until all n are bound: a port
+    released at once can be handed out again by the next bind (CI once got a Ray head's GCS
+    and dashboard agent the same port)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind((LOOPBACK, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _wait_port(port: int, timeout: float) -> bool:
@@ -146,7 +154,7 @@ def s3_server():
     werkzeug = logging.getLogger("werkzeug")
     old_level = werkzeug.level
     werkzeug.setLevel(logging.WARNING)  # no per-request log lines
-    port = _free_port()
+    (port,) = free_ports(1)
     server = ThreadedMotoServer(ip_address=LOOPBACK, port=port, verbose=False)
     server.start()
     try:

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,25 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 from click.testing import CliRunner
+from s3_fixtures import free_ports
 
 from pipeline.cli import main
 from pipeline.storage import Storage
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports. The sockets stay open until all n are bound: a port
-    released at once can be handed out again by the next bind (CI once got the GCS and the
-    dashboard agent the same port)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @pytest.fixture
