@@ -46,9 +46,9 @@ def test_quantize_draft_replaces_the_layers_but_not_the_output_layer(tiny_models
     assert quantize_draft(model) == 7 * layers  # q, k, v, o, gate, up, down per layer
     assert quantize_draft(model) == 0  # once is all
     assert model.get_output_embeddings() is head and isinstance(head, nn.Linear)
-    ids = torch.tensor([[5, 17, 42, 9]])
+    ids = torch.tensor([[5, 17, 42, 9] * (INT8_MAX_ROWS // 4 + 1)])
     with torch.no_grad():
-        # a 4-token prefill runs on the loaded weights: the same logits as the draft's own
+        # a prefill wider than INT8_MAX_ROWS runs on the loaded weights: the draft's own logits
         assert torch.equal(model(ids).logits, draft(ids).logits)
         # one token on int8 weights: close, and the same favourite
         one, ref = model(ids[:, :1]).logits[0, -1], draft(ids[:, :1]).logits[0, -1]
