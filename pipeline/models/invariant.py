@@ -64,12 +64,21 @@ def float64_attention(
     layout = packing.current()
     if layout is None or layout.width != query.shape[2] or len(layout.lengths) != query.shape[0]:
         out = _blocked(query, key, value, mask, scale)
-    else:  # a ragged pass: each row's real queries only, padding left zero
+    else:  # a ragged pass: real queries only, padding left zero
         out = query.new_zeros(query.shape)
+        # The columns every row fills go in one call for the whole batch; only the rows that
+        # are longer run alone, for their remaining queries. A call per row for all of them
+        # cost 10-15 ms more per pass of the 1.5B target at batch 8 (small float64 copies).
+        common = min(layout.lengths)
+        head = None if mask is None else mask[:, :, :common]
+        out[:, :, :common] = _blocked(query[:, :, :common], key, value, head, scale)
         for row, n in enumerate(layout.lengths):
-            part = slice(row, row + 1)
-            row_mask = None if mask is None else mask[part, :, :n]
-            out[part, :, :n] = _blocked(query[part, :, :n], key[part], value[part], row_mask, scale)
+            if n > common:
+                part = slice(row, row + 1)
+                row_mask = None if mask is None else mask[part, :, common:n]
+                out[part, :, common:n] = _blocked(
+                    query[part, :, common:n], key[part], value[part], row_mask, scale
+                )
     return out.transpose(1, 2).contiguous(), None
 
 
