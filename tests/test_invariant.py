@@ -145,25 +145,39 @@ def test_the_loader_makes_16_bit_cpu_targets_invariant(tiny_pair_dirs, caplog):
     assert not off.batch_invariant
 
 
-def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(bf16_pair):
+@pytest.mark.parametrize("lengths", [(7, 1, 2), (3, 2, 4)])
+def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(bf16_pair, lengths):
     """At batch 8 one row may verify 5 copied tokens while seven verify 1: packed, the weights'
-    products run over the real tokens only (see `packing`), and every logit keeps its bits."""
+    products run over the real tokens only (see `packing`), and every logit keeps its bits.
+    Attention runs the columns all rows fill as one batch and the rest row by row; (3, 2, 4)
+    has two such common columns."""
     target, _ = bf16_pair
     p = _prompts(3, 60, seed=5)
-    blocks = [p[0][40:47], p[1][50:51], p[2][55:57]]  # 7, 1 and 2 tokens: a 3 × 7 rectangle
+    starts = (40, 50, 55)
+    blocks = [row[s : s + n] for row, s, n in zip(p, starts, lengths)]
+    real, rectangle = sum(lengths), len(lengths) * max(lengths)
+    mlp = target.model.layers[0].mlp
     seen: list[int] = []
-    layer = target.model.layers[0].mlp.down_proj
+    gathered_alone: list[bool] = []  # did a Linear inside the MLP gather its own input?
     results = {}
     for pack in (False, True):
         lm = BatchedLM(target, pad_token_id=0, pack=pack)
         lm.reset(3)
-        lm.forward([p[0][:40], p[1][:50], p[2][:55]], [1, 1, 1])
+        lm.forward([row[:s] for row, s in zip(p, starts)], [1, 1, 1])
         seen.clear()
-        hook = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[:-1].numel()))
-        results[pack] = lm.forward(blocks, [7, 1, 2])
-        hook.remove()
-        assert seen == ([10] if pack else [21])
-        assert lm.pass_tokens([7, 1, 2]) == (10 if pack else 21)
+        gathered_alone.clear()
+        hooks = [
+            mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[:-1].numel())),
+            mlp.gate_proj.register_forward_pre_hook(
+                lambda m, args: gathered_alone.append(getattr(m, "_packed_shape", None) is not None)
+            ),
+        ]
+        results[pack] = lm.forward(blocks, list(lengths))
+        for hook in hooks:
+            hook.remove()
+        assert seen == ([real] if pack else [rectangle])
+        assert gathered_alone == [False]  # packed, the MLP gathered its input once, as a whole
+        assert lm.pass_tokens(list(lengths)) == (real if pack else rectangle)
     for a, b in zip(results[False], results[True]):
         assert torch.equal(a, b)
 

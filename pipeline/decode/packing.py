@@ -80,17 +80,35 @@ def _scatter(linear: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor 
     return full.view(*shape[:-1], out.shape[-1])
 
 
+def _dense_mlp(name: str, module: nn.Module) -> bool:
+    """A decoder layer's feed-forward block whose weights all sit in Linear layers (wrapped or
+    not, say in int8) with no lists of experts: it works token by token, so it can run packed
+    as a whole, with one gather and one scatter instead of one per Linear. A mixture of
+    experts (a router, expert lists or fused expert tensors) does not qualify."""
+    if name.rsplit(".", 1)[-1] != "mlp":
+        return False
+    parts = list(module.modules())
+    in_linears = {id(p) for m in parts if isinstance(m, nn.Linear) for p in m.parameters()}
+    return not any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in parts) and all(
+        id(p) in in_linears for p in module.parameters()
+    )
+
+
 def install(model: nn.Module) -> nn.Module:
     """Let `model`'s Linear layers run packed under `packed`; idempotent.
 
+    Dense MLP blocks run packed as a whole: per Linear, the gather, the zero-filled rectangle
+    and the scatter cost a few hundred small operations per pass (measured at batch 8 on the
+    1.5B target: a ragged pass of 9 tokens cost 8-14% more than a rectangular one of 8).
+    The Linear layers inside then see packed inputs and leave them as they are.
     The gather runs before any other pre-hook and the scatter after the other forward hooks,
     so that hooks which reshape a layer's rows (the batch-invariant 2-row trick, which
     registers its forward hook in front) see the packed rows, whichever was installed first.
     """
     if getattr(model, "_packing", False):
         return model
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or _dense_mlp(name, module):
             module._packed_shape = None
             module.register_forward_pre_hook(_gather, prepend=True)
             module.register_forward_hook(_scatter)
