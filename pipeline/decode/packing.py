@@ -6,9 +6,10 @@ which 12 are real. On a GPU the padding is nearly free (the pass is bound by rea
 weights); on a CPU it is not. Measured on Qwen2.5-Coder 1.5B in bf16 (2 cores, 400 cached
 tokens): 8 real tokens 0.18 s; 12 real in a 40-wide rectangle 0.31 s, packed 0.23 s.
 
-How: while a pass runs under `packed(layout)`, every Linear layer of a model that went
-through `install` gathers the real positions of its input into a dense matrix, multiplies
-that, and scatters the result back into the rectangle (zeros at padding). Each real row gets
+How: while a pass runs under `packed(layout)`, every dense MLP block and every other Linear
+layer of a model that went through `install` gathers the real positions of its input into a
+dense matrix, computes on that, and scatters the result back into the rectangle (zeros at
+padding). Each real row gets
 the bits it gets unpacked: the CPU's kernels give a row the same result whatever the number
 of rows (see `invariant.linear_is_row_invariant`). The float64 attention of batch-invariant
 models reads `current()` too and attends for each row's real queries only. Everything else
