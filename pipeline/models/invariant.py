@@ -70,8 +70,8 @@ def float64_attention(
         # are longer run alone, for their remaining queries. A call per row for all of them
         # cost 10-15 ms more per pass of the 1.5B target at batch 8 (small float64 copies).
         common = min(layout.lengths)
-        head = None if mask is None else mask[:, :, :common]
-        out[:, :, :common] = _blocked(query[:, :, :common], key, value, head, scale)
+        common_mask = None if mask is None else mask[:, :, :common]
+        out[:, :, :common] = _blocked(query[:, :, :common], key, value, common_mask, scale)
         for row, n in enumerate(layout.lengths):
             if n > common:
                 part = slice(row, row + 1)
