@@ -25,7 +25,7 @@ from tqdm import tqdm
 import pipeline
 from pipeline import metrics
 from pipeline.report import read_stats
-from pipeline.shard import is_complete, shard_name
+from pipeline.shard import is_complete, shard_name, shard_paths
 from pipeline.spec import JobSpec
 from pipeline.storage import Storage, _glob_root, list_shards
 from pipeline.worker import ModelWorker
@@ -118,7 +118,16 @@ def _run_shards(
     ex = spec.execution
 
     def fail(url: str, name: str, attempts: int, reason: str) -> None:
-        """A shard out of attempts: recorded now (failed/, read by `pipeline status`), not at the end."""
+        """A shard out of attempts: recorded now (failed/, read by `pipeline status`), not at the end.
+
+        An actor killed between writing the shard's outputs and its stats (the completion
+        marker) leaves files behind; they go, so that outputs/ holds finished shards only and a
+        failed shard's rows are in no output until a re-run redoes it.
+        """
+        for sub in ("outputs", "errors"):
+            partial = shard_paths(name)[sub]
+            if out.exists(partial):
+                out.delete(partial)
         record = {"shard": name, "input_url": url, "attempts": attempts, "reason": reason}
         result.failed.append(record)
         out.write_json(f"failed/{name}.json", record)
@@ -183,18 +192,22 @@ def _run_shards(
             else:
                 idle.append(actor)
                 answered.add(actor)
-            if attempt <= ex.max_retries:
+            if is_complete(out, name):  # died after writing its completion marker: done
+                stats = out.read_json(shard_paths(name)["stats"])
+            elif attempt <= ex.max_retries:
                 metrics.record_failure(spec.name, name, reason, final=False)
                 queue.append((url, name, attempt + 1))
                 bar.write(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
+                continue
             else:
                 fail(url, name, attempt, reason)
                 bar.write(f"shard {name}: FAILED after {attempt} attempts: {reason}")
                 bar.update(1)
-            continue
-        idle.append(actor)
-        answered.add(actor)
-        dead_in_a_row = 0
+                continue
+        else:
+            idle.append(actor)
+            answered.add(actor)
+            dead_in_a_row = 0
         result.done.append(stats)
         metrics.record_shard(stats, spec.name)
         rows += stats.get("rows_out", 0)

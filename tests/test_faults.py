@@ -192,14 +192,20 @@ def test_a_model_that_cannot_load_fails_the_job_instead_of_hanging(tiny_pair_dir
     clean_corpus(Storage(str(tmp_path / "in")), shards=3, rows=1)
     data = job_dict((target, broken), str(tmp_path / "in"), str(tmp_path / "out"), num_actors=2)
     data["input"]["keep_columns"] = []
+    # what an earlier run's actor left when it was killed between a shard's outputs and its
+    # stats: the shard is not complete, and once it fails for good those files must go
+    out = Storage(str(tmp_path / "out"))
+    partial = pa.table({"id": ["s0r0"], "generated": ["half a job"]})
+    out.write_parquet("outputs/part-000.parquet", partial)
+    out.write_parquet("errors/part-000.parquet", partial)
     began = time.monotonic()
     result = run_job(spec_from_dict(data), progress=False)
     assert time.monotonic() - began < 240
     assert not result.ok and not result.done and len(result.failed) == 3
     for failed in result.failed:
         assert "SafetensorError" in failed["reason"], failed
-    out = Storage(str(tmp_path / "out"))
     assert len(out.read_json("manifest.json")["failed"]) == 3 and not out.exists("_SUCCESS")
+    assert out.list("outputs") == [] and out.list("errors") == []  # failed shards leave no rows
 
 
 @pytest.fixture(scope="module")
