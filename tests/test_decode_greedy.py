@@ -316,6 +316,68 @@ def test_a_marginal_expected_gain_does_not_start_speculation(case, min_gain, gam
     assert engine._choose_gammas(_one_row(gamma_cap=4)) == (0, gamma, ["model" if gamma else None])
 
 
+def test_drafting_goes_on_while_the_chain_is_likely_and_the_step_pays(case):
+    """One more draft is worth P·α tokens (P: the chance every draft so far is accepted, α: how
+    often a draft after accepted ones is) at the seconds a token has lately cost, against a
+    draft step plus the wider verify pass."""
+    costs = _costs({1: 0.135, 2: 0.135, 3: 0.137, 4: 0.143, 8: 0.152, 16: 0.195}, {1: 0.021, 2: 0.025})
+    costs.observe_round(1, 0.09)  # lately 0.09 s per token
+    engine = _engine_with_costs(case, costs, alpha=0.6)
+    engine.draft_next = RunningRate(prior=0.75, weight=1e6)
+    steps, keep = engine._draft_length(_one_row(gamma_cap=8), 0, 2, ["model"])
+    assert steps == 8  # a lone row may draft to the cap; the rule ends it sooner
+    # 0.9 · 0.75 · 0.09 = 0.061 s gained against 0.021 + 0.001 s; 0.3 · 0.75 · 0.09 = 0.020 s: no
+    assert keep([0.9], [1]) == [True]
+    assert keep([0.3], [3]) == [False]
+    # two rows while prompts wait: each goes on by its own chain, the step by their sum
+    two = RoundOptions([0, 0], ["prompt_lookup:1"] * 2, True, 8, remaining=200, catch_up=0.0)
+    steps, keep = engine._draft_length(two, 0, 2, ["model", "model"])
+    assert steps == 8
+    assert keep([0.9, 0.01], [2, 2]) == [True, False]
+    assert keep([0.2, 0.2], [2, 2]) == [False, False]  # each barely gains, together not a step
+    # a draining batch keeps the gamma its drain pricing chose as the most it drafts
+    draining = RoundOptions([0, 0], ["prompt_lookup:1"] * 2, True, 8, 80, 0.0, drain_budgets=[40, 40])
+    assert engine._draft_length(draining, 0, 2, ["model", "model"])[0] == 2
+    # fixed gamma drafts gamma, no rule
+    fixed = _engine_with_costs(case, costs, alpha=0.6, adaptive=False)
+    assert fixed._draft_length(_one_row(), 0, 5, ["model"]) == (5, None)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_drafts_that_stop_row_by_row_stay_lossless(case, batch_size):
+    """Rows stop drafting at different passes; a stopped row is still fed through the passes
+    that follow (one rectangle), so its draft cache runs ahead of its drafts and is rolled back
+    at the next round."""
+    target, draft, _, prompts, eos, refs = case
+    config = EngineConfig(drafter="draft_model", gamma_max=6, adaptive=False)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    rounds: list[list[tuple[list[float], list[int]]]] = []  # each round's calls of the rule
+
+    def rule(options, cap, gamma, sources):
+        rounds.append([])
+
+        def keep(chances: list[float], drafted: list[int]) -> list[bool]:
+            rounds[-1].append((chances, drafted))
+            calls = sum(map(len, rounds))
+            return [c > 0 and (i + calls) % 3 != 0 for i, c in enumerate(chances)]
+
+        return gamma, keep
+
+    engine._draft_length = rule
+    outputs = []
+    for start in range(0, len(prompts), batch_size):
+        outputs += engine.generate(prompts[start : start + batch_size], MAX_NEW)[0]
+    assert [o.tokens for o in outputs] == refs
+    for calls in rounds:
+        for (chances, drafted), (later, more) in zip(calls, calls[1:]):
+            # a chance is a product of confidences: it never grows, and a stopped row's is 0
+            assert all(0.0 <= b <= a <= 1.0 for a, b in zip(chances, later))
+            assert all(m - d in (0, 1) for d, m in zip(drafted, more))
+    if batch_size > 1:
+        assert any(len(set(drafted)) > 1 for calls in rounds for _, drafted in calls)
+    assert len({len(o.tokens) for o in outputs}) > 1
+
+
 def test_plain_decoding_is_re_measured_while_speculating(case):
     costs = _costs(GPU_COSTS[0], {1: GPU_COSTS[1]})
     engine = _engine_with_costs(case, costs, alpha=0.9, probe_every=1)

@@ -62,7 +62,9 @@ def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def sample_tokens(target, draft, drafter: str, params: SamplingParams, draft_vocab: int) -> torch.Tensor:
+def sample_tokens(
+    target, draft, drafter: str, params: SamplingParams, draft_vocab: int, stop_early: bool = False
+) -> torch.Tensor:
     engine = SpeculativeEngine(
         target,
         draft,
@@ -70,9 +72,17 @@ def sample_tokens(target, draft, drafter: str, params: SamplingParams, draft_voc
         pad_token_id=0,
         config=EngineConfig(drafter=drafter, gamma_max=2, adaptive=False, draft_vocab=draft_vocab),
     )
+    if stop_early:  # rows whose first draft the draft model doubts draft no second one
+        engine._draft_length = lambda options, cap, gamma, sources: (gamma, _confident_rows)
     outputs, batch = engine.generate([PROMPT] * SAMPLES, 3, params)
     assert 0 < batch.accepted < batch.drafted
     return torch.tensor([o.tokens for o in outputs])
+
+
+def _confident_rows(chances: list[float], drafted: list[int]) -> list[bool]:
+    going = [c >= 0.5 for c in chances]
+    assert 0 < sum(going) < len(going)  # the sample splits: some rows go on, some stop
+    return going
 
 
 def statistics(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]:
@@ -83,19 +93,22 @@ def statistics(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]
 
 
 @pytest.mark.parametrize(
-    "drafter,params,draft_vocab",
+    "drafter,params,draft_vocab,stop_early",
     [
-        ("draft_model", SamplingParams(greedy=False, seed=11), 0),
-        ("draft_model", SamplingParams(greedy=False, temperature=0.7, top_k=5, top_p=0.9, seed=12), 0),
-        ("prompt_lookup", SamplingParams(greedy=False, seed=13), 0),
+        ("draft_model", SamplingParams(greedy=False, seed=11), 0, False),
+        ("draft_model", SamplingParams(greedy=False, temperature=0.7, top_k=5, top_p=0.9, seed=12), 0, False),
+        ("prompt_lookup", SamplingParams(greedy=False, seed=13), 0, False),
         # a draft restricted to ids 0, 1 and the prompt's: it never proposes 4 or 6, the target may
-        ("draft_model", SamplingParams(greedy=False, seed=14), 2),
+        ("draft_model", SamplingParams(greedy=False, seed=14), 2, False),
+        # drafts whose length depends on the draft's confidence (the adaptive rule's kind)
+        ("draft_model", SamplingParams(greedy=False, seed=15), 0, True),
     ],
 )
-def test_speculative_sampling_follows_the_target(pair, drafter, params, draft_vocab):
+def test_speculative_sampling_follows_the_target(pair, drafter, params, draft_vocab, stop_early):
     target, draft = pair
     joint = exact_joint(target, params)
-    second, pairs = statistics(sample_tokens(target, draft, drafter, params, draft_vocab), joint)
+    tokens = sample_tokens(target, draft, drafter, params, draft_vocab, stop_early)
+    second, pairs = statistics(tokens, joint)
     assert second < CHI2_CRITICAL[7], second
     assert pairs < CHI2_CRITICAL[63], pairs
 

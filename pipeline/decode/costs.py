@@ -185,6 +185,7 @@ class CostModel:
     target: PassCosts = field(default_factory=PassCosts)
     draft: PassCosts = field(default_factory=PassCosts)
     prefill: dict[str, float] = field(default_factory=dict)  # seconds per token, by model
+    round_rate: float | None = None  # tokens per second of recent decoding rounds (all rows)
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         self.target.observe(tokens, seconds)
@@ -194,6 +195,15 @@ class CostModel:
 
     def observe_prefill(self, model: str, tokens: int, seconds: float) -> None:
         self.prefill[model] = _ema(self.prefill.get(model), seconds / max(tokens, 1), self.smoothing)
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        """A decoding round (drafting, verifying, bookkeeping) made `tokens` over all rows."""
+        if seconds > 0:
+            self.round_rate = _ema(self.round_rate, tokens / seconds, self.smoothing)
+
+    def token_seconds(self) -> float | None:
+        """Seconds one more token is worth: what the batch spends per token lately."""
+        return 1.0 / self.round_rate if self.round_rate else None
 
     def has_target(self, tokens: int) -> bool:
         return self.target.has(tokens)

@@ -11,6 +11,7 @@ methods; the decoding loop does not change.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.sampling import SamplingParams, choose
+from pipeline.decode.sampling import SamplingParams, choose, confidence
 
 
 @dataclass
@@ -171,16 +172,31 @@ class DraftModelDrafter:
             self._head_rare = len(self._rare)
 
     def propose(
-        self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator
+        self,
+        seqs: list[list[int]],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        keep: Callable[[list[float], list[int]], list[bool]] | None = None,
     ) -> Proposal:
+        """Up to `gamma` tokens per row, one draft pass per token.
+
+        With `keep`, drafting lengthens only while it is worth it: after each pass `keep` gets
+        every row's chance that all its drafts so far are accepted (the product of the draft's
+        confidence in each, 0 for rows that stopped) and how many it has, and says which rows
+        draft one more. A row whose chain grows unlikely stops there; the passes stop when no
+        row goes on. Lossless whatever `keep` says: it sees only the draft's side.
+        """
         if gamma == 0:
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs))
         self._restrict_head()
         drafts: list[list[int]] = [[] for _ in seqs]
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
+        chances = [1.0] * len(seqs)
+        going = [True] * len(seqs)
         blocks = self.lm.sync(seqs)
         passes = []
-        for _ in range(gamma):
+        for step in range(gamma):
             cold, before = self.lm.cold, self.lm.forward_seconds
             logits = self.lm.forward(blocks, [1] * len(seqs))
             seconds = self.lm.forward_seconds - before
@@ -189,10 +205,19 @@ class DraftModelDrafter:
             blocks = []
             for i, row_logits in enumerate(logits):
                 token, probs = choose(row_logits[-1], params, generator)
+                blocks.append([token])  # a stopped row is fed too: the pass is one rectangle
+                if not going[i]:
+                    continue
                 drafts[i].append(token)
                 if probs is not None:
                     dists[i].append(probs)
-                blocks.append([token])
+                if keep is not None:
+                    chances[i] *= confidence(row_logits[-1], probs)
+            if keep is not None and step + 1 < gamma:
+                going = [g and k for g, k in zip(going, keep(chances, [len(d) for d in drafts]))]
+                chances = [c if g else 0.0 for c, g in zip(chances, going)]
+                if not any(going):
+                    break
         probs_out = [torch.stack(d) if d else None for d in dists]
         return Proposal(tokens=drafts, probs=probs_out, passes=passes)
 
