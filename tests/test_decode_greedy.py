@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.costs import CostModel, RunningRate, expected_drain_advance, expected_tokens
+from pipeline.decode.costs import (
+    AcceptanceByPosition,
+    CostModel,
+    RunningRate,
+    expected_drain_advance,
+    iid_survival,
+)
 from pipeline.decode.engine import EngineConfig, PromptError, RoundOptions, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.models.draft_int8 import quantize_draft
@@ -466,8 +472,8 @@ def test_at_batch_8_a_row_verifies_copied_tokens_only_where_they_pay_for_themsel
     costs = _costs({8: 0.186, 12: 0.236, 16: 0.243, 24: 0.280, 40: 0.40}, {})
     engine = _engine_with_costs(case, costs, alpha=0.5)
     assert engine.target.pack  # a CPU
-    engine.alpha["prompt_lookup:4"] = RunningRate(prior=0.95, weight=1e6)
-    engine.alpha["prompt_lookup:1"] = RunningRate(prior=0.15, weight=1e6)
+    engine.alpha["prompt_lookup:4"] = AcceptanceByPosition(prior=0.95, weight=1e6)
+    engine.alpha["prompt_lookup:1"] = AcceptanceByPosition(prior=0.15, weight=1e6)
     keys = ["prompt_lookup:4", "prompt_lookup:1"] + ["prompt_lookup:1"] * 6
     options = RoundOptions([6, 6] + [0] * 6, keys, False, 8, remaining=8 * 100, catch_up=0.0)
     cap, gamma, sources = engine._choose_gammas(options)
@@ -475,15 +481,58 @@ def test_at_batch_8_a_row_verifies_copied_tokens_only_where_they_pay_for_themsel
     assert sources == ["lookup"] + [None] * 7
 
 
+def test_copies_are_priced_by_how_their_acceptance_runs():
+    """Prompt lookup's copies are accepted in runs: rarely the first copied token, nearly always
+    the next ones once it matched. Counted per position, a copy of 8 is worth what it yields."""
+    runs = AcceptanceByPosition(prior=0.3, weight=1.0, decay=1.0)
+    assert runs.survival(3) == pytest.approx([1.0, 0.3, 0.09, 0.027])  # nothing seen: i.i.d. prior
+    # 10 copies of 8: 7 rejected at once, 3 accepted whole
+    runs.observe([(0, 8)] * 7 + [(8, 8)] * 3)
+    first = (3 + 0.3) / (10 + 1)
+    assert runs.survival(1) == pytest.approx([1.0, first])
+    later = (3 + first) / (3 + 1)  # each position's prior is the rate before it
+    assert runs.survival(2)[2] == pytest.approx(first * later)
+    assert sum(runs.survival(8)) > 2.0  # one rate per drafted token (24/80) would say 1.4
+    # only the drafts up to the first miss were tested: a miss at 2 says nothing of 3..8
+    runs = AcceptanceByPosition(prior=0.5, weight=1.0, decay=1.0)
+    runs.observe([(1, 8)])
+    assert runs.tried[:3] == [1, 1, 0] and runs.accepted[:3] == [1, 0, 0]
+    # forgetting: each round weighs the rounds before it less
+    runs = AcceptanceByPosition(prior=0.5, weight=1.0, decay=0.5)
+    runs.observe([(0, 1)])
+    runs.observe([(1, 1)])
+    assert runs.tried == [1.5] and runs.accepted == [1.0]
+
+
+def test_a_lone_row_verifies_a_whole_copy_where_copies_run(case):
+    """License summaries at batch 1: a copy's first token accepted 29% of the time, each next
+    one nearly always. One rate per drafted token keeps copies at up to 3 tokens; priced by
+    position, the whole copy is worth its wider pass."""
+    costs = _costs({1: 0.150, 2: 0.152, 3: 0.155, 4: 0.156, 6: 0.168, 9: 0.181}, {1: 0.024})
+    engine = _engine_with_costs(case, costs, alpha=0.6)
+    options = RoundOptions([8], ["prompt_lookup:2"], False, 8, remaining=100, catch_up=0.0)
+    engine.alpha["prompt_lookup:2"] = AcceptanceByPosition(prior=0.24, weight=1e6)  # i.i.d. 0.24
+    assert engine._choose_gammas(options)[0] <= 3  # short: the 4th token would add 0.3%
+    runs = AcceptanceByPosition(prior=0.24, weight=1.0)
+    for _ in range(20):
+        runs.observe([(0, 8)] * 7 + [(8, 8)] * 3)
+    engine.alpha["prompt_lookup:2"] = runs
+    assert engine._choose_gammas(options) == (8, 0, ["lookup"])
+
+
 def test_a_draining_round_is_worth_how_far_it_brings_the_last_row_in():
     """With no prompt waiting, the batch ends when its row with most tokens left does."""
-    assert expected_drain_advance([(0, 4, 0.6)]) == pytest.approx(expected_tokens(0.6, 4))  # one row
+
+    def row(lead: int, drafts: int, alpha: float) -> tuple[int, list[float]]:
+        return lead, iid_survival(alpha, drafts)
+
+    assert expected_drain_advance([row(0, 4, 0.6)]) == pytest.approx(sum(0.6**k for k in range(5)))
     # 8 even rows: one that drafts nothing holds the advance at 1, however well the rest copy
-    assert expected_drain_advance([(0, 0, 0.0)] + [(0, 4, 0.95)] * 7) == 1.0
-    assert expected_drain_advance([(0, 1, 0.6)] * 8) == pytest.approx(1 + 0.6**8)
+    assert expected_drain_advance([row(0, 0, 0.0)] + [row(0, 4, 0.95)] * 7) == 1.0
+    assert expected_drain_advance([row(0, 1, 0.6)] * 8) == pytest.approx(1 + 0.6**8)
     # a row 5 tokens ahead cannot hold back an advance of at most 4; one 1 token ahead can
-    assert expected_drain_advance([(0, 3, 0.9), (5, 0, 0.0)]) == pytest.approx(expected_tokens(0.9, 3))
-    assert expected_drain_advance([(0, 3, 0.9), (1, 0, 0.0)]) == pytest.approx(1.9)
+    assert expected_drain_advance([row(0, 3, 0.9), row(5, 0, 0.0)]) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    assert expected_drain_advance([row(0, 3, 0.9), row(1, 0, 0.0)]) == pytest.approx(1.9)
 
 
 def test_a_draining_batch_speculates_only_where_it_brings_the_end_closer(case):
@@ -493,7 +542,7 @@ def test_a_draining_batch_speculates_only_where_it_brings_the_end_closer(case):
     most tokens left, even rows decode plainly; a row left behind alone still speculates."""
     costs = _costs({8: 0.186, 12: 0.236, 16: 0.243, 24: 0.280, 40: 0.40}, {})
     engine = _engine_with_costs(case, costs, alpha=0.5)
-    engine.alpha["prompt_lookup:4"] = RunningRate(prior=0.8, weight=1e6)
+    engine.alpha["prompt_lookup:4"] = AcceptanceByPosition(prior=0.8, weight=1e6)
     engine.runs_to_limit = RunningRate(prior=0.99, weight=1e6)  # rows have run to the limit
     keys = ["prompt_lookup:4"] * 8
     waiting = RoundOptions([4] * 8, keys, False, 8, remaining=8 * 40, catch_up=0.0)

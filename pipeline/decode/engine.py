@@ -25,11 +25,12 @@ from transformers import PreTrainedModel
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.costs import (
+    AcceptanceByPosition,
     CostModel,
     RunningRate,
     alpha_from_tau,
     expected_drain_advance,
-    expected_tokens,
+    iid_survival,
 )
 from pipeline.decode.drafters import DraftModelDrafter, PromptLookupDrafter, Proposal
 from pipeline.decode.sampling import SamplingParams, choose, verify
@@ -221,10 +222,11 @@ class SpeculativeEngine:
         self.max_context = getattr(target.config, "max_position_embeddings", None)
         self.costs = CostModel()
         # Acceptance per drafter; prompt lookup's per matched n-gram size, since a 1-gram match
-        # is a much weaker hint than a 4-gram match.
-        self.alpha = {"draft_model": RunningRate(prior=0.6)}
+        # is a much weaker hint than a 4-gram match, and per position in the copy, since a copy
+        # that has begun to match tends to go on matching.
+        self.alpha: dict[str, RunningRate | AcceptanceByPosition] = {"draft_model": RunningRate(prior=0.6)}
         for n in range(self.config.ngram_min, self.config.ngram_max + 1):
-            self.alpha[f"prompt_lookup:{n}"] = RunningRate(prior=min(0.2 + 0.15 * n, 0.8))
+            self.alpha[f"prompt_lookup:{n}"] = AcceptanceByPosition(prior=min(0.2 + 0.15 * n, 0.8))
         # How often a row runs to max_new_tokens rather than ending at EOS or a stop string: a
         # draining batch's end is set by the row with most tokens left only when rows run that far.
         self.runs_to_limit = RunningRate(prior=0.5, weight=4.0)
@@ -370,7 +372,7 @@ class SpeculativeEngine:
             )
 
             # 3. Accept: per row, the agreeing drafts plus one token of the target's own.
-            round_counts = {name: [0, 0] for name in self.alpha}
+            outcomes: dict[str, list[tuple[int, int]]] = {name: [] for name in self.alpha}
             produced = 0
             for row, draft, draft_probs, source, row_logits in zip(active, drafts, probs, sources, logits):
                 accepted, token = verify(row_logits, draft, draft_probs, sampling, generator)
@@ -386,14 +388,13 @@ class SpeculativeEngine:
                 if source:
                     drafter_name = source.split(":")[0]
                     stats.drafted_by[drafter_name] = stats.drafted_by.get(drafter_name, 0) + len(draft)
-                    round_counts[source][0] += accepted
-                    round_counts[source][1] += len(draft)
+                    outcomes[source].append((accepted, len(draft)))
                 if source == "draft_model":  # drafts tested: the accepted ones and the first miss
                     self.draft_next.update(accepted, min(accepted + 1, len(draft)))
                 batch.drafted += len(draft)
                 batch.accepted += accepted
-            for name, (acc, drafted_n) in round_counts.items():
-                self.alpha[name].update(acc, drafted_n)
+            for name, rows_drafted in outcomes.items():
+                self.alpha[name].observe(rows_drafted)
             self.costs.observe_round(produced, time.perf_counter() - round_began)
 
             # 4. Finished rows leave the batch and stop costing compute; waiting rows join.
@@ -622,29 +623,35 @@ class SpeculativeEngine:
         leads = [max(budgets) - b for b in budgets] if budgets else [0] * rows
         best = (0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
+        # P(at least k tokens) by drafts verified: the draft model's i.i.d., each copy's by position
+        from_model = iid_survival(a_model, gamma_cap)
+        from_copy = [
+            self.alpha[key].survival(min(n, gamma_cap)) if n else [] for n, key in zip(look_lens, look_keys)
+        ]
         for cap in range(gamma_cap + 1) if any(look_lens) else [0]:
             for gamma in range(gamma_cap + 1) if options.use_model else [0]:
-                from_model = expected_tokens(a_model, gamma)
+                model_survival = from_model[: gamma + 1]
+                model_tokens = sum(model_survival)
                 # In a drain only rows within `reach` of the one furthest behind can hold its end
                 # back this round; they share what the round is worth, the rows ahead get nothing.
                 reach = max(cap, gamma)
                 near = sum(lead < reach for lead in leads)
                 tokens, lengths, sources, drains = 0.0, [], [], []
-                for n, key, lead in zip(look_lens, look_keys, leads):
-                    choices = [(1.0, 0, None, 0.0)]
+                for n, copy_survival, lead in zip(look_lens, from_copy, leads):
+                    choices = [(1.0, 0, None, [1.0])]
                     if gamma:
-                        choices.append((from_model, gamma, "model", a_model))
+                        choices.append((model_tokens, gamma, "model", model_survival))
                     if n and cap:
-                        a_look = self.alpha[key].value
-                        choices.append((expected_tokens(a_look, min(n, cap)), min(n, cap), "lookup", a_look))
+                        survival = copy_survival[: min(n, cap) + 1]
+                        choices.append((sum(survival), min(n, cap), "lookup", survival))
                     weight = 1.0 - to_limit + (to_limit * rows / near if lead < reach else 0.0)
-                    expected, drafts, source, alpha = max(
+                    expected, drafts, source, survival = max(
                         choices, key=lambda c: weight * c[0] - best_rate * per_token * c[1]
                     )
                     tokens += expected
                     lengths.append(drafts + 1)
                     sources.append(source)
-                    drains.append((lead, drafts, alpha))
+                    drains.append((lead, survival))
                 if gamma and "model" not in sources:
                     continue  # the draft model would run for nobody
                 seconds = gamma * draft_time + self.costs.target_time(self.target.pass_tokens(lengths))
