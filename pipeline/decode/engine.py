@@ -497,10 +497,11 @@ class SpeculativeEngine:
 
         Each row takes up to `cap` copied tokens from its lookup match, or `gamma` draft-model
         tokens, or none (see `_best`); expected tokens come from the running acceptance (per
-        drafter, per n-gram size), round time from the measured target cost of the resulting
-        pass plus gamma draft steps, plus the draft's catch-up seconds spread over the rounds
-        left for the remaining tokens. Gamma 0 with no lookup is plain target-only decoding,
-        always a candidate. Returns (cap, gamma, each row's source: "lookup", "model" or None).
+        drafter; for copies per n-gram size and position), round time from the measured target
+        cost of the resulting pass plus gamma draft steps, plus the draft's catch-up seconds
+        spread over the rounds left for the remaining tokens. Gamma 0 with no lookup is plain
+        target-only decoding, always a candidate. The draft model may then stop short of gamma
+        (`_draft_length`). Returns (cap, gamma, each row's source: "lookup", "model" or None).
         """
         rows, gamma_cap = len(options.look_lens), options.gamma_cap
         plain: list[str | None] = [None] * rows
