@@ -389,12 +389,12 @@ class SpeculativeEngine:
                     drafter_name = source.split(":")[0]
                     stats.drafted_by[drafter_name] = stats.drafted_by.get(drafter_name, 0) + len(draft)
                     outcomes[source].append((accepted, len(draft)))
-                if source == "draft_model":  # drafts tested: the accepted ones and the first miss
-                    self.draft_next.update(accepted, min(accepted + 1, len(draft)))
                 batch.drafted += len(draft)
                 batch.accepted += accepted
             for name, rows_drafted in outcomes.items():
                 self.alpha[name].observe(rows_drafted)
+            # the drafts the target tested: the accepted ones and the first miss
+            self.draft_next.observe([(a, min(a + 1, d)) for a, d in outcomes["draft_model"]])
             self.costs.observe_round(produced, time.perf_counter() - round_began)
 
             # 4. Finished rows leave the batch and stop costing compute; waiting rows join.
@@ -576,11 +576,11 @@ class SpeculativeEngine:
             return gamma, None
         step_seconds = self.costs.draft_time(rows) or 0.0
         chance_next = self.draft_next.value
-        lookup = [min(n, cap) if s == "lookup" else 0 for s, n in zip(sources, options.look_lens)]
+        copied = [min(n, cap) if s == "lookup" else 0 for s, n in zip(sources, options.look_lens)]
         model_rows = [i for i, s in enumerate(sources) if s == "model"]
 
         def keep(chances: list[float], drafted: list[int]) -> list[bool]:
-            lengths = [1 + n + (drafted[i] if sources[i] == "model" else 0) for i, n in enumerate(lookup)]
+            lengths = [1 + n + (drafted[i] if sources[i] == "model" else 0) for i, n in enumerate(copied)]
             now = self.costs.target_time(self.target.pass_tokens(lengths))
             going, net = [False] * rows, 0.0
             for i in model_rows:
@@ -643,8 +643,8 @@ class SpeculativeEngine:
                     if gamma:
                         choices.append((model_tokens, gamma, "model", model_survival))
                     if n and cap:
-                        survival = copy_survival[: min(n, cap) + 1]
-                        choices.append((sum(survival), min(n, cap), "lookup", survival))
+                        copy = copy_survival[: min(n, cap) + 1]
+                        choices.append((sum(copy), min(n, cap), "lookup", copy))
                     weight = 1.0 - to_limit + (to_limit * rows / near if lead < reach else 0.0)
                     expected, drafts, source, survival = max(
                         choices, key=lambda c: weight * c[0] - best_rate * per_token * c[1]
