@@ -552,6 +552,14 @@ class DrafterSpec(_Section):
         "and EOS: a cheaper output layer for the draft (lossless either way; 0 = the whole vocabulary). "
         "Raise it, or use 0, for output languages whose tokens have high ids.",
     )
+    guess_tokens: int = Field(
+        3,
+        ge=0,
+        le=16,
+        description="A lone row's draft model checks up to this many tokens of a prompt-lookup copy in one "
+        "pass, as a guess at its own next drafts: the same drafts in fewer passes where they follow the "
+        "copy (0: one pass per draft).",
+    )
 
     @field_validator("ngram_min")
     @classmethod

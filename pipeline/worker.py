@@ -78,6 +78,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
             ngram_min=spec.drafter.ngram_min,
             ngram_max=spec.drafter.ngram_max,
             draft_vocab=spec.drafter.draft_vocab,
+            guess_tokens=spec.drafter.guess_tokens,
         ),
     )
     info = pair.manifest()

@@ -15,6 +15,7 @@ from pipeline.decode.costs import (
     expected_drain_advance,
     iid_survival,
 )
+from pipeline.decode.drafters import DraftModelDrafter
 from pipeline.decode.engine import EngineConfig, PromptError, RoundOptions, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.models.draft_int8 import quantize_draft
@@ -382,6 +383,55 @@ def test_drafts_that_stop_row_by_row_stay_lossless(case, batch_size):
     if batch_size > 1:
         assert any(len(set(drafted)) > 1 for calls in rounds for _, drafted in calls)
     assert len({len(o.tokens) for o in outputs}) > 1
+
+
+def test_a_guess_at_the_drafts_chain_saves_passes_and_changes_no_draft(case):
+    """A lone row's draft checks guessed tokens (a prompt-lookup copy) in one pass: right
+    guesses skip passes, a wrong one costs none, the drafts are the plain steps' own, and the
+    guessed tokens left in the cache are rolled back before the next proposal."""
+    _, draft, _, prompts, _, _ = case
+    greedy, generator = SamplingParams(), torch.Generator()
+
+    def drafter():
+        d = DraftModelDrafter(draft, 0)
+        d.start([prompts[1]])
+        d.propose([prompts[1]], 1, greedy, generator)  # the prefill: a cold cache takes no guess
+        return d
+
+    plain, guessed = drafter(), drafter()
+    seq = prompts[1] + plain.propose([prompts[1]], 1, greedy, generator).tokens[0]
+    guessed.propose([prompts[1]], 1, greedy, generator)
+    chain = plain.propose([seq], 6, greedy, generator)
+    assert chain.model_passes == 6
+    right = guessed.propose([seq], 6, greedy, generator, guess=chain.tokens[0][:3])
+    assert right.tokens == chain.tokens and right.model_passes == 3  # 4 drafts in the first pass
+    wrong_token = (chain.tokens[0][1] + 1) % draft.config.vocab_size
+    wrong = guessed.propose([seq], 6, greedy, generator, guess=[chain.tokens[0][0], wrong_token])
+    assert wrong.tokens == chain.tokens and wrong.model_passes == 5
+    # a row whose rule stops it inside a guessed run stops where plain steps would
+    stop_after_two = lambda chances, drafted: [drafted[0] < 2]  # noqa: E731
+    short = guessed.propose([seq], 6, greedy, generator, stop_after_two, guess=chain.tokens[0][:3])
+    assert short.tokens == [chain.tokens[0][:2]] and short.model_passes == 1
+    # the caches agree afterwards: the next proposals are the same
+    later = seq + chain.tokens[0][:4]
+    expected = plain.propose([later], 4, greedy, generator).tokens
+    assert guessed.propose([later], 4, greedy, generator).tokens == expected
+
+
+def test_a_lone_row_drafts_with_copies_as_guesses_and_stays_lossless(case):
+    target, draft, _, prompts, eos, refs = case
+    counts = {}
+    for guess_tokens in (0, 3):
+        config = EngineConfig(drafter="draft_model", gamma_max=6, adaptive=False, guess_tokens=guess_tokens)
+        engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+        passes = drafted = 0
+        for prompt, ref in zip(prompts, refs):
+            outputs, batch = engine.generate([prompt], MAX_NEW)
+            assert outputs[0].tokens == ref
+            passes, drafted = passes + batch.draft_passes, drafted + batch.drafted
+        counts[guess_tokens] = (passes, drafted)
+    assert counts[0][0] == counts[0][1]  # one pass per draft
+    assert counts[3][0] < counts[3][1]  # guesses that held saved passes
 
 
 def test_plain_decoding_is_re_measured_while_speculating(case):

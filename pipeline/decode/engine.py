@@ -59,6 +59,9 @@ class EngineConfig:
     # Speculate only when the expected rate beats target-only by this much: cost estimates are
     # noisy (a slow spell inflates one measurement), and a marginal gain is not worth the risk.
     min_gain: float = 0.05
+    # A lone row's draft model checks this many tokens of a prompt-lookup copy in one pass as a
+    # guess at its own next drafts (see `DraftModelDrafter.propose`); 0: one pass per draft.
+    guess_tokens: int = 3
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"gamma_max must be in 0..64, got {self.gamma_max}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
+        if self.guess_tokens < 0:
+            raise ValueError(f"guess_tokens must be >= 0, got {self.guess_tokens}")
 
 
 @dataclass(frozen=True)
@@ -321,10 +326,12 @@ class SpeculativeEngine:
             gamma_cap = min(self.config.gamma_max, room)
 
             # 1. Draft: prompt lookup (free) first, then the draft model for rows it serves worse.
-            look = self.lookup.propose(seqs, gamma_cap if use_lookup else 0, sampling, generator)
+            # A lone row's copy is also a guess at the draft model's own chain (see propose).
+            guessing = use_model and len(active) == 1 and self.config.guess_tokens > 0
+            look = self.lookup.propose(seqs, gamma_cap if use_lookup or guessing else 0, sampling, generator)
             look_keys = [f"prompt_lookup:{n}" for n in self.lookup.matched_ngram]
             options = RoundOptions(
-                look_lens=[len(t) for t in look.tokens],
+                look_lens=[len(t) if use_lookup else 0 for t in look.tokens],
                 look_keys=look_keys,
                 use_model=use_model,
                 gamma_cap=gamma_cap,
@@ -336,7 +343,8 @@ class SpeculativeEngine:
             model = Proposal([[] for _ in active], [None] * len(active))
             if model_gamma:
                 steps, keep_drafting = self._draft_length(options, cap, model_gamma, chosen)
-                model = self.draft.propose(seqs, steps, sampling, generator, keep_drafting)
+                guess = look.tokens[0][: self.config.guess_tokens] if guessing else None
+                model = self.draft.propose(seqs, steps, sampling, generator, keep_drafting, guess)
                 batch.draft_passes += model.model_passes
                 for p in model.passes:
                     if p.cold:
