@@ -1,9 +1,10 @@
-"""The job spec reference in README.md, generated from the pydantic schema in :mod:`pipeline.spec`.
+"""The job spec reference in docs/spec-reference.md, generated from the schema in :mod:`pipeline.spec`.
 
 Names, types, constraints, defaults and descriptions come from ``JobSpec.model_fields``, so the
 reference cannot drift from what the loader accepts and a new field shows up once declared.
-``python -m pipeline.spec_doc`` prints it; ``--write README.md`` replaces the text between the
-START and END markers there, and ``tests/test_spec_doc.py`` fails while README.md is out of date.
+``python -m pipeline.spec_doc`` prints it; ``--write docs/spec-reference.md`` replaces the text
+between the START and END markers there, and ``tests/test_spec_doc.py`` fails while that file is
+out of date.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's job spec reference is generated from the schema and must match it."""
+"""The job spec reference in docs/spec-reference.md is generated from the schema and must match it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pydantic.fields import FieldInfo
 from pipeline.spec import JobSpec
 from pipeline.spec_doc import END, START, main, render_spec_reference
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "spec-reference.md"
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
@@ -34,12 +34,13 @@ def _cells(text: str, name: str) -> list[str]:
     return [c.strip() for c in re.split(r"(?<!\\)\|", rows[0])[1:-1]]
 
 
-def test_readme_reference_is_up_to_date() -> None:
-    text = README.read_text(encoding="utf-8")
-    assert START in text and END in text, f"README.md lacks the markers {START} / {END}"
+def test_reference_is_up_to_date() -> None:
+    text = REFERENCE.read_text(encoding="utf-8")
+    assert START in text and END in text, f"docs/spec-reference.md lacks the markers {START} / {END}"
     section = text.split(START, 1)[1].split(END, 1)[0]
     assert section == "\n" + render_spec_reference(), (
-        "README.md's job spec reference is out of date: run `python -m pipeline.spec_doc --write README.md`"
+        "docs/spec-reference.md is out of date: "
+        "run `python -m pipeline.spec_doc --write docs/spec-reference.md`"
     )
 
 
@@ -74,7 +75,7 @@ def test_required_and_literal_fields() -> None:
 
 
 def test_write_without_markers_fails(tmp_path: Path, capsys) -> None:
-    target = tmp_path / "README.md"
+    target = tmp_path / "spec-reference.md"
     target.write_text("# no markers here\n", encoding="utf-8")
     assert main(["--write", str(target)]) == 1
     assert "markers" in capsys.readouterr().err
