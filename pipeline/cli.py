@@ -383,6 +383,68 @@ def bench(
     click.echo(f"wrote {out_path}")
 
 
+@main.command()
+@click.option(
+    "--pair", default="qwen2.5-coder", show_default=True, help="Named model pair (configs/models.yaml)."
+)
+@click.option("--batch", "batches", default="1,4,8", show_default=True, help="Batch sizes (rows per pass).")
+@click.option(
+    "--widths", default="1,2,4,8,16", show_default=True, help="New tokens per row in a pass (must include 1)."
+)
+@click.option("--context", default=400, show_default=True, help="Cached tokens per row under every pass.")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
+@click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
+@click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")
+@click.option("--out", "out_path", help="Also write the JSON to this file.")
+def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out_path):
+    """Measure what target passes and draft steps cost here, as a job would run them.
+
+    Loads the pair as a job's actor does and times, with the engine's own runner, a target
+    pass of every width at every batch size over --context cached tokens, the draft's steps,
+    and both prefills; prints them with the speedup Leviathan et al.'s formula predicts at
+    α 0.6 and 0.8 for the best γ. The result is also cached for actors on this machine.
+
+    \b
+    Example:
+      pipeline calibrate --batch 1,8 --widths 1,2,4,8 --runs 3
+    """
+    import torch
+
+    from pipeline.calibrate import calibration_key, check_settings, format_table, measure, save_cached
+    from pipeline.models.loading import ModelError, load_pair, resolve_pair
+
+    if threads:
+        torch.set_num_threads(threads)
+    batches, widths = _ints(batches), _ints(widths)
+    try:
+        check_settings(batches, widths, context, runs)
+        target, draft = resolve_pair(pair)
+        # as a job's actor loads it (pipeline/worker.py with a spec's default models fields)
+        loaded = load_pair(target, draft, dtype=dtype, device="auto")
+        result = measure(loaded, batches, widths, context, runs, pair_name=pair)
+    except (ModelError, ValueError) as exc:
+        click.echo(f"pipeline calibrate: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    key = calibration_key(loaded, torch.get_num_threads())
+    result["key"] = key
+    cached = save_cached(key, result)
+    text = json.dumps(result, indent=2)
+    if out_path:
+        with open(out_path, "w") as fh:
+            fh.write(text + "\n")
+    if as_json:
+        click.echo(text)
+    else:
+        machine = result["machine"]
+        click.echo(
+            f"{pair}: {loaded.target_id} + {loaded.draft_id}, {machine['dtype']}, {machine['device']}, "
+            f"{machine['threads']} threads, {machine['cpu_model']}"
+        )
+        click.echo(format_table(result))
+    click.echo(f"cached as {cached}" + (f"; wrote {out_path}" if out_path else ""), err=True)
+
+
 def _seconds(points: dict, spec: str = ".2f") -> str:
     return ", ".join(f"{k}: {v:{spec}}" for k, v in points.items()) or "-"
 

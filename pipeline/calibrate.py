@@ -1,0 +1,301 @@
+"""What a target pass and a draft step cost on this machine, measured as a job would run them.
+
+Whether speculation pays is decided by measured costs (see docs/engine.md, the cost model):
+how much more a target pass of γ+1 tokens costs than a 1-token pass, and what a draft step
+costs beside it. Those numbers differ by 2x and more between CPUs (AVX512-BF16 or AVX2 only),
+dtypes, thread counts and batch sizes, and the engine otherwise learns them only from a job's
+first rounds. `measure` times them directly with the engine's own runner (`BatchedLM`, so the
+packing and kernels are those a job uses): the seconds of a pass where each of b rows feeds w
+new tokens over `context` cached tokens, for every batch size b and width w, and each model's
+prefill seconds per token. `pipeline calibrate` prints them with what Leviathan et al.'s
+formula predicts from them, and caches them under a key of everything they depend on
+(`calibration_key`) for an actor to reuse at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.engine import EngineConfig
+from pipeline.machine import CPU_FLAGS, cpu_info, describe_machine
+from pipeline.models.loading import LoadedPair
+from pipeline.models.pairs import cache_dir
+from pipeline.worker import pad_id
+
+# Bumped when what `measure` records, or how, changes: older cache entries are then ignored.
+CALIBRATION_FORMAT = 1
+# Acceptance rates the predictions are given for: a weak draft and a good one.
+ALPHAS = (0.6, 0.8)
+
+
+class _SyntheticTokens:
+    """Random token ids for prompts and fed blocks.
+
+    Prompts are random so that no two share a start: a shared start would become a template
+    whose keys and values a prefill copies instead of computing (`BatchedLM.reusable`). Each
+    block's first token differs from the last block's, so that `BatchedLM.sync` rolls the
+    cache back to the prompt and the next pass feeds the whole block again.
+    """
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab = vocab
+        self.generator = torch.Generator().manual_seed(seed)
+        self.first = -1
+
+    def ids(self, count: int) -> list[int]:
+        return torch.randint(self.vocab, (count,), generator=self.generator).tolist()
+
+    def block(self, width: int) -> list[int]:
+        block = self.ids(width)
+        if block[0] == self.first:
+            block[0] = (block[0] + 1) % self.vocab
+        self.first = block[0]
+        return block
+
+
+def _prefill(lm: BatchedLM, prompts: list[list[int]]) -> tuple[float, int]:
+    """Prefill `prompts` into a fresh cache as the engine admits a batch; (seconds, tokens)."""
+    lm.reset(0)
+    before = lm.forward_seconds
+    lm.admit(prompts, [1] * len(prompts))
+    return lm.forward_seconds - before, lm.fed_tokens
+
+
+def _pass_seconds(
+    lm: BatchedLM, prompts: list[list[int]], width: int, runs: int, tokens: _SyntheticTokens
+) -> float:
+    """Median seconds of a pass feeding `width` new tokens per row over the prompts' cache,
+    after one untimed warm-up pass. Each pass is rolled back to the prompts (`sync`) and the
+    rolled-back slots squeezed out (`compact`), so every pass attends over the prompts alone."""
+    times = []
+    for _ in range(runs + 1):
+        block = tokens.block(width)
+        unfed = lm.sync([prompt + block for prompt in prompts])
+        lm.compact(slack=1.0, min_width=0)
+        assert all(len(fed) == width for fed in unfed), "the cache was not rolled back to the prompts"
+        before = lm.forward_seconds
+        lm.forward(unfed, [width] * len(prompts))
+        times.append(lm.forward_seconds - before)
+    return statistics.median(times[1:])
+
+
+def _runner(loaded: LoadedPair, role: str, draft_vocab: int) -> BatchedLM:
+    """The engine's runner for the target or the draft, the draft with the output layer its
+    proposals use (ids below `draft_vocab`, see `DraftModelDrafter`)."""
+    model = loaded.target if role == "target" else loaded.draft
+    lm = BatchedLM(model, pad_id(loaded.tokenizer, loaded.target), loaded.vocab_size)
+    if role == "draft" and 0 < draft_vocab < lm.vocab_size:
+        lm.restrict_head(torch.arange(draft_vocab))
+    return lm
+
+
+def interpolate(points: dict[int, float], x: int) -> float:
+    """The value at `x` on the straight lines between the nearest measured points around it."""
+    if x in points:
+        return points[x]
+    below = max(n for n in points if n < x)
+    above = min(n for n in points if n > x)
+    return points[below] + (points[above] - points[below]) * (x - below) / (above - below)
+
+
+def leviathan_speedup(alpha: float, gamma: int, target_seconds: dict[int, float], draft_step: float) -> float:
+    """Leviathan et al.'s speedup of γ drafts per round with acceptance α, from measured costs:
+    expected tokens per round, (1 - α^(γ+1)) / (1 - α), over what a round costs in 1-token
+    target passes, γ draft steps plus one target pass of γ+1 tokens.
+
+    The paper assumes the verify pass costs what a 1-token pass does; on a CPU it costs more,
+    so the pass of γ+1 tokens is priced at its own measured (or interpolated) width.
+    """
+    tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    round_seconds = gamma * draft_step + interpolate(target_seconds, gamma + 1)
+    return tokens * target_seconds[1] / round_seconds
+
+
+def best_gamma(alpha: float, target_seconds: dict[int, float], draft_step: float) -> dict[str, float]:
+    """The γ in 1..(widest measured pass - 1) with the highest predicted speedup, and that speedup."""
+    gammas = range(1, max(target_seconds))
+    speedups = {g: leviathan_speedup(alpha, g, target_seconds, draft_step) for g in gammas}
+    gamma = max(speedups, key=speedups.get)
+    return {"gamma": gamma, "speedup": speedups[gamma]}
+
+
+def predictions(target_seconds: dict[str, float], draft_seconds: dict[str, float]) -> dict[str, dict]:
+    """`best_gamma` for each of ALPHAS, from one batch size's passes by width (string keys)."""
+    target = {int(w): s for w, s in target_seconds.items()}
+    return {str(alpha): best_gamma(alpha, target, draft_seconds["1"]) for alpha in ALPHAS}
+
+
+def check_settings(batches: tuple[int, ...], widths: tuple[int, ...], context: int, runs: int) -> None:
+    """Raise ValueError for settings `measure` cannot run: before minutes of model loading."""
+    if 1 not in widths or len(set(widths)) < 2:
+        raise ValueError(f"widths must include 1 and a wider pass, got {','.join(map(str, widths))}")
+    if min(batches, default=1) < 1 or min(widths) < 1 or context < 1 or runs < 1:
+        raise ValueError("batch sizes, widths, context and runs must be at least 1")
+
+
+def measure(
+    loaded: LoadedPair,
+    batches: tuple[int, ...] = (1,),
+    widths: tuple[int, ...] = (1, 2, 4, 8),
+    context: int = 128,
+    runs: int = 1,
+    *,
+    draft_vocab: int = EngineConfig.draft_vocab,
+    pair_name: str | None = None,
+) -> dict[str, Any]:
+    """Time target and draft passes of every width at every batch size over `context` cached
+    tokens (median of `runs` after a warm-up), and each model's prefill per token.
+
+    Batch 1 is always measured: the headline costs and predictions are a lone row's. The
+    defaults are cheap enough for an actor's start-up (a few seconds on the 1.5B target).
+    Every mapping is keyed by strings (batch sizes, widths, α), as it reads back from JSON.
+    """
+    check_settings(batches, widths, context, runs)
+    batches = tuple(sorted(set(batches) | {1}))
+    widths = tuple(sorted(set(widths)))
+    limit = getattr(loaded.target.config, "max_position_embeddings", None)
+    if limit and context + widths[-1] > limit:
+        raise ValueError(f"context {context} + width {widths[-1]} exceeds the target's {limit} positions")
+    began = time.perf_counter()
+    roles = ("target", "draft") if loaded.draft is not None else ("target",)
+    passes: dict[str, dict[str, dict[str, float]]] = {role: {} for role in roles}
+    prefill: dict[str, float | None] = {"target": None, "draft": None}
+    tokens = _SyntheticTokens(loaded.vocab_size)
+    for role in roles:
+        lm = _runner(loaded, role, draft_vocab)
+        warm_up = [tokens.ids(context)]  # first calls pay for allocations
+        _prefill(lm, warm_up)
+        _pass_seconds(lm, warm_up, 1, 1, tokens)
+        seconds, fed = 0.0, 0
+        for batch in batches:
+            prompts = [tokens.ids(context) for _ in range(batch)]
+            took, computed = _prefill(lm, prompts)
+            seconds, fed = seconds + took, fed + computed
+            passes[role][str(batch)] = {
+                str(width): _pass_seconds(lm, prompts, width, runs, tokens) for width in widths
+            }
+        prefill[role] = seconds / fed
+        lm.reset(0)  # the caches' memory back before the next model's
+    target, draft = passes["target"], passes.get("draft")
+    return {
+        "format": CALIBRATION_FORMAT,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "pair": {
+            "name": pair_name,
+            "target": loaded.target_id,
+            "target_path": loaded.target_ref.path,
+            "target_revision": loaded.target_revision,
+            "draft": loaded.draft_id,
+            "draft_path": loaded.draft_ref.path if loaded.draft_ref else None,
+            "draft_revision": loaded.draft_revision,
+        },
+        "context": context,
+        "runs": runs,
+        "batches": list(batches),
+        "widths": list(widths),
+        "draft_vocab": draft_vocab,
+        "target_pass_seconds": target["1"],
+        "target_pass_seconds_by_batch": target,
+        "draft_step_seconds_by_batch": draft,
+        "prefill_seconds_per_token": prefill,
+        "predicted_speedup": predictions(target["1"], draft["1"]) if draft else None,
+        "predicted_speedup_by_batch": (
+            {batch: predictions(target[batch], draft[batch]) for batch in target} if draft else None
+        ),
+        "machine": describe_machine(loaded),
+        "seconds": time.perf_counter() - began,
+    }
+
+
+def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineConfig.draft_vocab) -> str:
+    """A name for the measurements of this pair on this machine: a hash of everything a pass's
+    cost depends on (the CPU and its features, the GPU, the models and their revisions, dtype,
+    device, threads, the kernels the loader chose, torch, the draft's output layer). Another
+    machine, setting or model gives another key, so a cached calibration is never misapplied."""
+    model, flags = cpu_info()
+    fields = {
+        "format": CALIBRATION_FORMAT,
+        "cpu_model": model,
+        "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags),
+        "gpu": torch.cuda.get_device_name() if loaded.device.startswith("cuda") else None,
+        "target": [loaded.target_ref.path, loaded.target_revision],
+        "draft": [loaded.draft_ref.path, loaded.draft_revision] if loaded.draft_ref else None,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": loaded.device,
+        "threads": threads,
+        "batch_invariant": loaded.batch_invariant,
+        "draft_int8": loaded.draft_int8,
+        "streamed": bool(getattr(loaded, "streamed", False)),
+        "torch": torch.__version__,
+        "draft_vocab": draft_vocab if loaded.draft_ref else None,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / "calibration" / f"{key}.json"
+
+
+def load_cached(key: str) -> dict[str, Any] | None:
+    """The calibration saved under `key`, or None if there is none (or it is unreadable, or of
+    another format)."""
+    try:
+        data = json.loads(cache_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == CALIBRATION_FORMAT else None
+
+
+def save_cached(key: str, data: dict[str, Any]) -> Path:
+    """Save a calibration under `key`, atomically: actors starting together may write at once."""
+    path = cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(data, indent=2))
+    os.replace(partial, path)
+    return path
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The measurements as text: passes in milliseconds, batch sizes as rows and widths (new
+    tokens per row) as columns; then prefill rates and the predicted speedups."""
+    widths = [str(w) for w in result["widths"]]
+    lines = [
+        f"context {result['context']} cached tokens per row, median of {result['runs']} run(s), milliseconds"
+    ]
+
+    def grid(title: str, by_batch: dict[str, dict[str, float]]) -> None:
+        lines.append("")
+        lines.append(f"{title:<22}" + "".join(f"{'w=' + w:>9}" for w in widths))
+        for batch, by_width in by_batch.items():
+            cells = "".join(f"{1000 * by_width[w]:>9.2f}" for w in widths)
+            lines.append(f"{'batch ' + batch:<22}{cells}")
+
+    grid("target pass", result["target_pass_seconds_by_batch"])
+    if result["draft_step_seconds_by_batch"]:
+        grid("draft pass", result["draft_step_seconds_by_batch"])
+    rates = result["prefill_seconds_per_token"]
+    lines.append("")
+    lines.append(
+        "prefill per token: "
+        + ", ".join(f"{role} {1000 * rate:.3f}" for role, rate in rates.items() if rate is not None)
+    )
+    by_batch = result["predicted_speedup_by_batch"]
+    if by_batch:
+        lines.append("")
+        lines.append("predicted speedup (Leviathan et al., measured pass widths), best gamma:")
+        lines.append(f"{'':<22}" + "".join(f"{'alpha ' + a:>16}" for a in by_batch["1"]))
+        for batch, by_alpha in by_batch.items():
+            cells = "".join(f"{p['speedup']:>10.2f}x g={p['gamma']:<2}" for p in by_alpha.values())
+            lines.append(f"{'batch ' + batch:<22}{cells}")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""What machine and code a measurement ran on, in one form for every recorded result.
+
+Timings on these machines differ by 2x with the CPU's instruction set (AVX512-BF16 or AVX2
+only), the dtype, the thread count and the engine's commit, and a number without them cannot
+be compared with anything. `pipeline calibrate` and `pipeline bench --report` both record
+`describe_machine()`, so their results name the same fields.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The CPU features that decide which kernels a bf16 or float32 pass runs (see docs/engine.md).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and its feature flags, from /proc/cpuinfo (Linux); elsewhere the
+    platform's processor string and no flags."""
+    model, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = frozenset(value.split())
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
+def git_state(directory: Path | None = None) -> tuple[str | None, bool | None]:
+    """(commit, whether the work tree has uncommitted changes) of the checkout holding the
+    `pipeline` package; (None, None) for an installed package or without git."""
+    directory = directory or Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=directory, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None, None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return commit, (bool(status) if status is not None else None)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def describe_machine(loaded: Any = None) -> dict[str, Any]:
+    """The machine, the software versions and the commit; with a `LoadedPair`, also the dtype,
+    device and kernels its models run with (what a timing depends on besides the machine)."""
+    model, flags = cpu_info()
+    commit, dirty = git_state()
+    described: dict[str, Any] = {
+        "cpu_model": model,
+        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "package": _version("spec-pipeline"),
+        "git_commit": commit,
+        "git_dirty": dirty,
+    }
+    if loaded is not None:
+        described.update(
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            device=loaded.device,
+            kernels={
+                "batch_invariant": loaded.batch_invariant,
+                "draft_int8": loaded.draft_int8,
+                "streamed": bool(getattr(loaded, "streamed", False)),
+            },
+        )
+    return described

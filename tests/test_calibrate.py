@@ -1,0 +1,156 @@
+"""`pipeline calibrate` on the tiny pair: every batch size and width is measured and reads back
+from JSON as written, the predictions follow Leviathan's formula on the measured widths, and
+the cache key changes with what a pass's cost depends on.
+
+Timings of tiny models mean nothing; this proves the measurement's shape, not its numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.calibrate import (
+    CALIBRATION_FORMAT,
+    best_gamma,
+    cache_path,
+    calibration_key,
+    leviathan_speedup,
+    load_cached,
+    measure,
+    predictions,
+    save_cached,
+)
+from pipeline.cli import main
+from pipeline.machine import CPU_FLAGS
+from pipeline.models.loading import ModelRef, load_pair
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_pair_dirs):
+    torch.set_num_threads(1)
+    target_dir, draft_dir = tiny_pair_dirs
+    return load_pair(ModelRef(str(target_dir)), ModelRef(str(draft_dir)), dtype="float32", device="cpu")
+
+
+def _check_grid(by_batch: dict, batches: list[str], widths: list[str]) -> None:
+    assert list(by_batch) == batches
+    for by_width in by_batch.values():
+        assert list(by_width) == widths
+        assert all(isinstance(s, float) and s > 0 for s in by_width.values())
+
+
+def test_measure_times_every_batch_and_width_and_reads_back_from_json(tiny_loaded):
+    result = measure(tiny_loaded, batches=(2,), widths=(1, 2, 4), context=16, runs=1, pair_name="tiny")
+    assert json.loads(json.dumps(result)) == result  # string keys throughout: a cache reads back equal
+    assert result["batches"] == [1, 2]  # batch 1 always: the headline costs are a lone row's
+    assert result["widths"] == [1, 2, 4] and result["context"] == 16 and result["runs"] == 1
+    _check_grid(result["target_pass_seconds_by_batch"], ["1", "2"], ["1", "2", "4"])
+    _check_grid(result["draft_step_seconds_by_batch"], ["1", "2"], ["1", "2", "4"])
+    assert result["target_pass_seconds"] == result["target_pass_seconds_by_batch"]["1"]
+    assert all(result["prefill_seconds_per_token"][role] > 0 for role in ("target", "draft"))
+    for by_alpha in [result["predicted_speedup"], *result["predicted_speedup_by_batch"].values()]:
+        assert list(by_alpha) == ["0.6", "0.8"]
+        for prediction in by_alpha.values():
+            assert prediction["gamma"] in (1, 2, 3) and prediction["speedup"] > 0
+    assert result["pair"] == {
+        "name": "tiny",
+        "target": tiny_loaded.target_id,
+        "target_path": tiny_loaded.target_ref.path,
+        "target_revision": None,
+        "draft": tiny_loaded.draft_id,
+        "draft_path": tiny_loaded.draft_ref.path,
+        "draft_revision": None,
+    }
+    machine = result["machine"]
+    assert set(machine["cpu_flags"]) == set(CPU_FLAGS) and machine["cpu_model"]
+    assert machine["threads"] == 1 and machine["dtype"] == "float32" and machine["device"] == "cpu"
+    assert machine["kernels"] == {"batch_invariant": False, "draft_int8": True, "streamed": False}
+    assert machine["torch"] == torch.__version__ and machine["package"]
+    assert "git_commit" in machine and "git_dirty" in machine
+
+
+def test_measure_without_a_draft_predicts_nothing(tiny_loaded):
+    target_only = dataclasses.replace(tiny_loaded, draft=None, draft_ref=None)
+    result = measure(target_only, widths=(1, 2), context=8, runs=1)
+    _check_grid(result["target_pass_seconds_by_batch"], ["1"], ["1", "2"])
+    assert result["draft_step_seconds_by_batch"] is None and result["predicted_speedup"] is None
+    assert result["prefill_seconds_per_token"]["draft"] is None
+
+
+def test_leviathan_prediction_prices_each_gamma_at_its_own_pass_width():
+    # 1-token pass 100 ms, 2 tokens 120 ms, 4 tokens 160 ms (3 tokens interpolated: 140 ms);
+    # a draft step 20 ms; alpha 0.8:
+    #   gamma 1: 1.8 tokens for 20 + 120 ms      -> 1.8 * 100 / 140  = 1.2857
+    #   gamma 2: 2.44 tokens for 40 + 140 ms     -> 2.44 * 100 / 180 = 1.3556 (best)
+    #   gamma 3: 2.952 tokens for 60 + 160 ms    -> 2.952 * 100 / 220 = 1.3418
+    target = {1: 0.100, 2: 0.120, 4: 0.160}
+    assert leviathan_speedup(0.8, 1, target, 0.02) == pytest.approx(1.8 * 0.1 / 0.14)
+    assert leviathan_speedup(0.8, 3, target, 0.02) == pytest.approx(2.952 * 0.1 / 0.22)
+    assert best_gamma(0.8, target, 0.02) == {"gamma": 2, "speedup": pytest.approx(2.44 * 0.1 / 0.18)}
+    # at alpha 0.6 the second draft is worth less than its cost: 1.6 / 1.4 against 1.96 / 1.8
+    assert best_gamma(0.6, target, 0.02) == {"gamma": 1, "speedup": pytest.approx(1.6 / 1.4)}
+    # the same from the JSON form, keyed by strings
+    by_alpha = predictions({"1": 0.100, "2": 0.120, "4": 0.160}, {"1": 0.02, "2": 0.03, "4": 0.05})
+    assert by_alpha["0.8"]["gamma"] == 2 and by_alpha["0.6"]["gamma"] == 1
+
+
+def test_the_cache_reads_back_what_was_saved_under_a_key_of_the_settings(tiny_loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    key = calibration_key(tiny_loaded, threads=1)
+    assert load_cached(key) is None
+    data = {"format": CALIBRATION_FORMAT, "target_pass_seconds": {"1": 0.25, "2": 0.5}}
+    path = save_cached(key, data)
+    assert path == cache_path(key) == tmp_path / "home" / "models" / "calibration" / f"{key}.json"
+    assert load_cached(key) == data
+    assert list(path.parent.iterdir()) == [path]  # no partial file left beside it
+    save_cached(key, {**data, "format": CALIBRATION_FORMAT - 1})
+    assert load_cached(key) is None  # another format's measurements are not used
+
+    assert calibration_key(tiny_loaded, threads=1) == key
+    others = [
+        calibration_key(tiny_loaded, threads=2),
+        calibration_key(dataclasses.replace(tiny_loaded, dtype=torch.bfloat16), threads=1),
+        calibration_key(dataclasses.replace(tiny_loaded, batch_invariant=True), threads=1),
+        calibration_key(dataclasses.replace(tiny_loaded, draft_ref=ModelRef("/elsewhere")), threads=1),
+        calibration_key(tiny_loaded, threads=1, draft_vocab=64),
+    ]
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, monkeypatch):
+    target_dir, draft_dir = tiny_pair_dirs
+    config = tmp_path / "cfg"
+    config.mkdir()
+    (config / "models.yaml").write_text(
+        textwrap.dedent(
+            f"""
+            pairs:
+              tiny:
+                target: {target_dir}
+                draft: {draft_dir}
+            """
+        )
+    )
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(config))
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    out = tmp_path / "calibration.json"
+    args = ["calibrate", "--pair", "tiny", "--batch", "1,2", "--widths", "1,2,3", "--context", "12"]
+    args += ["--runs", "1", "--threads", "1", "--json", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+
+    printed = json.loads(result.stdout)
+    assert json.loads(out.read_text()) == printed
+    assert printed["pair"]["name"] == "tiny" and printed["machine"]["threads"] == 1
+    _check_grid(printed["target_pass_seconds_by_batch"], ["1", "2"], ["1", "2", "3"])
+    _check_grid(printed["draft_step_seconds_by_batch"], ["1", "2"], ["1", "2", "3"])
+    assert load_cached(printed["key"]) == printed  # an actor on this machine can reuse it
+
+    bad = CliRunner().invoke(main, ["calibrate", "--pair", "tiny", "--widths", "2,4"])
+    assert bad.exit_code == 2 and "widths must include 1" in bad.output
