@@ -9,6 +9,7 @@ compared token for token with Hugging Face greedy `generate` of the target alone
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import time
@@ -316,14 +317,31 @@ def _row(task: str, c: _Config, seconds: float, base: float | None, base_stats: 
     )
 
 
-HEADER = (
-    f"{'task':<10} {'method':<24} {'batch':>5} {'tok/s':>7} {'speedup':>8} {'pred':>6} {'job':>6} "
-    f"{'alpha':>6} {'tau':>5} {'gamma':>5} {'pass/tok':>8}"
-    f" {'tgt%':>5} {'dft%':>5} {'oth%':>5} {'same':>5} {'rss MB':>7}"
+# The printed table's columns: title and format alignment/width (the Markdown report's too).
+_COLUMNS = (
+    ("task", "<10"),
+    ("method", "<24"),
+    ("batch", ">5"),
+    ("tok/s", ">7"),
+    ("speedup", ">8"),
+    ("pred", ">6"),
+    ("job", ">6"),
+    ("alpha", ">6"),
+    ("tau", ">5"),
+    ("gamma", ">5"),
+    ("pass/tok", ">8"),
+    ("tgt%", ">5"),
+    ("dft%", ">5"),
+    ("oth%", ">5"),
+    ("same", ">5"),
+    ("rss MB", ">7"),
 )
+HEADER = " ".join(f"{title:{align}}" for title, align in _COLUMNS)
 
 
-def _format_row(r: Row) -> str:
+def _cells(r: Row) -> list[str]:
+    """A row's values as the table shows them, one per column of _COLUMNS."""
+
     def f(v, spec=".2f"):
         return "-" if v is None else format(v, spec)
 
@@ -333,13 +351,54 @@ def _format_row(r: Row) -> str:
     def times(v):
         return "-" if v is None else f"{v:.2f}x"
 
+    return [
+        r.task,
+        r.method,
+        str(r.batch),
+        f"{r.tokens_per_second:.2f}",
+        times(r.speedup),
+        times(r.predicted),
+        times(r.predicted_job),
+        f(r.alpha),
+        f(r.tau),
+        f(r.mean_gamma, ".1f"),
+        f(r.target_passes_per_token),
+        pct(r.target_share),
+        pct(r.draft_share),
+        pct(r.other_share),
+        "yes" if r.identical else "NO",
+        f"{r.peak_rss_mb:.0f}",
+    ]
+
+
+def _format_row(r: Row) -> str:
+    return " ".join(f"{cell:{align}}" for cell, (_, align) in zip(_cells(r), _COLUMNS))
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The printed table as Markdown, without the task column (a report has a table per task)."""
+    columns = _COLUMNS[1:]
+    lines = [
+        "| " + " | ".join(title for title, _ in columns) + " |",
+        "| " + " | ".join("---:" if align.startswith(">") else "---" for _, align in columns) + " |",
+    ]
+    lines += ["| " + " | ".join(_cells(r)[1:]) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def describe_costs(costs: dict[str, dict]) -> str:
+    """One engine's measured cost model (`CostModel.profile`) in a line."""
+
+    def seconds(points: dict, spec: str = ".2f") -> str:
+        return ", ".join(f"{k}: {v:{spec}}" for k, v in points.items()) or "-"
+
     return (
-        f"{r.task:<10} {r.method:<24} {r.batch:>5} {r.tokens_per_second:>7.2f} {times(r.speedup):>8} "
-        f"{times(r.predicted):>6} {times(r.predicted_job):>6} "
-        f"{f(r.alpha):>6} {f(r.tau):>5} {f(r.mean_gamma, '.1f'):>5} "
-        f"{f(r.target_passes_per_token):>8} "
-        f"{pct(r.target_share):>5} {pct(r.draft_share):>5} {pct(r.other_share):>5} "
-        f"{'yes' if r.identical else 'NO':>5} {r.peak_rss_mb:>7.0f}"
+        "target pass by tokens "
+        + seconds(costs["target_pass_seconds"])
+        + "; draft pass by tokens "
+        + seconds(costs["draft_pass_seconds"])
+        + "; prefill per token "
+        + seconds(costs["prefill_seconds_per_token"], ".4f")
     )
 
 
@@ -347,3 +406,97 @@ def write_json(result: Benchmark, path: str, meta: dict) -> None:
     with open(path, "w") as fh:
         rows = [asdict(r) for r in result.rows]
         json.dump({"meta": meta, "rows": rows, "costs": result.costs}, fh, indent=2)
+
+
+# The run's settings a report lists, as recorded in the JSON's meta.
+SETTINGS = (
+    "tasks",
+    "corpus",
+    "docs",
+    "batches",
+    "max_new_tokens",
+    "runs",
+    "drafters",
+    "draft_vocab",
+    "hf_assistant_tokens",
+    "hf_lookup_tokens",
+)
+
+
+def _yes(value: bool | None) -> str:
+    return "?" if value is None else ("yes" if value else "no")
+
+
+def _machine_lines(machine: dict) -> list[str]:
+    """The machine as a two-column Markdown table (see `pipeline.machine.describe_machine`)."""
+    flags = ", ".join(f"{flag} {_yes(has)}" for flag, has in machine["cpu_flags"].items())
+    kernels = machine.get("kernels", {})
+    commit = machine["git_commit"] or "unknown (not a git checkout)"
+    if machine["git_commit"]:
+        commit += " (uncommitted changes)" if machine["git_dirty"] else " (clean)"
+    rows = [
+        ("CPU", machine["cpu_model"]),
+        ("CPU flags", flags),
+        ("cores, threads", f"{machine['cores']}, {machine['threads']}"),
+        ("GPU", machine["gpu"] or "none"),
+        ("dtype, device", f"{machine.get('dtype', '?')}, {machine.get('device', '?')}"),
+        ("kernels", ", ".join(f"{name} {_yes(on)}" for name, on in kernels.items()) or "?"),
+        ("torch, transformers", f"{machine['torch']}, {machine['transformers']}"),
+        ("spec-pipeline", f"{machine['package']}, commit {commit}"),
+        ("platform", f"{machine['platform']}, Python {machine['python']}"),
+    ]
+    return ["| | |", "| --- | --- |"] + [f"| {name} | {value} |" for name, value in rows]
+
+
+def _model(model: dict | None) -> str:
+    if not model:
+        return "none"
+    return f"`{model['id']}`" + (f" (revision `{model['revision']}`)" if model["revision"] else "")
+
+
+def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> None:
+    """A Markdown record of one benchmark run for docs/benchmarks/: what ran (the command, the
+    commit, the machine, the pair, the settings) beside what it measured, so that a number can
+    be compared with another run's, or rerun, without asking anyone how it was made."""
+    models = meta["models"]
+    lines = [
+        f"# Benchmark: {meta['pair']}, {_setting(meta['tasks'])}, batch {_setting(meta['batches'])}",
+        "",
+        f"Run {meta['date']}. Measurements: [{os.path.basename(json_path)}]"
+        f"({os.path.relpath(json_path, os.path.dirname(os.path.abspath(path)))}).",
+        "",
+        "```bash",
+        meta["command"],
+        "```",
+        "",
+        "## Machine",
+        "",
+        *_machine_lines(meta["machine"]),
+        "",
+        "## Pair",
+        "",
+        f"`{meta['pair']}`: target {_model(models['target'])}, draft {_model(models['draft'])}.",
+        "",
+        "## Settings",
+        "",
+        "| | |",
+        "| --- | --- |",
+        *[f"| {name} | {_setting(meta[name])} |" for name in SETTINGS if name in meta],
+        "",
+        "## Results",
+        "",
+        "Columns as `pipeline bench` prints them: tokens/s, the speedup over target-only at the "
+        "same batch size (HF's rows over HF target-only, ours over ours), `pred` Leviathan's "
+        "prediction for the decoding and `job` that prediction carried to the whole job, α, τ, "
+        "mean γ, target passes per token, the shares of our engine's time in target passes, draft "
+        "passes and the rest, whether every output equals HF target-only greedy, and peak RSS.",
+    ]
+    for task in dict.fromkeys(r.task for r in result.rows):
+        lines += ["", f"### {task}", "", markdown_table([r for r in result.rows if r.task == task])]
+    lines += ["", "Measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]) + "."]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def _setting(value) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)

@@ -299,7 +299,18 @@ def demo_data(out, shards, rows):
     show_default=True,
     help="Our draft model proposes among ids below this plus prompt tokens (0: all; drafter.draft_vocab).",
 )
-@click.option("--out", "out_path", default="bench.json", show_default=True, help="Where to write the JSON.")
+@click.option(
+    "--out",
+    "out_path",
+    help="Where to write the JSON (default: beside --report as NAME.json, else bench.json).",
+)
+@click.option(
+    "--report",
+    "report_path",
+    metavar="PATH.md",
+    help="Also write a Markdown record of the run (command, commit, machine, pair, settings, tables), "
+    "e.g. docs/benchmarks/NAME.md.",
+)
 def bench(
     pair,
     tasks,
@@ -317,6 +328,7 @@ def bench(
     drafters,
     draft_vocab,
     out_path,
+    report_path,
 ):
     """Benchmark target-only vs our speculative engine vs HF assisted generation, one run.
 
@@ -324,12 +336,20 @@ def bench(
     Example:
       pipeline bench --docs 4 --batches 1,4,8 --runs 3
     """
-    import platform
+    import shlex
+    from datetime import datetime, timezone
+    from pathlib import Path
 
     import torch
 
-    from pipeline.bench import HEADER, run_benchmark, write_json
+    from pipeline.bench import HEADER, describe_costs, run_benchmark, write_json, write_report
+    from pipeline.machine import describe_machine
     from pipeline.models.loading import load_pair, resolve_pair
+
+    # argv[0] is whichever entry point ran the CLI (the script, or -m pipeline.cli)
+    command = shlex.join(["pipeline", *sys.argv[1:]])
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out_path = out_path or (str(Path(report_path).with_suffix(".json")) if report_path else "bench.json")
 
     if threads:
         torch.set_num_threads(threads)
@@ -361,26 +381,28 @@ def bench(
     meta = {
         "pair": pair,
         "models": loaded.manifest(),
-        "threads": torch.get_num_threads(),
-        "machine": platform.platform(),
-        "processor": platform.processor(),
-        "runs": runs,
-        "max_new_tokens": max_new_tokens,
-        "docs": docs,
+        "machine": describe_machine(loaded),
+        "command": command,
+        "date": date,
+        "tasks": tasks.split(","),
         "corpus": corpus,
+        "docs": docs,
+        "batches": list(_ints(batches)),
+        "max_new_tokens": max_new_tokens,
+        "runs": runs,
+        "drafters": [d for d in drafters.split(",") if d],
         "draft_vocab": draft_vocab,
+        "hf_assistant_tokens": list(_ints(hf_assistant_tokens)),
+        "hf_lookup_tokens": list(_ints(hf_lookup_tokens)),
     }
-    costs = result.costs["auto"]
-    click.echo(
-        "measured by the auto engine, seconds: target pass by tokens "
-        + _seconds(costs["target_pass_seconds"])
-        + "; draft pass by tokens "
-        + _seconds(costs["draft_pass_seconds"])
-        + "; prefill per token "
-        + _seconds(costs["prefill_seconds_per_token"], ".4f")
-    )
+    click.echo("measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]))
+    for path in (out_path, report_path or out_path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json(result, out_path, meta)
     click.echo(f"wrote {out_path}")
+    if report_path:
+        write_report(report_path, result, meta, out_path)
+        click.echo(f"wrote {report_path}")
 
 
 @main.command()
@@ -443,10 +465,6 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
         )
         click.echo(format_table(result))
     click.echo(f"cached as {cached}" + (f"; wrote {out_path}" if out_path else ""), err=True)
-
-
-def _seconds(points: dict, spec: str = ".2f") -> str:
-    return ", ".join(f"{k}: {v:{spec}}" for k, v in points.items()) or "-"
 
 
 def _ints(text: str) -> tuple[int, ...]:

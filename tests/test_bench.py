@@ -11,8 +11,9 @@ import textwrap
 
 from click.testing import CliRunner
 
-from pipeline.bench import HEADER, job_prediction
+from pipeline.bench import HEADER, Benchmark, Row, job_prediction, markdown_table, write_report
 from pipeline.cli import main
+from pipeline.machine import describe_machine
 
 
 def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_path, monkeypatch):
@@ -30,15 +31,22 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
         )
     )
     monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(config))
-    out = tmp_path / "bench.json"
+    markdown = tmp_path / "docs" / "benchmarks" / "tiny-run.md"
     args = ["bench", "--pair", "tiny", "--docs", "2", "--batches", "1,2", "--runs", "2"]
     args += ["--max-new-tokens", "6", "--hf-assistant-tokens", "2", "--hf-lookup-tokens", "2"]
-    args += ["--threads", "1", "--out", str(out)]
+    args += ["--threads", "1", "--report", str(markdown)]
+    monkeypatch.setattr("sys.argv", ["/venv/bin/pipeline", *args])
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert HEADER in result.output
 
-    report = json.loads(out.read_text())
+    # without --out the JSON goes beside the Markdown report, which names it and the command
+    report = json.loads(markdown.with_suffix(".json").read_text())
+    text = markdown.read_text()
+    assert "[tiny-run.json](tiny-run.json)" in text
+    assert "```bash\npipeline bench --pair tiny --docs 2 --batches 1,2 --runs 2 --max-new-tokens 6" in text
+    assert text.count("| ours auto | 2 | ") == 2  # a table per task, every configuration in it
+    assert report["meta"]["machine"]["threads"] == 1 and report["meta"]["machine"]["dtype"] == "float32"
     assert report["meta"]["runs"] == 2 and report["meta"]["docs"] == 2
     rows = report["rows"]
     ours = ["ours target-only", "ours draft_model", "ours prompt_lookup", "ours auto"]
@@ -86,3 +94,84 @@ def test_the_job_prediction_speeds_up_only_the_decoding_and_adds_the_prefills_ba
     spec = {"wall_seconds": 6.5, "prefill_seconds": 2.0, "draft_prefill_seconds": 1.0}
     assert abs(job_prediction(spec, base, 2.0) - 10 / 7) < 1e-12
     assert job_prediction(spec, {}, 2.0) is None and job_prediction(spec, base, None) is None
+
+
+def _row(task: str, method: str, batch: int, speedup: float, alpha: float | None) -> Row:
+    return Row(
+        task=task,
+        method=method,
+        batch=batch,
+        tokens_per_second=12.345,
+        speedup=speedup,
+        predicted=None if alpha is None else 1.5,
+        predicted_job=None,
+        alpha=alpha,
+        tau=None if alpha is None else 2.25,
+        mean_gamma=None if alpha is None else 3.0,
+        target_passes_per_token=0.5,
+        identical=alpha is None or alpha > 0.5,
+        seconds_median=2.0,
+        seconds_runs=[2.0, 2.1],
+        target_share=0.6,
+        draft_share=0.3,
+        other_share=0.1,
+        tokens=24,
+        peak_rss_mb=512.0,
+    )
+
+
+def test_the_report_records_command_machine_pair_settings_and_a_table_per_task(tmp_path):
+    rows = [
+        _row("summarize", "ours target-only", 1, 1.0, None),
+        _row("summarize", "ours auto", 1, 1.6, 0.7),
+        _row("translate", "ours auto", 4, 0.9, 0.4),
+    ]
+    assert markdown_table(rows[:2]).splitlines() == [
+        "| method | batch | tok/s | speedup | pred | job | alpha | tau | gamma | pass/tok | tgt% | dft% "
+        "| oth% | same | rss MB |",
+        "| --- |" + " ---: |" * 14,
+        "| ours target-only | 1 | 12.35 | 1.00x | - | - | - | - | - | 0.50 | 60 | 30 | 10 | yes | 512 |",
+        "| ours auto | 1 | 12.35 | 1.60x | 1.50x | - | 0.70 | 2.25 | 3.0 | 0.50 | 60 | 30 | 10 | yes | 512 |",
+    ]
+    costs = {"target_pass_seconds": {1: 0.25}, "draft_pass_seconds": {1: 0.05}}
+    costs["prefill_seconds_per_token"] = {}
+    machine = {**describe_machine(), "dtype": "bfloat16", "device": "cpu"}
+    machine["kernels"] = {"batch_invariant": True}
+    meta = {
+        "pair": "qwen2.5-coder",
+        "models": {
+            "target": {"id": "Qwen2.5-Coder-1.5B", "revision": "sha256:abc"},
+            "draft": {"id": "Qwen2.5-Coder-0.5B", "revision": None},
+        },
+        "machine": machine,
+        "command": "pipeline bench --docs 2 --report 'docs/benchmarks/a b.md'",
+        "date": "2026-11-26 09:00 UTC",
+        "tasks": ["summarize", "translate"],
+        "batches": [1, 4],
+        "runs": 3,
+    }
+    path = tmp_path / "report.md"
+    write_report(str(path), Benchmark(rows, {"auto": costs}), meta, str(tmp_path / "data" / "report.json"))
+    text = path.read_text()
+
+    assert text.startswith("# Benchmark: qwen2.5-coder, summarize, translate, batch 1, 4\n")
+    assert "Run 2026-11-26 09:00 UTC. Measurements: [report.json](data/report.json)." in text
+    assert "```bash\npipeline bench --docs 2 --report 'docs/benchmarks/a b.md'\n```" in text
+    for name, value in [
+        ("CPU", machine["cpu_model"]),
+        ("cores, threads", f"{machine['cores']}, {machine['threads']}"),
+        ("dtype, device", "bfloat16, cpu"),
+        ("kernels", "batch_invariant yes"),
+        ("torch, transformers", f"{machine['torch']}, {machine['transformers']}"),
+    ]:
+        assert f"| {name} | {value} |" in text
+    flags = "avx2 {}, avx512f {}, avx512_bf16 {}, amx_bf16 {}, fma {}".format(
+        *("yes" if has else "no" for has in machine["cpu_flags"].values())
+    )
+    assert f"| CPU flags | {flags} |" in text
+    assert f"| spec-pipeline | {machine['package']}, commit {machine['git_commit']}" in text
+    assert "target `Qwen2.5-Coder-1.5B` (revision `sha256:abc`), draft `Qwen2.5-Coder-0.5B`." in text
+    assert "| runs | 3 |" in text and "| batches | 1, 4 |" in text and "| docs |" not in text
+    summarize, translate = text.split("### summarize\n")[1].split("### translate\n")
+    assert markdown_table(rows[:2]) in summarize and markdown_table(rows[2:]) in translate
+    assert "Measured by the auto engine, seconds: target pass by tokens 1: 0.25; draft pass by tokens" in text
