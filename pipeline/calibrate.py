@@ -227,7 +227,7 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         "format": CALIBRATION_FORMAT,
         "cpu_model": model,
         "cpu_flags": sorted(flag for flag in CPU_FLAGS if flag in flags),
-        "gpu": torch.cuda.get_device_name() if loaded.device.startswith("cuda") else None,
+        "gpu": torch.cuda.get_device_name(loaded.device) if loaded.device.startswith("cuda") else None,
         "target": [loaded.target_ref.path, loaded.target_revision],
         "draft": [loaded.draft_ref.path, loaded.draft_revision] if loaded.draft_ref else None,
         "dtype": str(loaded.dtype).removeprefix("torch."),
