@@ -1,9 +1,10 @@
-"""Batch-invariant target numerics: in bf16, speculative output is bitwise the target's own.
+"""Batch-invariant target numerics: speculative output is bitwise the target's own.
 
-In bf16 a token's logits depend on how many tokens share its pass (a 1-row matrix product
-takes another kernel) and on the masked cache slots around its keys, so a near-tie can flip
-between target-only decoding and a wide verify pass. `make_batch_invariant` removes both
-dependencies; these tests check the logits bit for bit, not approximately.
+With stock kernels a token's logits depend on how many tokens share its pass (a 1-row matrix
+product takes another kernel) and on the masked cache slots around its keys, so a near-tie can
+flip between target-only decoding and a wide verify pass. `make_batch_invariant` removes both
+dependencies in bf16, and the streamed Linear layers with the same attention do in float32;
+these tests check the logits bit for bit, not approximately, for both.
 """
 
 from __future__ import annotations
@@ -16,16 +17,31 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.models import invariant
+from pipeline.models import invariant, streamed
 from pipeline.models.loading import ModelRef, load_pair
 
+NUMERICS = [
+    "bf16",
+    pytest.param(
+        "float32-streamed",
+        marks=pytest.mark.skipif(
+            streamed.library() is None,
+            reason="no streamed linear kernel on this machine (no AVX2 or compiler)",
+        ),
+    ),
+]
 
-@pytest.fixture(scope="module")
-def bf16_pair(tiny_pair_dirs):
-    """The tiny pair in bf16, the target made batch-invariant (the session's float32 models stay)."""
+
+@pytest.fixture(scope="module", params=NUMERICS)
+def invariant_pair(request, tiny_pair_dirs):
+    """The tiny pair, the target made batch-invariant: in bf16 (2-row trick), or in float32 with
+    streamed Linear layers (the session's float32 models stay as they are)."""
     target_dir, draft_dir = tiny_pair_dirs
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16).eval()
+    dtype = torch.bfloat16 if request.param == "bf16" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    if request.param == "float32-streamed":
+        assert streamed.stream_linears(target) == 2 * 7 + 1  # every Linear, the output layer too
     return invariant.make_batch_invariant(target), draft
 
 
@@ -34,8 +50,8 @@ def _prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(3, 300, (count, length), generator=gen).tolist()
 
 
-def test_a_token_gets_the_same_logits_alone_in_a_wide_pass_and_in_a_ragged_batch(bf16_pair):
-    target, _ = bf16_pair
+def test_a_token_gets_the_same_logits_alone_in_a_wide_pass_and_in_a_ragged_batch(invariant_pair):
+    target, _ = invariant_pair
     p = _prompts(3, 120)
     lm = BatchedLM(target, pad_token_id=0)
     # alone: prefill, then one token per pass (what target-only decoding does)
@@ -62,11 +78,11 @@ def test_a_token_gets_the_same_logits_alone_in_a_wide_pass_and_in_a_ragged_batch
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-def test_a_prefill_from_a_template_or_row_by_row_gives_the_logits_of_one_padded_pass(bf16_pair, per_row):
+def test_a_prefill_from_a_template_or_row_by_row_gives_the_logits_of_one_padded_pass(invariant_pair, per_row):
     """Prompts that share a start: after two different ones showed it, later rows copy its keys
     and values instead of computing them; on a CPU each row is prefilled in a pass of its own.
     Neither may change a bit of what the rows decode next."""
-    target, _ = bf16_pair
+    target, _ = invariant_pair
     template = _prompts(1, 24, seed=3)[0]
     docs = _prompts(4, 60, seed=4)
     prompts = [template + d[: 20 + 10 * i] for i, d in enumerate(docs)]
@@ -114,8 +130,8 @@ def test_float64_attention_computes_the_same_attention(tiny_pair_dirs):
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "auto"])
-def test_bf16_speculative_output_is_bitwise_target_only(bf16_pair, drafter, batch_size):
-    target, draft = bf16_pair
+def test_speculative_output_is_bitwise_target_only(invariant_pair, drafter, batch_size):
+    target, draft = invariant_pair
     prompts = _prompts(6, 30, seed=2)
     engine = SpeculativeEngine(
         target, draft, eos_token_ids=[1], pad_token_id=0, config=EngineConfig(adaptive=False, gamma_max=5)
@@ -139,19 +155,19 @@ def test_the_loader_makes_16_bit_cpu_targets_invariant(tiny_pair_dirs, caplog):
     # where this CPU's kernels cannot keep the promise, the loader says so
     warned = any("near-ties" in r.getMessage() for r in caplog.records)
     assert warned is not invariant.linear_is_row_invariant(torch.bfloat16)
-    fp32 = load_pair(ModelRef(str(target_dir)), None, dtype="float32", device="cpu")
+    fp32 = load_pair(ModelRef(str(target_dir)), None, dtype="float32", device="cpu", streamed_linears=False)
     assert not fp32.batch_invariant and fp32.target.config._attn_implementation != invariant.NAME
     off = load_pair(ModelRef(str(target_dir)), None, dtype="bf16", device="cpu", batch_invariant=False)
     assert not off.batch_invariant
 
 
 @pytest.mark.parametrize("lengths", [(7, 1, 2), (3, 2, 4)])
-def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(bf16_pair, lengths):
+def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(invariant_pair, lengths):
     """At batch 8 one row may verify 5 copied tokens while seven verify 1: packed, the weights'
     products run over the real tokens only (see `packing`), and every logit keeps its bits.
     Attention runs the columns all rows fill as one batch and the rest row by row; (3, 2, 4)
     has two such common columns."""
-    target, _ = bf16_pair
+    target, _ = invariant_pair
     p = _prompts(3, 60, seed=5)
     starts = (40, 50, 55)
     blocks = [row[s : s + n] for row, s, n in zip(p, starts, lengths)]
@@ -183,8 +199,8 @@ def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(bf16_pai
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "auto"])
-def test_bf16_rows_admitted_into_a_running_batch_decode_bitwise_as_alone(bf16_pair, drafter):
-    target, draft = bf16_pair
+def test_rows_admitted_into_a_running_batch_decode_bitwise_as_alone(invariant_pair, drafter):
+    target, draft = invariant_pair
     prompts = [p[: 12 + 5 * i] for i, p in enumerate(_prompts(7, 50, seed=6))]
     engine = SpeculativeEngine(
         target, draft, eos_token_ids=[1], pad_token_id=0, config=EngineConfig(adaptive=False, gamma_max=4)

@@ -81,7 +81,7 @@ class BatchedLM:
         self.model = model
         self.pad_token_id = pad_token_id
         # logits are cut to this width (target and draft embeddings may be padded differently)
-        self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size or model.get_output_embeddings().out_features
         self.device = next(model.parameters()).device
         self.forward_seconds = 0.0
         self.fed_tokens = 0  # tokens the last `forward` computed (not padding, not reused ones)

@@ -89,10 +89,15 @@ def _dense_mlp(name: str, module: nn.Module) -> bool:
     if name.rsplit(".", 1)[-1] != "mlp":
         return False
     parts = list(module.modules())
-    in_linears = {id(p) for m in parts if isinstance(m, nn.Linear) for p in m.parameters()}
+    in_linears = {id(p) for m in parts if _token_wise(m) for p in m.parameters()}
     return not any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in parts) and all(
         id(p) in in_linears for p in module.parameters()
     )
+
+
+def _token_wise(module: nn.Module) -> bool:
+    """A Linear layer, or a module that computes token by token like one (`token_wise`)."""
+    return isinstance(module, nn.Linear) or getattr(module, "token_wise", False)
 
 
 def install(model: nn.Module) -> nn.Module:
@@ -110,7 +115,7 @@ def install(model: nn.Module) -> nn.Module:
     if getattr(model, "_packing", False):
         return model
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or _dense_mlp(name, module):
+        if _token_wise(module) or _dense_mlp(name, module):
             module._packed_shape = None
             module.register_forward_pre_hook(_gather, prepend=True)
             module.register_forward_hook(_scatter)

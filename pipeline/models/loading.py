@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 import torch
 
 from . import draft_int8 as int8_draft
-from . import invariant
+from . import invariant, streamed
 from .pairs import (
     ConfigError,
     ModelError,
@@ -360,6 +360,7 @@ class LoadedPair:
     draft_ref: ModelRef | None = None
     batch_invariant: bool = False
     draft_int8: bool = False
+    streamed: bool = False
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -395,6 +396,7 @@ class LoadedPair:
             "device": self.device,
             "batch_invariant": self.batch_invariant,
             "draft_int8": self.draft_int8,
+            "streamed_linears": self.streamed,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -450,6 +452,7 @@ def load_pair(
     trust_remote_code: bool = False,
     batch_invariant: bool | None = None,
     draft_int8: bool | None = None,
+    streamed_linears: bool | None = None,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -459,11 +462,19 @@ def load_pair(
     target's own (see `pipeline.models.invariant`). The draft needs no such care: its
     proposals are checked. So `draft_int8` (None: on for CPU) may give its decode steps int8
     weights, which halves what a memory-bound step reads (see `pipeline.models.draft_int8`).
+    `streamed_linears` (None: on for float32 on CPUs with AVX2) gives the target Linear layers
+    whose cost hardly grows with the tokens in a pass, and which are row-invariant by
+    construction, so that batch invariance comes with them (see `pipeline.models.streamed`).
     """
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    if streamed_linears is None:
+        streamed_linears = streamed.wanted(torch_dtype, device)
+    elif streamed_linears and not (device == "cpu" and torch_dtype == torch.float32 and streamed.library()):
+        log.warning("streamed linears need float32 on a CPU with AVX2 and a C++ compiler: not used")
+        streamed_linears = False
     if batch_invariant is None:
-        batch_invariant = invariant.wanted(torch_dtype, device)
+        batch_invariant = streamed_linears or invariant.wanted(torch_dtype, device)
     times: dict[str, float] = {}
     t = time.perf_counter()
     tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
@@ -477,9 +488,11 @@ def load_pair(
     target_model = load_model(target, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     times["target_s"] = time.perf_counter() - t
     _check_embeddings(target_model, tokenizer, target, "target")
+    if streamed_linears:
+        streamed.stream_linears(target_model)
     if batch_invariant:
         invariant.make_batch_invariant(target_model)
-        if device == "cpu" and not invariant.linear_is_row_invariant(torch_dtype):
+        if device == "cpu" and not streamed_linears and not invariant.linear_is_row_invariant(torch_dtype):
             log.warning(
                 "this CPU's %s matrix products round a row differently with the number of rows: "
                 "speculative output may differ from target-only decoding at near-ties",
@@ -502,5 +515,6 @@ def load_pair(
         draft_ref=draft,
         batch_invariant=batch_invariant,
         draft_int8=bool(draft_model is not None and draft_int8),
+        streamed=streamed_linears,
         load_seconds=times,
     )

@@ -1,0 +1,195 @@
+"""Linear layers whose cost hardly grows with the tokens in a pass, for float32 models on CPUs.
+
+Why: speculative decoding pays only when checking γ drafted tokens costs about what producing
+one costs. A pass is bound by reading the weights once, so that holds in principle; but on
+CPUs without AVX512-BF16 (where float32 is the model dtype) PyTorch's matrix-matrix kernel
+repacks the whole weight on every call, and a verify pass of 8 tokens cost 3x a 1-token pass.
+`streamed_linear.cpp` reads each weight once per call and keeps tiles of token rows in
+registers, and where the loaded weights are exactly bfloat16 (the offline pair is) it keeps
+them as bfloat16 and widens them in registers, which halves the bytes a pass reads and makes
+plain decoding faster too. Measured figures are in docs/engine.md.
+
+Every output element is one fixed chain of float operations on its weight row and token row,
+so a row's logits are bitwise the same whatever the width of the pass or the other rows in
+it: with the float64 attention of `invariant`, the target is batch-invariant in float32 too.
+
+The kernel is compiled with the system's C++ compiler on first use and cached under the
+pipeline's cache directory. Where that cannot happen (no compiler, no AVX2/FMA, not x86) the
+model keeps PyTorch's kernels and one log line says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("streamed_linear.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+K_SLICE = 512  # k values a micro-kernel call covers: its token rows' slices stay in L1
+BLOCK_BYTES = 192 * 1024  # weight bytes of a block of output rows, re-read from L2 per token tile
+MAX_BLOCK_ROWS = 64  # the kernel's limit (its accumulators live on the stack)
+
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(target: Path) -> None:
+    """Compile the kernel into `target` (atomically: other processes may be loading it)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler (g++ or c++) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None (and one warning) where it cannot be."""
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
+        log.warning("streamed linear kernel off: the CPU lacks AVX2/FMA; float32 passes use torch's kernels")
+        return None
+    from pipeline.models.pairs import cache_dir
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir().parent / "kernels" / f"streamed_linear-{key}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target.parent / ".lock", "w") as lock:  # one build per machine at a time
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not target.exists():
+                    _build(target)
+        lib = ctypes.CDLL(str(target))  # torch is loaded: its OpenMP runtime serves this one too
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("streamed linear kernel off (%s); float32 passes use torch's kernels", e)
+        return None
+    for name in ("pack_f32", "pack_bf16"):
+        getattr(lib, name).argtypes = [_POINTER, _INT, _INT, _INT, _INT, _POINTER]
+    for name in ("linear_f32", "linear_bf16"):
+        getattr(lib, name).argtypes = [
+            _POINTER,
+            _INT,
+            _INT,
+            _POINTER,
+            _INT,
+            _POINTER,
+            _POINTER,
+            _INT,
+            _INT,
+            ctypes.c_int,
+        ]
+    return lib
+
+
+class StreamedLinear(nn.Module):
+    """A Linear (float32 in and out) over weights packed for `streamed_linear.cpp`.
+
+    The weights are kept as bfloat16 when every value is exactly a bfloat16 (then the product
+    is the float32 model's, bit for bit), as float32 otherwise. They are stored as integers so
+    that `model.to(dtype)` leaves them as they are.
+    """
+
+    token_wise = True  # `packing` gathers a ragged pass's real rows for it, as for a Linear
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bf16 = weight.to(torch.bfloat16)
+        exact = weight.dtype == torch.bfloat16 or torch.equal(bf16.to(weight.dtype), weight)
+        source = bf16.contiguous() if exact else weight.float().contiguous()
+        element = source.element_size()
+        self.block_rows = max(2, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (self.in_features * element)) // 2 * 2)
+        packed = torch.empty((self.out_features + 1) // 2 * 2 * self.in_features, dtype=source.dtype)
+        pack = library().pack_bf16 if exact else library().pack_f32
+        pack(
+            source.data_ptr(),
+            self.out_features,
+            self.in_features,
+            self.block_rows,
+            K_SLICE,
+            packed.data_ptr(),
+        )
+        self.register_buffer("packed", packed.view(torch.int16 if exact else torch.int32))
+        self._product = library().linear_bf16 if exact else library().linear_f32
+        bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise TypeError(f"StreamedLinear takes float32 CPU inputs, got {x.dtype} on {x.device}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features)
+        self._product(
+            rows.data_ptr(),
+            rows.shape[0],
+            self.in_features,
+            self.packed.data_ptr(),
+            self.out_features,
+            self.bias.data_ptr() if self.bias is not None else None,
+            out.data_ptr(),
+            self.block_rows,
+            K_SLICE,
+            torch.get_num_threads(),
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "bf16" if self.packed.dtype == torch.int16 else "float32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights={kind}"
+
+
+def wanted(dtype: torch.dtype, device: str) -> bool:
+    """The default: float32 models on CPUs, where torch's kernels make wide passes dear."""
+    return device == "cpu" and dtype == torch.float32 and library() is not None
+
+
+def stream_linears(model: nn.Module) -> int:
+    """Replace every Linear of `model` whose input width is a multiple of 8 (the kernel's step)
+    by a StreamedLinear, in place; returns how many. Tied weights stay shared with what ties
+    them (the input embeddings keep their own copy)."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (
+                isinstance(child, nn.Linear)
+                and child.in_features % 8 == 0
+                and child.weight.device.type == "cpu"
+            ):
+                setattr(parent, name, StreamedLinear(child))
+                replaced += 1
+    return replaced

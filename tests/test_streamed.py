@@ -1,0 +1,107 @@
+"""Streamed Linear layers: the product torch computes, and bitwise the same for a row whatever
+the width of the pass or the rows beside it (widths 1-16, batches 1-8)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.models import invariant, streamed
+from pipeline.models.loading import ModelRef, load_pair
+
+pytestmark = pytest.mark.skipif(streamed.library() is None, reason="no streamed kernel here (AVX2, C++)")
+
+
+def _linear(rows: int, features: int, bias: bool, bf16_exact: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(features, rows, bias=bias)
+    if bf16_exact:  # as the offline pair's weights are: installed in bf16, loaded in float32
+        with torch.no_grad():
+            linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
+    return linear
+
+
+# odd row counts (a padded pair), inputs narrower than one k slice and wider than several, and
+# a block of rows that is not a multiple of the threads
+SHAPES = [(7, 24), (64, 1536), (33, 520), (1100, 1064)]
+
+
+@pytest.mark.parametrize("rows, features", SHAPES)
+@pytest.mark.parametrize("bf16_exact", [True, False])
+def test_the_product_is_torchs_and_a_rows_bits_do_not_depend_on_the_width(rows, features, bf16_exact):
+    linear = _linear(rows, features, bias=rows % 2 == 1, bf16_exact=bf16_exact)
+    layer = streamed.StreamedLinear(linear)
+    assert layer.packed.dtype == (torch.int16 if bf16_exact else torch.int32)  # half the bytes if exact
+    x = torch.randn(24, features)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    full = layer(x)
+    for width in range(1, 17):
+        for start in (0, 24 - width):  # the rows' place in the pass changes nothing either
+            assert torch.equal(layer(x[start : start + width]), full[start : start + width])
+
+
+def test_the_threads_that_compute_a_row_change_no_bit():
+    layer = streamed.StreamedLinear(_linear(300, 256, bias=True, bf16_exact=True))
+    x = torch.randn(9, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def streamed_target(tiny_pair_dirs):
+    loaded = load_pair(ModelRef(str(tiny_pair_dirs[0])), None, dtype="float32", device="cpu")
+    return loaded
+
+
+def test_the_loader_streams_float32_cpu_targets_and_makes_them_invariant(streamed_target):
+    loaded = streamed_target
+    assert loaded.streamed and loaded.batch_invariant
+    assert loaded.manifest()["streamed_linears"] is True
+    assert not any(isinstance(m, nn.Linear) for m in loaded.target.modules())
+    assert isinstance(loaded.target.get_output_embeddings(), streamed.StreamedLinear)
+    assert loaded.target.config._attn_implementation == invariant.NAME
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+def test_a_rows_logits_are_the_same_at_every_width_and_batch(streamed_target, batch):
+    """Row 0 verifies 1 to 16 tokens beside batch - 1 rows of other lengths: its logits are
+    those of feeding the same tokens one pass at a time."""
+    model = streamed_target.target
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, 300, (batch, 60), generator=gen).tolist()
+    lm = BatchedLM(model, pad_token_id=0)
+    lm.reset(1)
+    lm.forward([prompts[0][:40]], [1])
+    alone = torch.cat([lm.forward([[t]], [1])[0] for t in prompts[0][40:56]])
+    for width in (1, 2, 3, 7, 8, 9, 16):
+        lm.reset(batch)
+        lm.forward([p[: 40 - i] for i, p in enumerate(prompts)], [1] * batch)
+        blocks = [prompts[0][40 : 40 + width]] + [
+            p[40 - i : 40 - i + 1 + i % 3] for i, p in enumerate(prompts)
+        ][1:]
+        got = lm.forward(blocks, [width] + [1] * (batch - 1))[0]
+        assert torch.equal(got, alone[:width]), width
+
+
+def test_without_a_compiler_the_model_keeps_torchs_kernels_and_says_so(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    caplog.set_level(logging.WARNING, logger="pipeline.models.streamed")
+    streamed.library.cache_clear()
+    try:
+        assert streamed.library() is None
+        assert not streamed.wanted(torch.float32, "cpu")
+        assert [r.getMessage() for r in caplog.records if "streamed linear kernel off" in r.getMessage()]
+    finally:
+        streamed.library.cache_clear()  # the next caller builds (or finds) the real one again
