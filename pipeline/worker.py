@@ -17,6 +17,11 @@ from pipeline.models.loading import ModelRef, load_pair, resolve_pair
 from pipeline.shard import ShardProcessor
 from pipeline.spec import JobSpec
 
+# The start-up calibration: passes of 1 to 16 tokens over a few hundred cached ones (a few
+# seconds for the 1.5B target on 2 cores); wider passes are learned as the job runs.
+STARTUP_WIDTHS = (1, 2, 4, 8, 16)
+STARTUP_CONTEXT = 256
+
 
 def model_refs(spec: JobSpec) -> tuple[ModelRef, ModelRef | None]:
     """The target and (when the drafter needs one) the draft model a spec asks for."""
@@ -83,7 +88,33 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     )
     info = pair.manifest()
     info["load_seconds"] = pair.load_seconds
+    if drafter != "none":
+        info["calibration"] = seed_costs(engine, pair, spec.drafter.draft_vocab)
     return ShardProcessor(spec, engine, tokenizer, info)
+
+
+def seed_costs(engine: SpeculativeEngine, pair, draft_vocab: int) -> dict:
+    """Give the engine measured pass costs before its first shard: from the cache when this
+    machine, pair, dtype, thread count and kernels were calibrated before (`pipeline calibrate`
+    or an earlier actor), else measured now with a cheap calibration and cached."""
+    from pipeline import calibrate
+
+    began = time.perf_counter()
+    key = calibrate.calibration_key(pair, torch.get_num_threads(), draft_vocab)
+    data = calibrate.load_cached(key)
+    cached = data is not None
+    if data is None:
+        data = calibrate.measure(
+            pair, widths=STARTUP_WIDTHS, context=STARTUP_CONTEXT, draft_vocab=draft_vocab
+        )
+        calibrate.save_cached(key, data)
+    engine.costs.seed(data)
+    return {
+        "key": key,
+        "cached": cached,
+        "seconds": round(time.perf_counter() - began, 3),
+        "target_pass_seconds": data["target_pass_seconds"],
+    }
 
 
 class ModelWorker:

@@ -256,6 +256,37 @@ def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(cas
     assert costs.catch_up_time(8, 8 * 3) == pytest.approx(0.64 + (0.64 - 0.50) - 0.50)  # 24 tokens
 
 
+def _calibration(widths: dict[int, float], draft_step: float) -> dict:
+    """What `pipeline.calibrate.measure` records (string keys, as read back from JSON)."""
+    return {
+        "target_pass_seconds_by_batch": {"1": {str(w): s for w, s in widths.items()}},
+        "draft_step_seconds_by_batch": {"1": {"1": draft_step}},
+        "prefill_seconds_per_token": {"target": 0.01, "draft": 0.004},
+    }
+
+
+def test_a_calibration_seeds_the_costs_a_fresh_engine_decides_with(case):
+    """An actor seeds its engine from a calibration (cached, or measured at start-up) so the
+    first rounds run on this machine's costs, not on priors: the same fresh engine at the same
+    acceptance drafts where the calibrated passes are flat in their width and not where each
+    extra token in a pass is dear."""
+    seeded = CostModel()
+    seeded.seed(_calibration({1: 0.30, 2: 0.31, 4: 0.33, 8: 0.36}, draft_step=0.02))
+    assert seeded.target_time(4) == 0.33 and seeded.target_time(8) == 0.36  # believed at once
+    assert seeded.draft_time(1) == 0.02 and seeded.prefill_time("draft", 100) == pytest.approx(0.4)
+    seeded.observe_target(4, 0.43)  # a job's own passes move them like any other measurement
+    assert 0.33 < seeded.target_time(4) < 0.43
+    options = RoundOptions([0], ["prompt_lookup:1"], True, 8, remaining=200, catch_up=0.0)
+    for widths, drafts in (
+        ({1: 0.3, 2: 0.31, 4: 0.33, 8: 0.36}, True),
+        ({1: 0.3, 2: 0.9, 4: 2.1, 8: 4.5}, False),
+    ):
+        costs = CostModel()
+        costs.seed(_calibration(widths, draft_step=0.02))
+        engine = _engine_with_costs(case, costs, alpha=0.7)
+        assert (engine._choose_gammas(options)[1] > 0) is drafts
+
+
 @pytest.mark.parametrize("left, probes", [(100, False), (500, True)])
 def test_a_probe_risks_a_cold_prefill_only_where_the_work_left_dwarfs_it(case, left, probes):
     """The batch-4 translation benchmark: a probe hoping for α 0.95 started a cold draft whose
