@@ -3,7 +3,9 @@
 Same model pair, same documents, same process and same run, so the ratios are comparable
 even on a noisy machine. Every configuration is run `runs` times and the median wall time is
 reported; speedups are against target-only decoding at the same batch size. Every output is
-compared token for token with Hugging Face greedy `generate` of the target alone.
+compared token for token with its own target-only decoding (ours for our engine: same
+kernels, so they must be equal) and with Hugging Face greedy `generate` of the target alone
+(where our kernels differ from the stock ones, a near-tie may round the other way).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Row:
     tau: float | None
     mean_gamma: float | None
     target_passes_per_token: float | None
-    identical: bool
+    identical: bool  # to the target-only decoding it is timed against (ours, or HF's for HF rows)
+    identical_to_hf: bool  # to Hugging Face's target-only decoding with stock kernels
     seconds_median: float
     seconds_runs: list[float]
     target_share: float | None  # of our engine's wall time: target passes (prefill + verify)
@@ -83,12 +86,12 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def hf_generate(pair: LoadedPair, prompts, max_new: int, eos: list[int], pad: int, **kwargs):
+def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwargs):
     """Hugging Face generate, batch 1, greedy: plain, assisted, or prompt lookup."""
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt], device=pair.target.device)
-        out = pair.target.generate(
+        ids = torch.tensor([prompt], device=target.device)
+        out = target.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new,
@@ -138,8 +141,12 @@ def run_benchmark(
     hf_lookup_tokens: tuple[int, ...] = (3, 10),
     drafters: tuple[str, ...] = ("draft_model", "prompt_lookup", "auto"),
     draft_vocab: int = EngineConfig.draft_vocab,
+    hf_target=None,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
+    """`hf_target`: the target as `transformers` loads it, for the HF rows, where our loader
+    changed the target's kernels (streamed Linear layers); None: HF runs `pair.target`."""
+    hf_target = hf_target if hf_target is not None else pair.target
     tok = pair.tokenizer
     eos = eos_ids(tok, pair.target)
     pad = pad_id(tok, pair.target)
@@ -162,7 +169,7 @@ def run_benchmark(
             engine.generate(prompts[:1], 8, drafter=kind)
         bench = _TaskBench(task)
         # the first configuration is also the reference every output is compared with
-        bench.add("hf target-only", 1, lambda p=prompts: hf_generate(pair, p, max_new_tokens, eos, pad))
+        bench.add("hf target-only", 1, lambda p=prompts: hf_generate(hf_target, p, max_new_tokens, eos, pad))
         # HF's assisted generation as its users run it: the draft as loaded; and, where our
         # engine's draft steps use int8 weights, also with those, the same draft as ours
         for k, int8 in [(k, False) for k in hf_assistant_tokens] + [
@@ -171,7 +178,9 @@ def run_benchmark(
             bench.add(
                 f"hf assisted k={k}" + (" int8" if int8 else ""),
                 1,
-                lambda k=k, i=int8, p=prompts: hf_assisted(pair, p, max_new_tokens, eos, pad, k, i),
+                lambda k=k, i=int8, p=prompts: hf_assisted(
+                    hf_target, pair, p, max_new_tokens, eos, pad, k, i
+                ),
                 base="hf target-only",
             )
         for k in hf_lookup_tokens:
@@ -179,7 +188,7 @@ def run_benchmark(
                 f"hf prompt lookup k={k}",
                 1,
                 lambda k=k, p=prompts: hf_generate(
-                    pair, p, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k
+                    hf_target, p, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k
                 ),
                 base="hf target-only",
             )
@@ -211,10 +220,10 @@ def _assistant(draft, k: int):
     return draft
 
 
-def hf_assisted(pair: LoadedPair, prompts, max_new: int, eos, pad, k: int, int8: bool):
+def hf_assisted(target, pair: LoadedPair, prompts, max_new: int, eos, pad, k: int, int8: bool):
     """HF assisted generation with the draft on its int8 decode steps, or as loaded."""
     with nullcontext() if int8 else loaded_weights(pair.draft):
-        return hf_generate(pair, prompts, max_new, eos, pad, assistant_model=_assistant(pair.draft, k))
+        return hf_generate(target, prompts, max_new, eos, pad, assistant_model=_assistant(pair.draft, k))
 
 
 @dataclass
@@ -253,12 +262,15 @@ class _TaskBench:
         reference = self.configs[0].outputs
         medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
         stats = {(c.method, c.batch): c.stats for c in self.configs}
+        outputs = {(c.method, c.batch): c.outputs for c in self.configs}
         rows = []
         for c in self.configs:
             seconds = medians[(c.method, c.batch)]
             base = medians.get((c.base, c.batch)) if c.base else None
             base_stats = stats.get((c.base, c.batch), {}) if c.base else {}
-            rows.append(_row(self.task, c, seconds, base, base_stats, c.outputs == reference))
+            own = outputs.get((c.base, c.batch), reference) if c.base else reference
+            same = (c.outputs == own, c.outputs == reference)
+            rows.append(_row(self.task, c, seconds, base, base_stats, same))
             log(_format_row(rows[-1]))
         return rows
 
@@ -278,7 +290,9 @@ def job_prediction(spec: dict, base: dict, decode_speedup: float | None) -> floa
     return base["wall_seconds"] / (prefills + base_decode / decode_speedup)
 
 
-def _row(task: str, c: _Config, seconds: float, base: float | None, base_stats: dict, identical: bool) -> Row:
+def _row(
+    task: str, c: _Config, seconds: float, base: float | None, base_stats: dict, same: tuple[bool, bool]
+) -> Row:
     s, runs = c.stats, len(c.times)
     tokens = sum(len(o) for o in c.outputs)
     drafted = s.get("drafted")
@@ -306,7 +320,8 @@ def _row(task: str, c: _Config, seconds: float, base: float | None, base_stats: 
         # each row's first pass is its prefill, which drafts nothing
         mean_gamma=(s["gamma"] / max(s["row_passes"] - runs * len(c.outputs), 1)) if s else None,
         target_passes_per_token=(s["passes"] / s["tokens"]) if s else None,
-        identical=identical,
+        identical=same[0],
+        identical_to_hf=same[1],
         seconds_median=seconds,
         seconds_runs=c.times,
         target_share=share("target_seconds"),
@@ -334,6 +349,7 @@ _COLUMNS = (
     ("dft%", ">5"),
     ("oth%", ">5"),
     ("same", ">5"),
+    ("=hf", ">4"),
     ("rss MB", ">7"),
 )
 HEADER = " ".join(f"{title:{align}}" for title, align in _COLUMNS)
@@ -367,6 +383,7 @@ def _cells(r: Row) -> list[str]:
         pct(r.draft_share),
         pct(r.other_share),
         "yes" if r.identical else "NO",
+        "yes" if r.identical_to_hf else "no",
         f"{r.peak_rss_mb:.0f}",
     ]
 

@@ -344,7 +344,7 @@ def bench(
 
     from pipeline.bench import HEADER, describe_costs, run_benchmark, write_json, write_report
     from pipeline.machine import describe_machine
-    from pipeline.models.loading import load_pair, resolve_pair
+    from pipeline.models.loading import load_model, load_pair, resolve_pair
 
     # argv[0] is whichever entry point ran the CLI (the script, or -m pipeline.cli)
     command = shlex.join(["pipeline", *sys.argv[1:]])
@@ -362,7 +362,10 @@ def bench(
         f"{torch.get_num_threads()} threads, "
         + ("batch-invariant target" if loaded.batch_invariant else "stock kernels")
         + (", int8 draft steps" if loaded.draft_int8 else "")
+        + (", streamed linears" if loaded.streamed else "")
     )
+    # HF's rows run the target as `transformers` loads it, not on our kernels
+    hf_target = load_model(target, dtype=loaded.dtype, device=loaded.device) if loaded.streamed else None
     click.echo(HEADER)
     result = run_benchmark(
         loaded,
@@ -376,6 +379,7 @@ def bench(
         hf_lookup_tokens=_ints(hf_lookup_tokens),
         drafters=tuple(d for d in drafters.split(",") if d),
         draft_vocab=draft_vocab,
+        hf_target=hf_target,
         log=click.echo,
     )
     meta = {
