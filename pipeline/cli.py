@@ -99,7 +99,10 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress):
     click.echo(f"(resume or re-run with: --run-id {spec.run_id})", err=True)
     try:
         result = run_job(spec, address=address, overwrite=overwrite, progress=progress)
-    except (SpecError, StorageError, ValueError, OSError) as exc:
+    except SpecError as exc:  # found before anything ran (e.g. --overwrite over foreign files)
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_USAGE)
+    except (StorageError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
     print_shard_table(result.output_url, spec.output.storage_options)
@@ -230,11 +233,31 @@ def validate(spec_path, run_id, date, sets, no_models):
     """Check SPEC without running it; exit 2 with field-level errors if it is invalid."""
     spec = _load(spec_path, run_id, date, sets)
     problems = [] if no_models else check_models_reachable(spec)
+    if spec.output.overwrite:
+        problems += _overwrite_problems(spec)
     if problems:
         for line in problems:
             click.echo(f"{spec_path}: {line}", err=True)
         sys.exit(EXIT_USAGE)
     click.echo(f"{spec_path}: OK (job {spec.name}: {spec.input.url} -> {spec.output.url})")
+
+
+def _overwrite_problems(spec: JobSpec) -> list[str]:
+    """What `run` would refuse to delete under output.overwrite: files no job of ours wrote."""
+    from pipeline.prefix import foreign_files
+    from pipeline.storage import Storage
+
+    out = Storage(spec.output.url, spec.output.storage_options)
+    try:
+        foreign = foreign_files(out)
+    except StorageError as exc:
+        return [f"output.url: cannot list the output prefix to check output.overwrite: {exc}"]
+    if not foreign:
+        return []
+    return [
+        f"output.url: output.overwrite would be refused: {out.url} holds {len(foreign)} file(s) that "
+        f"no job of this pipeline wrote (e.g. {foreign[0]})"
+    ]
 
 
 @main.command("demo-data")

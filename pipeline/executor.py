@@ -24,9 +24,10 @@ from tqdm import tqdm
 
 import pipeline
 from pipeline import metrics
+from pipeline.prefix import clear_job_output, foreign_files
 from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name, shard_paths
-from pipeline.spec import JobSpec
+from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import Storage, _glob_root, list_shards
 from pipeline.worker import ModelWorker
 
@@ -75,11 +76,15 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], int, St
     if len(set(names)) != len(names):
         raise ValueError("two input shards map to the same output name; rename them")
     if overwrite:
-        for sub in ("outputs", "errors", "stats"):
-            out.delete_prefix(sub)
-        for marker in ("_SUCCESS", "manifest.json"):
-            if out.exists(marker):
-                out.delete(marker)
+        foreign = foreign_files(out)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise SpecError(
+                f"output.url: --overwrite refused: {out.url} holds {len(foreign)} file(s) that no job "
+                f"of this pipeline wrote ({shown}); choose an output prefix of its own",
+                spec.source,
+            )
+        clear_job_output(out)
     todo = [(url, name) for url, name in shards if overwrite or not is_complete(out, name)]
     out.delete_prefix("failed")  # failures of an earlier run: those shards are retried now
     return todo, len(shards) - len(todo), out

@@ -212,10 +212,14 @@ def _path_segments(url: str) -> list[str]:
 
 
 def _normalized_location(url: str) -> tuple[str, str]:
-    """(scheme, absolute normalized path) used to compare input and output locations."""
+    """(scheme, absolute normalized path) used to compare input and output locations.
+
+    Local paths (plain, relative or file://) are resolved through symlinks: a link to the
+    input directory is the input directory, and writing through it would replace the corpus.
+    """
     scheme, rest = _split_scheme(url)
     if scheme in (None, "file"):
-        return "file", os.path.normpath(os.path.abspath(os.path.expanduser(rest)))
+        return "file", os.path.realpath(os.path.expanduser(rest))
     return scheme, posixpath.normpath("/" + rest.strip("/"))
 
 
@@ -238,6 +242,11 @@ def _is_inside(inner: str, outer: str) -> bool:
     if s_in != s_out:
         return False
     return p_in == p_out or p_in.startswith(p_out.rstrip("/") + "/")
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """True when one location is the other or lies inside it."""
+    return _is_inside(a, b) or _is_inside(b, a)
 
 
 def _is_local_model_path(path: str) -> bool:
@@ -695,12 +704,16 @@ class JobSpec(_Section):
 
     @field_validator("output")
     @classmethod
-    def _output_outside_input(cls, v: OutputSpec, info: ValidationInfo) -> OutputSpec:
+    def _output_apart_from_input(cls, v: OutputSpec, info: ValidationInfo) -> OutputSpec:
+        """Output inside the input would be read back as input; input inside the output (or both
+        the same place) would have its shards replaced by output records, or deleted by
+        --overwrite. Both directions are refused, after resolving symlinks and relative paths."""
         inp = info.data.get("input")
-        if inp is not None and _is_inside(v.url, _input_base(inp.url)):
+        if inp is not None and _overlaps(v.url, _input_base(inp.url)):
             raise _rule_error(
                 "output.url",
-                f"must not be (inside) the input location {inp.url!r}: outputs would be read back as input",
+                f"must not be, contain or be inside the input location {inp.url!r}: the job would "
+                "read its own outputs as input or overwrite the input shards",
             )
         return v
 

@@ -1,0 +1,126 @@
+"""The input corpus is never touched, a resume is checked against its spec, every row is
+accounted for (issue 22). Real files, real Parquet, the real CLI; a real local Ray and the tiny
+models where a job has to run, the loopback S3 server where the item is about S3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+from pipeline_helpers import DOCS, job_dict
+
+from pipeline.cli import main
+from pipeline.executor import plan
+from pipeline.spec import SpecError, spec_from_dict
+from pipeline.storage import Storage
+
+
+def write_shards(store: Storage, shards: int = 2, rows: int = 2) -> dict[str, bytes]:
+    """Small clean shards; returns their bytes so a test can prove they were never touched."""
+    for s in range(shards):
+        ids = [f"s{s}r{r}" for r in range(rows)]
+        store.write_parquet(f"part-{s:03d}.parquet", pa.table({"id": ids, "text": DOCS[:rows]}))
+    return {n: store.read_bytes(n) for n in store.list()}
+
+
+def spec_file(tmp_path: Path, tiny_pair_dirs, input_url: str, output_url: str, **extra) -> str:
+    data = job_dict(tiny_pair_dirs, input_url, output_url)
+    data["input"]["keep_columns"] = []
+    for section, values in extra.items():
+        data[section] = {**data.get(section, {}), **values}
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+# -- item 1: overlapping prefixes, and --overwrite deleting only what a job wrote ----------------
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_output_containing_the_input_is_refused_and_the_input_kept(tiny_pair_dirs, tmp_path, overwrite):
+    """Input X/outputs, output X: the run would replace the input shards with output records."""
+    before = write_shards(Storage(str(tmp_path / "X" / "outputs")))
+    path = spec_file(tmp_path, tiny_pair_dirs, str(tmp_path / "X" / "outputs"), str(tmp_path / "X"))
+    runner = CliRunner()
+    validate = runner.invoke(main, ["validate", path, "--no-models"])
+    assert validate.exit_code == 2, validate.output
+    assert "output.url: must not be, contain or be inside the input location" in validate.output
+    run = runner.invoke(main, ["run", path, "--no-progress", *(["--overwrite"] if overwrite else [])])
+    assert run.exit_code == 2 and "output.url" in run.output and "Traceback" not in run.output
+    store = Storage(str(tmp_path / "X" / "outputs"))
+    assert {n: store.read_bytes(n) for n in store.list()} == before
+
+
+def overlap_cases(tmp: Path) -> dict[str, tuple[str, str]]:
+    """(input url, output url) pairs that name overlapping places in different spellings."""
+    (tmp / "in").mkdir(exist_ok=True)
+    os.symlink(tmp / "in", tmp / "link-to-in")
+    os.symlink(tmp, tmp / "link-to-parent")
+    return {
+        "symlink to the input": (str(tmp / "in"), str(tmp / "link-to-in")),
+        "inside a symlink to the input": (str(tmp / "in"), str(tmp / "link-to-in" / "out")),
+        "input through a symlinked parent": (str(tmp / "link-to-parent" / "in"), str(tmp)),
+        "file:// output containing the input": (str(tmp / "in"), f"file://{tmp}"),
+        "relative output equal to the input": (str(tmp / "in"), "./in"),
+        "glob input inside the output": (str(tmp / "in" / "part-*.parquet"), str(tmp)),
+        "glob input's directory is the output": (str(tmp / "in" / "*.parquet"), str(tmp / "in")),
+        "s3 output containing the input": ("s3://bucket/X/outputs/", "s3://bucket/X"),
+        "s3 bucket root as output": ("s3://bucket/corpus/part-*.parquet", "s3://bucket"),
+    }
+
+
+def test_overlap_is_found_whatever_the_spelling(tiny_pair_dirs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for case, (input_url, output_url) in overlap_cases(tmp_path).items():
+        with pytest.raises(SpecError, match="output.url: must not be, contain or be inside") as err:
+            spec_from_dict(job_dict(tiny_pair_dirs, input_url, output_url))
+        assert len(err.value.errors) == 1, case
+    # neighbours that merely share a name prefix are fine
+    spec_from_dict(job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "in-results")))
+    spec_from_dict(job_dict(tiny_pair_dirs, "s3://bucket/X/outputs/", "s3://bucket/X/out"))
+
+
+def test_overwrite_deletes_only_what_a_job_wrote_and_refuses_foreign_files(tiny_pair_dirs, tmp_path):
+    write_shards(Storage(str(tmp_path / "in")))
+    out = Storage(str(tmp_path / "out"))
+    ours = [
+        "outputs/part-000.parquet",
+        "errors/part-000.parquet",
+        "stats/part-000.json",
+        "failed/part-001.json",
+        "report/report.html",
+        "report/figures/acceptance.png",
+        "manifest.json",
+        "_SUCCESS",
+    ]
+    for name in ours:
+        out.write_bytes(name, b"{}")
+    out.write_bytes("notes/keep-me.txt", b"someone else's")
+    out.write_bytes(".hidden-config", b"someone else's too")
+    path = spec_file(tmp_path, tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+
+    run = CliRunner().invoke(main, ["run", path, "--overwrite", "--no-progress"])
+    assert run.exit_code == 2, run.output
+    assert "output.url: --overwrite refused" in run.output and "notes/keep-me.txt" in run.output
+    assert ".hidden-config" in run.output and "Traceback" not in run.output
+    assert sorted(out.list(hidden=True)) == sorted([*ours, "notes/keep-me.txt", ".hidden-config"])
+
+    # the spec's own output.overwrite is checked by validate too, before anything runs
+    with_overwrite = spec_file(
+        tmp_path, tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), output={"overwrite": True}
+    )
+    validate = CliRunner().invoke(main, ["validate", with_overwrite, "--no-models"])
+    assert validate.exit_code == 2 and "output.overwrite would be refused" in validate.output
+
+    out.delete_prefix("notes")
+    out.delete(".hidden-config")
+    spec = spec_from_dict(json.loads(Path(path).read_text()))
+    todo, skipped, _ = plan(spec.with_absolute_paths(), overwrite=True)
+    assert len(todo) == 2 and skipped == 0
+    assert out.list(hidden=True) == []
+    assert CliRunner().invoke(main, ["validate", with_overwrite, "--no-models"]).exit_code == 0
