@@ -15,6 +15,7 @@ import click
 from pipeline.spec import (
     JobSpec,
     SpecError,
+    check_context_length,
     check_models_reachable,
     load_spec,
     parse_overrides,
@@ -95,6 +96,9 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress):
     from pipeline.report import print_shard_table
 
     spec = _load(spec_path, run_id, date, sets)
+    for line in check_context_length(spec):  # cheap (a config file), and it would fail every shard
+        click.echo(f"{spec_path}: {line}", err=True)
+        sys.exit(EXIT_USAGE)
     click.echo(f"job {spec.name}  run {spec.run_id}  ->  {spec.output.url}", err=True)
     click.echo(f"(resume or re-run with: --run-id {spec.run_id})", err=True)
     try:
@@ -232,7 +236,7 @@ def report(output_url, report_url, reference_column):
 def validate(spec_path, run_id, date, sets, no_models):
     """Check SPEC without running it; exit 2 with field-level errors if it is invalid."""
     spec = _load(spec_path, run_id, date, sets)
-    problems = [] if no_models else check_models_reachable(spec)
+    problems = check_context_length(spec) + ([] if no_models else check_models_reachable(spec))
     if spec.output.overwrite:
         problems += _overwrite_problems(spec)
     if problems:

@@ -255,6 +255,8 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float)
         "rows_error": sum(s.get("rows_error", 0) for s in stats),
         "tokens_out": sum(s.get("tokens_out", 0) for s in stats),
         "unreadable_shards": sum(1 for s in stats if s.get("status") == "unreadable"),
+        # rows_in counts them too: the rows of unreadable shards, under one error record each
+        "rows_in_unreadable": sum(s.get("rows_in", 0) for s in stats if s.get("status") == "unreadable"),
     }
     models = next((s["models"] for s in stats if s.get("models")), {})
     manifest = {

@@ -23,7 +23,7 @@ from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.prompts import OverlongDocument, PromptBuilder
 from pipeline.spec import JobSpec
-from pipeline.storage import ShardReadError, Storage
+from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
 
 ERROR_SCHEMA = pa.schema(
     [("id", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("detail", pa.string())]
@@ -86,8 +86,8 @@ class ShardProcessor:
         errors: list[dict] = []
         try:
             rows = self._read(shard_url, errors)
-        except ShardReadError as exc:
-            return self._write_failed_read(shard_url, name, str(exc), started, attempt)
+        except _Unreadable as exc:
+            return self._write_failed_read(shard_url, name, exc, started, attempt)
 
         prompts, good = [], []
         truncated = 0
@@ -141,17 +141,21 @@ class ShardProcessor:
     def _read(self, shard_url: str, errors: list[dict]) -> list[_Row]:
         id_col, text_col = self.spec.input.id_column, self.spec.input.text_column
         parent, _, base = shard_url.rpartition("/")
-        table = Storage(parent, self.spec.input.storage_options).read_parquet(base)
+        try:
+            table = Storage(parent, self.spec.input.storage_options).read_parquet(base)
+        except ShardReadError as exc:
+            raise _Unreadable(str(exc), self._row_count(shard_url)) from None
         missing = [
             c for c in (id_col, text_col, *self.spec.input.keep_columns) if c not in table.column_names
         ]
         if missing:
-            raise ShardReadError(
-                f"missing column(s) {missing}; columns found: {table.column_names}", url=shard_url
+            raise _Unreadable(
+                f"missing column(s) {missing}; columns found: {table.column_names}", table.num_rows
             )
         ids = table.column(id_col).to_pylist()
         texts = table.column(text_col)
         keep = {c: table.column(c).to_pylist() for c in self.spec.input.keep_columns}
+        not_text = None if _is_text_type(texts.type) else f"{text_col} is {texts.type}, not a string"
         seen: set = set()
         rows = []
         for i, (row_id, text) in enumerate(zip(ids, _texts(texts))):
@@ -160,6 +164,8 @@ class ShardProcessor:
                 reason = ("missing_id", f"{id_col} is null")
             elif row_id in seen:
                 reason = ("duplicate_id", f"{id_col} {row_id!r} already appeared in this shard")
+            elif not_text and text is not None:
+                reason = ("text_not_string", not_text)
             elif isinstance(text, bytes):
                 reason = ("invalid_utf8", f"{text_col} is not valid UTF-8")
             elif text is None:
@@ -174,11 +180,23 @@ class ShardProcessor:
                 rows.append(_Row(i, row_id, text, {c: keep[c][i] for c in keep}))
         return rows
 
+    def _row_count(self, shard_url: str) -> int:
+        """Rows of a shard whose data cannot be read, from its footer; 0 when that is gone too."""
+        try:
+            return open_shard(shard_url, self.spec.input.storage_options).metadata.num_rows
+        except (StorageError, pa.ArrowException, OSError, ValueError):
+            return 0
+
     def _write_failed_read(
-        self, shard_url: str, name: str, reason: str, started: float, attempt: int
+        self, shard_url: str, name: str, unreadable: _Unreadable, started: float, attempt: int
     ) -> dict:
-        """An unreadable shard is a shard-level error: record it and let the job go on."""
+        """An unreadable shard is a shard-level error: record it and let the job go on.
+
+        Its rows (as many as its footer or its readable columns tell) count in rows_in, so the
+        manifest's input total is the corpus's; the one error record stands for all of them.
+        """
         paths = shard_paths(name)
+        reason = str(unreadable)
         self.output.write_parquet(paths["outputs"], _table([], self.spec.input.id_column))
         error = _error(None, -1, "unreadable_shard", reason)
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist([error], schema=ERROR_SCHEMA))
@@ -187,7 +205,7 @@ class ShardProcessor:
             "input_url": shard_url,
             "status": "unreadable",
             "error": reason,
-            "rows_in": 0,
+            "rows_in": unreadable.rows,
             "rows_out": 0,
             "rows_error": 0,
             "errors_by_reason": {"unreadable_shard": 1},
@@ -332,12 +350,33 @@ class ShardProcessor:
         }
 
 
+class _Unreadable(Exception):
+    """A shard whose rows cannot be decoded (corrupt file, missing column); `rows` as far as known."""
+
+    def __init__(self, reason: str, rows: int):
+        super().__init__(reason)
+        self.rows = rows
+
+
+def _is_text_type(t: pa.DataType) -> bool:
+    """Types whose values `_texts` turns into text (binary: to report non-UTF-8 per row)."""
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
+        pa.types.is_large_binary(t) or pa.types.is_null(t)
+    )
+
+
 def _error(row_id, row: int, reason: str, detail: str) -> dict:
     return {"id": None if row_id is None else str(row_id), "row": row, "reason": reason, "detail": detail}
 
 
 def _texts(column: pa.ChunkedArray) -> list:
-    """Texts as str, None for nulls, and the raw bytes where a value is not valid UTF-8."""
+    """Texts as str, None for nulls, and the raw bytes where a value is not valid UTF-8.
+
+    A column of another type (int64, ...) gives its values unchanged: each row becomes a
+    `text_not_string` error record, where a cast would fail the whole shard.
+    """
+    if not _is_text_type(column.type):
+        return column.to_pylist()
     values = []
     for raw in column.cast(pa.binary()).to_pylist() if column.type != pa.null() else [None] * len(column):
         if raw is None:

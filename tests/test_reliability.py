@@ -10,14 +10,16 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from pipeline_helpers import DOCS, job_dict
 
 from pipeline.cli import main
-from pipeline.executor import plan
+from pipeline.executor import JobResult, plan, write_manifest
 from pipeline.spec import SpecError, spec_from_dict
 from pipeline.storage import Storage
+from pipeline.worker import build_processor
 
 
 def write_shards(store: Storage, shards: int = 2, rows: int = 2) -> dict[str, bytes]:
@@ -124,3 +126,79 @@ def test_overwrite_deletes_only_what_a_job_wrote_and_refuses_foreign_files(tiny_
     assert len(todo) == 2 and skipped == 0
     assert out.list(hidden=True) == []
     assert CliRunner().invoke(main, ["validate", with_overwrite, "--no-models"]).exit_code == 0
+
+
+# -- item 3: wrong-typed text, input rows counted, max_new_tokens against the context --------
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_pair_dirs, tmp_path_factory):
+    """A shard processor for the tiny pair, as a model actor builds it, over integer ids."""
+    root = tmp_path_factory.mktemp("processor")
+    data = job_dict(tiny_pair_dirs, str(root / "in"), str(root / "out"), batch_size=4)
+    data["input"]["keep_columns"] = []
+    return build_processor(spec_from_dict(data).with_absolute_paths()), root
+
+
+def corrupt_pages(table: pa.Table) -> bytes:
+    """A Parquet file whose footer reads (so its row count is known) but whose pages do not."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="none")
+    data = bytearray(sink.getvalue().to_pybytes())
+    data[4:60] = b"\xff" * 56
+    return bytes(data)
+
+
+def test_wrong_typed_text_gives_row_errors_and_unreadable_rows_are_counted(processor):
+    processor, root = processor
+    inp, out = Storage(str(root / "in")), Storage(str(root / "out"))
+    inp.write_parquet("ints.parquet", pa.table({"id": [7, 8, 9], "text": pa.array([1, None, 3], pa.int64())}))
+    stats = processor.process(str(root / "in" / "ints.parquet"), "ints")
+    assert stats["status"] == "ok" and stats["rows_in"] == 3 and stats["rows_out"] == 0
+    errors = out.read_parquet("errors/ints.parquet").to_pylist()
+    assert [(e["id"], e["reason"]) for e in errors] == [
+        ("7", "text_not_string"),
+        ("8", "null_text"),
+        ("9", "text_not_string"),
+    ]
+    assert errors[0]["detail"] == "text is int64, not a string"
+
+    inp.write_parquet("renamed.parquet", pa.table({"id": [1, 2], "body": ["a", "b"]}))
+    inp.write_bytes("pages.parquet", corrupt_pages(pa.table({"id": [1, 2, 3, 4], "text": list("abcd")})))
+    inp.write_bytes("garbage.parquet", b"PAR1 not parquet at all")
+    counts = {
+        name: processor.process(str(root / "in" / f"{name}.parquet"), name)["rows_in"]
+        for name in ("renamed", "pages", "garbage")
+    }
+    assert counts == {"renamed": 2, "pages": 4, "garbage": 0}
+
+    spec = processor.spec
+    result = JobResult(spec.output.url, shards_total=4, shards_skipped=0)
+    write_manifest(spec, out, result, began=0.0)
+    totals = out.read_json("manifest.json")["totals"]
+    assert totals["rows_in"] == 3 + 2 + 4 and totals["rows_in_unreadable"] == 6
+
+
+def test_max_new_tokens_beyond_the_context_is_a_spec_error(tiny_pair_dirs, tmp_path):
+    write_shards(Storage(str(tmp_path / "in")))
+    path = spec_file(
+        tmp_path,
+        tiny_pair_dirs,
+        str(tmp_path / "in"),
+        str(tmp_path / "out"),
+        generation={"max_new_tokens": 1024},
+    )
+    runner = CliRunner()
+    for command in (["validate", path, "--no-models"], ["run", path, "--no-progress"]):
+        result = runner.invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert "generation.max_new_tokens: 1024 does not fit the target's context of 1024" in result.output
+    assert not Path(tmp_path / "out").exists()
+    fits = spec_file(
+        tmp_path,
+        tiny_pair_dirs,
+        str(tmp_path / "in"),
+        str(tmp_path / "out"),
+        generation={"max_new_tokens": 1023},
+    )
+    assert runner.invoke(main, ["validate", fits, "--no-models"]).exit_code == 0
