@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 from tqdm import tqdm
@@ -28,7 +29,7 @@ from pipeline.prefix import clear_job_output, foreign_files
 from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name, shard_paths
 from pipeline.spec import JobSpec, SpecError
-from pipeline.storage import Storage, _glob_root, list_shards
+from pipeline.storage import ShardReadError, Storage, _glob_root, list_shards, open_shard
 from pipeline.worker import ModelWorker
 
 LOOPBACK_ENV = {
@@ -66,8 +67,8 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
-def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], int, Storage]:
-    """All (url, name) shards of the input, minus those already complete in the output."""
+def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tuple[str, str]], Storage]:
+    """The (url, name) shards to run (those not complete in the output) and all of them, sorted."""
     out = Storage(spec.output.url, spec.output.storage_options)
     urls = list_shards(spec.input.url, spec.input.storage_options)
     root = _glob_root(spec.input.url) if spec.input.is_glob else Storage(spec.input.url).url
@@ -87,7 +88,7 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], int, St
         clear_job_output(out)
     todo = [(url, name) for url, name in shards if overwrite or not is_complete(out, name)]
     out.delete_prefix("failed")  # failures of an earlier run: those shards are retried now
-    return todo, len(shards) - len(todo), out
+    return todo, shards, out
 
 
 def run_job(
@@ -96,13 +97,13 @@ def run_job(
     """Run a job to completion; failed shards are reported, never silently dropped."""
     began = time.time()
     spec = spec.with_absolute_paths()
-    todo, skipped, out = plan(spec, overwrite or spec.output.overwrite)
-    result = JobResult(spec.output.url, len(todo) + skipped, skipped)
+    todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
+    result = JobResult(spec.output.url, len(shards), len(shards) - len(todo))
     if todo:
         ex = spec.execution
         started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
         try:
-            _run_shards(spec, todo, result, progress, out)
+            _run_shards(spec, todo, result, progress, out, job_input_schema(spec, [url for url, _ in shards]))
         finally:
             if started_ray:
                 ray.shutdown()
@@ -117,8 +118,37 @@ def run_job(
 ACTOR_RESTARTS = 2
 
 
+# How many shards `job_input_schema` opens looking for one that has the job's columns.
+SCHEMA_PROBES = 8
+
+
+def job_input_schema(spec: JobSpec, urls: list[str]) -> pa.Schema | None:
+    """The input schema that types the id and kept columns of every outputs file of the job.
+
+    It is the first shard's (in the sorted listing) that has those columns, so it does not
+    depend on which shard an actor happens to finish first. A shard whose columns do not convert
+    to it is an unreadable shard, named as such, rather than an outputs file with another schema
+    (`pyarrow.parquet.read_table(outputs_dir)` would then drop columns silently). None when
+    none of the first SCHEMA_PROBES shards has them (each shard then uses its own types).
+    """
+    wanted = [spec.input.id_column, *spec.input.keep_columns]
+    for url in urls[:SCHEMA_PROBES]:
+        try:
+            schema = open_shard(url, spec.input.storage_options).schema_arrow
+        except ShardReadError:
+            continue
+        if all(c in schema.names for c in wanted):
+            return schema
+    return None
+
+
 def _run_shards(
-    spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, progress: bool | None, out: Storage
+    spec: JobSpec,
+    todo: list[tuple[str, str]],
+    result: JobResult,
+    progress: bool | None,
+    out: Storage,
+    input_schema: pa.Schema | None,
 ) -> None:
     ex = spec.execution
 
@@ -164,7 +194,7 @@ def _run_shards(
         while queue and idle:
             actor = idle.pop()
             url, name, attempt = queue.popleft()
-            running[actor.process.remote(url, name, attempt)] = (actor, url, name, attempt)
+            running[actor.process.remote(url, name, attempt, input_schema)] = (actor, url, name, attempt)
         ready, _ = ray.wait(list(running) + list(warming), num_returns=1)
         ref = ready[0]
         if ref in warming:

@@ -9,8 +9,10 @@ import pyarrow as pa
 
 from pipeline.storage import Storage
 
-# the per-row columns the report plots; `generated` and the reference only when scoring quality
-ROW_COLUMNS = ("id", "new_tokens", "alpha", "drafted", "accepted", "rounds", "latency_s")
+# the per-row columns the report plots; `generated` and the reference only when scoring quality.
+# Not the id: the report never shows it, and its type follows the input's (outputs of older
+# versions mixed string and integer ids across shards, which no table can hold at once).
+ROW_COLUMNS = ("new_tokens", "alpha", "drafted", "accepted", "rounds", "latency_s")
 
 
 def read_stats(store: Storage) -> list[dict]:

@@ -30,6 +30,34 @@ ERROR_SCHEMA = pa.schema(
 )
 
 
+# What every outputs/ record holds after the id and the kept input columns.
+GENERATED_FIELDS = [
+    ("generated", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("new_tokens", pa.int64()),
+    ("finish_reason", pa.string()),
+    ("truncated", pa.bool_()),
+    ("alpha", pa.float64()),
+    ("tau", pa.float64()),
+    ("rounds", pa.int64()),
+    ("drafted", pa.int64()),
+    ("accepted", pa.int64()),
+    ("drafter", pa.string()),
+    ("latency_s", pa.float64()),
+]
+
+
+def output_schema(spec: JobSpec, input_schema: pa.Schema | None) -> pa.Schema:
+    """The outputs/ schema: id and kept columns typed as in `input_schema` (string where it has
+    no such column, or is unknown), then GENERATED_FIELDS. Types are written out, never
+    inferred from the rows, so an empty shard's file matches a full one's."""
+    carried = []
+    for column in (spec.input.id_column, *spec.input.keep_columns):
+        known = input_schema is not None and column in input_schema.names
+        carried.append(pa.field(column, input_schema.field(column).type if known else pa.string()))
+    return pa.schema([*carried, *GENERATED_FIELDS])
+
+
 def shard_name(shard_url: str, input_root: str) -> str:
     """A stable, flat name for a shard: its path under the input root without `.parquet`."""
     rel = shard_url[len(input_root) :].lstrip("/") if shard_url.startswith(input_root) else shard_url
@@ -79,15 +107,23 @@ class ShardProcessor:
 
     # -- the unit of work ---------------------------------------------------------------------
 
-    def process(self, shard_url: str, name: str, attempt: int = 1) -> dict:
-        """Decode one shard and write its outputs, errors and stats; return the stats."""
+    def process(
+        self, shard_url: str, name: str, attempt: int = 1, input_schema: pa.Schema | None = None
+    ) -> dict:
+        """Decode one shard and write its outputs, errors and stats; return the stats.
+
+        `input_schema` is the job's (the executor's `job_input_schema`): the id and kept columns
+        get its types, so every outputs file of a job has one schema. Without it the shard's
+        own types are used.
+        """
         started = time.time()
         self.oom_splits = 0
         errors: list[dict] = []
+        schema = output_schema(self.spec, input_schema)
         try:
-            rows = self._read(shard_url, errors)
+            rows, schema = self._read(shard_url, errors, input_schema)
         except _Unreadable as exc:
-            return self._write_failed_read(shard_url, name, exc, started, attempt)
+            return self._write_failed_read(shard_url, name, exc, started, attempt, schema)
 
         prompts, good = [], []
         truncated = 0
@@ -129,7 +165,7 @@ class ShardProcessor:
             out_rows.append(record)
 
         paths = shard_paths(name)
-        self.output.write_parquet(paths["outputs"], _table(out_rows, self.spec.input.id_column))
+        self.output.write_parquet(paths["outputs"], pa.Table.from_pylist(out_rows, schema=schema))
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist(errors, schema=ERROR_SCHEMA))
         stats = self._stats(shard_url, name, rows, errors, decoded, totals, truncated, tokens_in, sample)
         stats.update(attempt=attempt, started=started, finished=time.time())
@@ -138,7 +174,10 @@ class ShardProcessor:
 
     # -- reading and checking rows ------------------------------------------------------------
 
-    def _read(self, shard_url: str, errors: list[dict]) -> list[_Row]:
+    def _read(
+        self, shard_url: str, errors: list[dict], input_schema: pa.Schema | None
+    ) -> tuple[list[_Row], pa.Schema]:
+        """The shard's decodable rows (the others go to `errors`) and its output schema."""
         id_col, text_col = self.spec.input.id_column, self.spec.input.text_column
         parent, _, base = shard_url.rpartition("/")
         try:
@@ -152,9 +191,21 @@ class ShardProcessor:
             raise _Unreadable(
                 f"missing column(s) {missing}; columns found: {table.column_names}", table.num_rows
             )
-        ids = table.column(id_col).to_pylist()
+        schema = output_schema(self.spec, input_schema or table.schema)
+        carried = [id_col, *self.spec.input.keep_columns]
+        try:
+            carried_table = table.select(carried).cast(pa.schema([schema.field(c) for c in carried]))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            differing = ", ".join(
+                f"{c} is {table.schema.field(c).type} where the job's first shard has {schema.field(c).type}"
+                for c in carried
+                if table.schema.field(c).type != schema.field(c).type
+            )
+            reason = f"column types differ from the job's: {differing} ({exc})"
+            raise _Unreadable(reason, table.num_rows) from None
+        ids = carried_table.column(id_col).to_pylist()
         texts = table.column(text_col)
-        keep = {c: table.column(c).to_pylist() for c in self.spec.input.keep_columns}
+        keep = {c: carried_table.column(c).to_pylist() for c in self.spec.input.keep_columns}
         not_text = None if _is_text_type(texts.type) else f"{text_col} is {texts.type}, not a string"
         seen: set = set()
         rows = []
@@ -178,7 +229,7 @@ class ShardProcessor:
                 errors.append(_error(row_id, i, *reason))
             else:
                 rows.append(_Row(i, row_id, text, {c: keep[c][i] for c in keep}))
-        return rows
+        return rows, schema
 
     def _row_count(self, shard_url: str) -> int:
         """Rows of a shard whose data cannot be read, from its footer; 0 when that is gone too."""
@@ -188,7 +239,13 @@ class ShardProcessor:
             return 0
 
     def _write_failed_read(
-        self, shard_url: str, name: str, unreadable: _Unreadable, started: float, attempt: int
+        self,
+        shard_url: str,
+        name: str,
+        unreadable: _Unreadable,
+        started: float,
+        attempt: int,
+        schema: pa.Schema,
     ) -> dict:
         """An unreadable shard is a shard-level error: record it and let the job go on.
 
@@ -197,7 +254,7 @@ class ShardProcessor:
         """
         paths = shard_paths(name)
         reason = str(unreadable)
-        self.output.write_parquet(paths["outputs"], _table([], self.spec.input.id_column))
+        self.output.write_parquet(paths["outputs"], schema.empty_table())
         error = _error(None, -1, "unreadable_shard", reason)
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist([error], schema=ERROR_SCHEMA))
         stats = {
@@ -393,10 +450,3 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     """Drop a stop string and what follows it (the engine stops right after it appears)."""
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text
-
-
-def _table(records: list[dict], id_column: str) -> pa.Table:
-    """Output records as a table; an empty shard still gets the output columns."""
-    if records:
-        return pa.Table.from_pylist(records)
-    return pa.table({id_column: pa.array([], pa.string()), "generated": pa.array([], pa.string())})

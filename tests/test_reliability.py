@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from pipeline_helpers import DOCS, job_dict
 
 from pipeline.cli import main
-from pipeline.executor import JobResult, plan, write_manifest
+from pipeline.executor import JobResult, plan, run_job, write_manifest
 from pipeline.spec import SpecError, spec_from_dict
 from pipeline.storage import Storage
 from pipeline.worker import build_processor
@@ -122,8 +122,8 @@ def test_overwrite_deletes_only_what_a_job_wrote_and_refuses_foreign_files(tiny_
     out.delete_prefix("notes")
     out.delete(".hidden-config")
     spec = spec_from_dict(json.loads(Path(path).read_text()))
-    todo, skipped, _ = plan(spec.with_absolute_paths(), overwrite=True)
-    assert len(todo) == 2 and skipped == 0
+    todo, shards, _ = plan(spec.with_absolute_paths(), overwrite=True)
+    assert todo == shards and len(todo) == 2
     assert out.list(hidden=True) == []
     assert CliRunner().invoke(main, ["validate", with_overwrite, "--no-models"]).exit_code == 0
 
@@ -202,3 +202,33 @@ def test_max_new_tokens_beyond_the_context_is_a_spec_error(tiny_pair_dirs, tmp_p
         generation={"max_new_tokens": 1023},
     )
     assert runner.invoke(main, ["validate", fits, "--no-models"]).exit_code == 0
+
+
+# -- items 5 and 7: one outputs schema per job, and a report over integer ids ------------------
+
+
+def test_integer_ids_one_outputs_schema_and_the_report(tiny_pair_dirs, tmp_path, ray_local):
+    inp = Storage(str(tmp_path / "in"))
+    inp.write_parquet("part-000.parquet", pa.table({"id": [1, 2, 3], "text": DOCS[:3], "title": list("abc")}))
+    inp.write_parquet("part-001.parquet", pa.table({"id": [1], "text": ["x"], "title": ["a"]}).slice(0, 0))
+    inp.write_bytes("part-002.parquet", b"PAR1 not parquet")
+    inp.write_parquet("part-003.parquet", pa.table({"id": [4], "body": ["no text column"], "title": ["d"]}))
+    inp.write_parquet("part-004.parquet", pa.table({"id": ["x5"], "text": [DOCS[4]], "title": ["e"]}))
+    inp.write_parquet("part-005.parquet", pa.table({"id": [6], "text": [" "], "title": [None]}))
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+    result = run_job(spec_from_dict(data), progress=False)
+    assert result.ok and len(result.done) == 6
+
+    outputs = tmp_path / "out" / "outputs"
+    schemas = {p.name: pq.read_schema(p) for p in sorted(outputs.glob("*.parquet"))}
+    assert len(schemas) == 6
+    first = schemas["part-000.parquet"]
+    assert first.field("id").type == pa.int64() and first.names[:3] == ["id", "title", "generated"]
+    assert all(schema.equals(first) for schema in schemas.values()), schemas
+    table = pq.read_table(outputs)  # as a downstream reader would: every column, every row
+    assert table.schema.names == first.names and sorted(table.column("id").to_pylist()) == [1, 2, 3]
+    stats = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "out" / "stats").glob("*.json")}
+    assert "id is string where the job's first shard has int64" in stats["part-004"]["error"]
+
+    report = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert report.exit_code == 0, report.output
