@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import pipeline
 from pipeline import metrics
+from pipeline.fingerprint import check_resume, fingerprint
 from pipeline.prefix import clear_job_output, foreign_files
 from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name, shard_paths
@@ -76,6 +77,8 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tu
     names = [n for _, n in shards]
     if len(set(names)) != len(names):
         raise ValueError("two input shards map to the same output name; rename them")
+    if not overwrite and out.exists("manifest.json"):
+        check_resume(spec, out.read_json("manifest.json"))
     if overwrite:
         foreign = foreign_files(out)
         if foreign:
@@ -99,6 +102,7 @@ def run_job(
     spec = spec.with_absolute_paths()
     todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
     result = JobResult(spec.output.url, len(shards), len(shards) - len(todo))
+    write_manifest(spec, out, result, began, final=False)  # the fingerprint, before any shard runs
     if todo:
         ex = spec.execution
         started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
@@ -275,8 +279,12 @@ def _show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float) -> None:
-    """manifest.json always (what ran and how it ended); _SUCCESS only when every shard is done."""
+def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float, final: bool = True) -> None:
+    """manifest.json always (what ran and how it ended); _SUCCESS only when every shard is done.
+
+    Also written when a run starts (`final` False: `finished` is null), so that a run killed
+    before its end still records the spec fingerprint a resume is checked against.
+    """
     stats = read_stats(out)
     totals = {
         "shards": len(stats),
@@ -295,14 +303,15 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float)
         "date": spec.date,
         "package_version": pipeline.__version__,
         "spec": spec.to_dict(),
+        "fingerprint": fingerprint(spec),
         "models": models,
         "started": began,
-        "finished": time.time(),
+        "finished": time.time() if final else None,
         "shards_total": result.shards_total,
         "shards_skipped": result.shards_skipped,
         "failed": result.failed,
         "totals": totals,
     }
     out.write_json("manifest.json", manifest)
-    if result.ok and totals["shards"] == result.shards_total:
+    if final and result.ok and totals["shards"] == result.shards_total:
         out.write_bytes("_SUCCESS", b"")

@@ -232,3 +232,35 @@ def test_integer_ids_one_outputs_schema_and_the_report(tiny_pair_dirs, tmp_path,
 
     report = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
     assert report.exit_code == 0, report.output
+
+
+# -- item 4: a resume is checked against the spec that wrote the run ---------------------------
+
+
+def test_resume_with_another_spec_is_refused_unless_overwritten(tiny_pair_dirs, tmp_path, ray_local):
+    write_shards(Storage(str(tmp_path / "in")), shards=1, rows=1)
+    first = spec_file(tmp_path, tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out" / "{run_id}"))
+    runner = CliRunner()
+    ran = runner.invoke(main, ["run", first, "--run-id", "r1", "--no-progress"])
+    assert ran.exit_code == 0, ran.output
+    out = Storage(str(tmp_path / "out" / "r1"))
+    manifest = out.read_json("manifest.json")
+    assert manifest["fingerprint"]["fields"]["generation.max_new_tokens"] == 12
+    assert len(manifest["fingerprint"]["sha256"]) == 64 and manifest["finished"] is not None
+
+    target, draft = tiny_pair_dirs
+    changed = ["--set", "generation.max_new_tokens=6", "--set", f"models.target={draft}"]
+    refused = runner.invoke(main, ["run", first, "--run-id", "r1", "--no-progress", *changed])
+    assert refused.exit_code == 2, refused.output
+    assert "resume refused" in refused.output and "Traceback" not in refused.output
+    assert "generation.max_new_tokens: 12 -> 6" in refused.output
+    assert f'models.target.path: "{target}" -> "{draft}"' in refused.output
+    assert out.read_json("manifest.json") == manifest  # still describes the outputs
+
+    # the same spec resumes (nothing to do), and --overwrite redoes the run under the new spec
+    assert runner.invoke(main, ["run", first, "--run-id", "r1", "--no-progress"]).exit_code == 0
+    overwrite = ["run", first, "--run-id", "r1", "--no-progress", "--overwrite", *changed[:2]]
+    again = runner.invoke(main, overwrite)
+    assert again.exit_code == 0, again.output
+    assert out.read_json("manifest.json")["fingerprint"]["fields"]["generation.max_new_tokens"] == 6
+    assert out.read_parquet("outputs/part-000.parquet").column("new_tokens").to_pylist()[0] <= 6
