@@ -26,6 +26,7 @@ from tqdm import tqdm
 import pipeline
 from pipeline import metrics
 from pipeline.fingerprint import check_resume, fingerprint
+from pipeline.ids import map_ids, partitions, reduce_ids
 from pipeline.prefix import clear_job_output, foreign_files
 from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name, shard_paths
@@ -107,7 +108,8 @@ def run_job(
         ex = spec.execution
         started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
         try:
-            _run_shards(spec, todo, result, progress, out, job_input_schema(spec, [url for url, _ in shards]))
+            schema = job_input_schema(spec, [url for url, _ in shards])
+            _run_shards(spec, todo, result, progress, out, schema, find_duplicates(spec, shards, out))
         finally:
             if started_ray:
                 ray.shutdown()
@@ -146,6 +148,23 @@ def job_input_schema(spec: JobSpec, urls: list[str]) -> pa.Schema | None:
     return None
 
 
+def find_duplicates(spec: JobSpec, shards: list[tuple[str, str]], out: Storage) -> dict[str, dict[str, str]]:
+    """{shard: {id: shard holding it}} for rows whose id an earlier shard holds (see pipeline.ids)."""
+    columns = [spec.input.id_column, spec.input.text_column, *spec.input.keep_columns]
+    mapper = ray.remote(map_ids)
+    opts = spec.input.storage_options
+    counts = ray.get([mapper.remote(url, name, out, opts, columns) for url, name in shards])
+    parts = partitions(sum(counts))
+    out.delete_prefix("_ids/dups")  # an earlier run may have used more partitions
+    names = [name for _, name in shards]
+    ray.get([ray.remote(reduce_ids).remote(p, parts, names, out) for p in range(parts)])
+    duplicates: dict[str, dict[str, str]] = {}
+    for file in out.list("_ids/dups", suffix=".parquet"):
+        for row in out.read_parquet(file).to_pylist():
+            duplicates.setdefault(row["shard"], {})[row["id"]] = row["kept_in"]
+    return duplicates
+
+
 def _run_shards(
     spec: JobSpec,
     todo: list[tuple[str, str]],
@@ -153,6 +172,7 @@ def _run_shards(
     progress: bool | None,
     out: Storage,
     input_schema: pa.Schema | None,
+    duplicates: dict[str, dict[str, str]],
 ) -> None:
     ex = spec.execution
 
@@ -198,7 +218,8 @@ def _run_shards(
         while queue and idle:
             actor = idle.pop()
             url, name, attempt = queue.popleft()
-            running[actor.process.remote(url, name, attempt, input_schema)] = (actor, url, name, attempt)
+            call = actor.process.remote(url, name, attempt, input_schema, duplicates.get(name))
+            running[call] = (actor, url, name, attempt)
         ready, _ = ray.wait(list(running) + list(warming), num_returns=1)
         ref = ready[0]
         if ref in warming:

@@ -14,7 +14,7 @@ import re
 from pipeline.storage import Storage
 
 # Directories and files a job writes directly under its output prefix (see docs/reliability.md).
-JOB_DIRS = ("outputs", "errors", "stats", "failed", "report")
+JOB_DIRS = ("outputs", "errors", "stats", "failed", "report", "_ids")
 JOB_FILES = ("manifest.json", "_SUCCESS")
 # an atomic write's temporary name next to its target (pipeline.storage._write_local_atomic)
 _TEMP = re.compile(r"^\.(.+)\.[0-9a-f]{32}\.tmp$")
@@ -37,6 +37,6 @@ def clear_job_output(out: Storage) -> None:
     """Delete what a job wrote: the completion marker and commit records (stats) first, so that a
     delete interrupted half-way never leaves a shard that looks complete without its rows."""
     out.delete("_SUCCESS")
-    for sub in ("stats", "errors", "outputs", "failed", "report"):
+    for sub in ("stats", "errors", "outputs", "failed", "report", "_ids"):
         out.delete_prefix(sub)
     out.delete("manifest.json")

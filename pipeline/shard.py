@@ -21,6 +21,7 @@ import torch
 from pipeline.decode.costs import alpha_from_tau, predicted_speedup
 from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
+from pipeline.ids import id_key
 from pipeline.prompts import OverlongDocument, PromptBuilder
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
@@ -108,20 +109,26 @@ class ShardProcessor:
     # -- the unit of work ---------------------------------------------------------------------
 
     def process(
-        self, shard_url: str, name: str, attempt: int = 1, input_schema: pa.Schema | None = None
+        self,
+        shard_url: str,
+        name: str,
+        attempt: int = 1,
+        input_schema: pa.Schema | None = None,
+        duplicates: dict[str, str] | None = None,
     ) -> dict:
         """Decode one shard and write its outputs, errors and stats; return the stats.
 
         `input_schema` is the job's (the executor's `job_input_schema`): the id and kept columns
         get its types, so every outputs file of a job has one schema. Without it the shard's
-        own types are used.
+        own types are used. `duplicates` maps the ids (as text) that earlier shards hold to
+        the shard holding each (pipeline.ids): those rows are `duplicate_id` errors here.
         """
         started = time.time()
         self.oom_splits = 0
         errors: list[dict] = []
         schema = output_schema(self.spec, input_schema)
         try:
-            rows, schema = self._read(shard_url, errors, input_schema)
+            rows, schema = self._read(shard_url, errors, input_schema, duplicates or {})
         except _Unreadable as exc:
             return self._write_failed_read(shard_url, name, exc, started, attempt, schema)
 
@@ -175,7 +182,7 @@ class ShardProcessor:
     # -- reading and checking rows ------------------------------------------------------------
 
     def _read(
-        self, shard_url: str, errors: list[dict], input_schema: pa.Schema | None
+        self, shard_url: str, errors: list[dict], input_schema: pa.Schema | None, duplicates: dict[str, str]
     ) -> tuple[list[_Row], pa.Schema]:
         """The shard's decodable rows (the others go to `errors`) and its output schema."""
         id_col, text_col = self.spec.input.id_column, self.spec.input.text_column
@@ -215,6 +222,9 @@ class ShardProcessor:
                 reason = ("missing_id", f"{id_col} is null")
             elif row_id in seen:
                 reason = ("duplicate_id", f"{id_col} {row_id!r} already appeared in this shard")
+            elif id_key(row_id) in duplicates:
+                held = duplicates[id_key(row_id)]
+                reason = ("duplicate_id", f"{id_col} {row_id!r} is already in shard {held}")
             elif not_text and text is not None:
                 reason = ("text_not_string", not_text)
             elif isinstance(text, bytes):
