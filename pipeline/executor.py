@@ -75,9 +75,12 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tu
     urls = list_shards(spec.input.url, spec.input.storage_options)
     root = _glob_root(spec.input.url) if spec.input.is_glob else Storage(spec.input.url).url
     shards = [(url, shard_name(url, root)) for url in urls]
-    names = [n for _, n in shards]
-    if len(set(names)) != len(names):
-        raise ValueError("two input shards map to the same output name; rename them")
+    by_name: dict[str, list[str]] = {}
+    for url, name in shards:
+        by_name.setdefault(name, []).append(url)
+    clashes = [f"{' and '.join(urls)} -> {name}" for name, urls in by_name.items() if len(urls) > 1]
+    if clashes:
+        raise ValueError(f"input shards map to the same output name, rename them: {'; '.join(clashes)}")
     if not overwrite and out.exists("manifest.json"):
         check_resume(spec, out.read_json("manifest.json"))
     if overwrite:
@@ -102,7 +105,8 @@ def run_job(
     began = time.time()
     spec = spec.with_absolute_paths()
     todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
-    result = JobResult(spec.output.url, len(shards), len(shards) - len(todo))
+    result = JobResult(out.url, len(shards), len(shards) - len(todo))  # out.url: no trailing '/'
+
     write_manifest(spec, out, result, began, final=False)  # the fingerprint, before any shard runs
     if todo:
         ex = spec.execution

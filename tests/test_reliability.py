@@ -308,3 +308,57 @@ def test_an_id_already_in_an_earlier_shard_is_a_duplicate_error_whatever_finishe
     again = run_job(spec, progress=False)
     assert [s["shard"] for s in again.done] == ["part-000"]
     assert records() == first
+
+
+# -- item 8: `pipeline stats` on S3: storage options, clean errors, honest exit codes ------------
+
+
+def test_stats_on_s3_errors_cleanly_and_exits_non_zero_unless_complete(processor, s3_server, monkeypatch):
+    processor, root = processor
+    Storage(str(root / "in")).write_parquet("good.parquet", pa.table({"id": [1], "text": [DOCS[0]]}))
+    processor.process(str(root / "in" / "good.parquet"), "good")
+    local = Storage(str(root / "out"))
+    bucket = s3_server.make_bucket("stats")
+    remote = Storage(f"s3://{bucket}/run/", s3_server.storage_options)
+    remote.write_bytes("stats/good.json", local.read_bytes("stats/good.json"))
+    remote.write_json("failed/bad.json", {"shard": "bad", "attempts": 3, "reason": "model actor died: OOM"})
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the endpoint must come from --storage-option
+    endpoint = ["--storage-option", f"endpoint_url={s3_server.endpoint}"]
+    runner = CliRunner()
+
+    def stats(url: str, *args: str):
+        result = runner.invoke(main, ["stats", url, *args])
+        assert isinstance(result.exception, (SystemExit, type(None))), result.output
+        return result
+
+    failed = stats(f"s3://{bucket}/run/", *endpoint)
+    assert failed.exit_code == 1 and "bad" in failed.output and "FAILED after 3 attempt(s)" in failed.output
+    assert "model actor died: OOM" in failed.output and "good" in failed.output
+    as_json = stats(f"s3://{bucket}/run/", "--json", *endpoint)
+    assert as_json.exit_code == 1 and '"shard": "bad"' in as_json.output
+
+    remote.delete("failed/bad.json")
+    assert "incomplete: no _SUCCESS" in stats(f"s3://{bucket}/run", *endpoint).output
+    remote.write_bytes("_SUCCESS", b"")
+    done = stats(f"s3://{bucket}/run", "--json", *endpoint)
+    assert done.exit_code == 0 and json.loads(done.output)["complete"] is True
+
+    missing = stats(f"s3://{bucket}/nothing-here", "--json", *endpoint)
+    assert missing.exit_code == 1 and "no stats under s3://" in missing.output
+    no_bucket = stats("s3://no-such-bucket-here/run", *endpoint)
+    assert no_bucket.exit_code == 1 and no_bucket.output.startswith("pipeline stats: ")
+    assert "bucket does not exist" in no_bucket.output and len(no_bucket.output.strip().splitlines()) == 1
+    bad_option = stats(f"s3://{bucket}/run", "--storage-option", "endpoint_url")
+    assert bad_option.exit_code == 2 and "expected KEY=VALUE" in bad_option.output
+    secret = stats(f"s3://{bucket}/run", "--storage-option", "secret=x", *endpoint)
+    assert secret.exit_code == 1 and "must not carry credentials" in secret.output
+
+
+def test_shard_name_collision_names_both_files(tiny_pair_dirs, tmp_path):
+    inp = Storage(str(tmp_path / "in"))
+    inp.write_parquet("a__b.parquet", pa.table({"id": ["x"], "text": ["t"]}))
+    inp.write_parquet("a/b.parquet", pa.table({"id": ["y"], "text": ["t"]}))
+    spec = spec_from_dict(job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out")))
+    with pytest.raises(ValueError, match=r"a/b.parquet and .*a__b.parquet -> a__b"):
+        plan(spec.with_absolute_paths(), overwrite=False)
