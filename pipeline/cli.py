@@ -15,6 +15,7 @@ import click
 from pipeline.spec import (
     JobSpec,
     SpecError,
+    check_context_length,
     check_models_reachable,
     load_spec,
     parse_overrides,
@@ -92,17 +93,23 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress):
       pipeline run jobs/demo.yaml --run-id 20261123T081500Z   # resume a killed run
     """
     from pipeline.executor import run_job
-    from pipeline.report import print_shard_table
+    from pipeline.report import load_stats, print_shard_table
 
     spec = _load(spec_path, run_id, date, sets)
+    for line in check_context_length(spec):  # cheap (a config file), and it would fail every shard
+        click.echo(f"{spec_path}: {line}", err=True)
+        sys.exit(EXIT_USAGE)
     click.echo(f"job {spec.name}  run {spec.run_id}  ->  {spec.output.url}", err=True)
     click.echo(f"(resume or re-run with: --run-id {spec.run_id})", err=True)
     try:
         result = run_job(spec, address=address, overwrite=overwrite, progress=progress)
-    except (SpecError, StorageError, ValueError, OSError) as exc:
+    except SpecError as exc:  # found before anything ran (e.g. --overwrite over foreign files)
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_USAGE)
+    except (StorageError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
-    print_shard_table(result.output_url, spec.output.storage_options)
+    print_shard_table(load_stats(result.output_url, spec.output.storage_options), result.failed)
     if result.shards_skipped:
         click.echo(f"{result.shards_skipped} shard(s) were already complete and were skipped", err=True)
     if not result.ok:
@@ -188,17 +195,62 @@ def logs(job_id, address, progress):
     sys.exit(EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED)
 
 
+def _parse_storage_options(items: tuple[str, ...]) -> dict:
+    """--storage-option KEY=VALUE pairs; values parsed as YAML scalars (true, 3, text)."""
+    import yaml
+
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            click.echo(f"--storage-option: expected KEY=VALUE, got {item!r}", err=True)
+            sys.exit(EXIT_USAGE)
+        options[key.strip()] = yaml.safe_load(value) if value else ""
+    return options
+
+
+storage_option = click.option(
+    "--storage-option",
+    "storage_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec/s3fs option for OUTPUT_URL, e.g. endpoint_url=http://host:9000 (repeatable; "
+    "no credentials).",
+)
+
+
 @main.command()
 @click.argument("output_url")
 @click.option("--json", "as_json", is_flag=True, help="Print the totals as JSON.")
-def stats(output_url, as_json):
-    """Per-shard table and totals from the stats files under OUTPUT_URL."""
-    from pipeline.report import load_stats, print_shard_table, totals
+@storage_option
+def stats(output_url, as_json, storage_options):
+    """Per-shard table and totals from the stats files under OUTPUT_URL.
 
+    Exits 1 when the run failed (shards out of attempts, listed) or is not complete (no
+    _SUCCESS: still running, or killed), so scripts can trust exit 0.
+    """
+    from pipeline.report import print_shard_table, read_failed, read_stats, totals
+    from pipeline.storage import Storage
+
+    try:
+        store = Storage(output_url, _parse_storage_options(storage_options))
+        shard_stats, failed, complete = read_stats(store), read_failed(store), store.exists("_SUCCESS")
+    except (StorageError, ValueError) as exc:
+        click.echo(f"pipeline stats: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    if not shard_stats and not failed:
+        click.echo(f"pipeline stats: no stats under {store.url}", err=True)
+        sys.exit(EXIT_FAILED)
     if as_json:
-        click.echo(json.dumps(totals(load_stats(output_url)), indent=2))
-    elif not print_shard_table(output_url, {}):
-        click.echo(f"no stats under {output_url}", err=True)
+        summary = {**totals(shard_stats), "complete": complete, "failed": failed}
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        print_shard_table(shard_stats, failed)
+    if failed:
+        click.echo(f"{len(failed)} shard(s) FAILED; rerun with the same --run-id to retry them", err=True)
+        sys.exit(EXIT_FAILED)
+    if not complete:
+        click.echo(f"incomplete: no _SUCCESS under {store.url} (still running, or stopped)", err=True)
         sys.exit(EXIT_FAILED)
 
 
@@ -211,12 +263,16 @@ def stats(output_url, as_json):
     show_default=True,
     help="Output column holding reference texts (kept from the input with input.keep_columns).",
 )
-def report(output_url, report_url, reference_column):
+@storage_option
+def report(output_url, report_url, reference_column, storage_options):
     """Write an HTML report with figures (α, τ, speedup, γ, throughput, errors, quality)."""
     from pipeline.html_report import write_report
 
+    options = _parse_storage_options(storage_options)
     try:
-        page, figures = write_report(output_url, report_url, reference_column=reference_column)
+        page, figures = write_report(
+            output_url, report_url, storage_options=options, reference_column=reference_column
+        )
     except (ValueError, StorageError) as exc:
         click.echo(f"pipeline report: {exc}", err=True)
         sys.exit(EXIT_FAILED)
@@ -229,12 +285,32 @@ def report(output_url, report_url, reference_column):
 def validate(spec_path, run_id, date, sets, no_models):
     """Check SPEC without running it; exit 2 with field-level errors if it is invalid."""
     spec = _load(spec_path, run_id, date, sets)
-    problems = [] if no_models else check_models_reachable(spec)
+    problems = check_context_length(spec) + ([] if no_models else check_models_reachable(spec))
+    if spec.output.overwrite:
+        problems += _overwrite_problems(spec)
     if problems:
         for line in problems:
             click.echo(f"{spec_path}: {line}", err=True)
         sys.exit(EXIT_USAGE)
     click.echo(f"{spec_path}: OK (job {spec.name}: {spec.input.url} -> {spec.output.url})")
+
+
+def _overwrite_problems(spec: JobSpec) -> list[str]:
+    """What `run` would refuse to delete under output.overwrite: files no job of ours wrote."""
+    from pipeline.prefix import foreign_files
+    from pipeline.storage import Storage
+
+    out = Storage(spec.output.url, spec.output.storage_options)
+    try:
+        foreign = foreign_files(out)
+    except StorageError as exc:
+        return [f"output.url: cannot list the output prefix to check output.overwrite: {exc}"]
+    if not foreign:
+        return []
+    return [
+        f"output.url: output.overwrite would be refused: {out.url} holds {len(foreign)} file(s) that "
+        f"no job of this pipeline wrote (e.g. {foreign[0]})"
+    ]
 
 
 @main.command("demo-data")

@@ -18,16 +18,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 from tqdm import tqdm
 
 import pipeline
 from pipeline import metrics
+from pipeline.fingerprint import check_resume, fingerprint
+from pipeline.ids import map_ids, partitions, reduce_ids
+from pipeline.prefix import clear_job_output, foreign_files
 from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name, shard_paths
-from pipeline.spec import JobSpec
-from pipeline.storage import Storage, _glob_root, list_shards
+from pipeline.spec import JobSpec, SpecError
+from pipeline.storage import ShardReadError, Storage, _glob_root, list_shards, open_shard
 from pipeline.worker import ModelWorker
 
 LOOPBACK_ENV = {
@@ -65,24 +69,33 @@ def ensure_ray(address: str | None, num_cpus: int | None = None) -> bool:
     return True
 
 
-def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], int, Storage]:
-    """All (url, name) shards of the input, minus those already complete in the output."""
+def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tuple[str, str]], Storage]:
+    """The (url, name) shards to run (those not complete in the output) and all of them, sorted."""
     out = Storage(spec.output.url, spec.output.storage_options)
     urls = list_shards(spec.input.url, spec.input.storage_options)
     root = _glob_root(spec.input.url) if spec.input.is_glob else Storage(spec.input.url).url
     shards = [(url, shard_name(url, root)) for url in urls]
-    names = [n for _, n in shards]
-    if len(set(names)) != len(names):
-        raise ValueError("two input shards map to the same output name; rename them")
+    by_name: dict[str, list[str]] = {}
+    for url, name in shards:
+        by_name.setdefault(name, []).append(url)
+    clashes = [f"{' and '.join(urls)} -> {name}" for name, urls in by_name.items() if len(urls) > 1]
+    if clashes:
+        raise ValueError(f"input shards map to the same output name, rename them: {'; '.join(clashes)}")
+    if not overwrite and out.exists("manifest.json"):
+        check_resume(spec, out.read_json("manifest.json"))
     if overwrite:
-        for sub in ("outputs", "errors", "stats"):
-            out.delete_prefix(sub)
-        for marker in ("_SUCCESS", "manifest.json"):
-            if out.exists(marker):
-                out.delete(marker)
+        foreign = foreign_files(out)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise SpecError(
+                f"output.url: --overwrite refused: {out.url} holds {len(foreign)} file(s) that no job "
+                f"of this pipeline wrote ({shown}); choose an output prefix of its own",
+                spec.source,
+            )
+        clear_job_output(out)
     todo = [(url, name) for url, name in shards if overwrite or not is_complete(out, name)]
     out.delete_prefix("failed")  # failures of an earlier run: those shards are retried now
-    return todo, len(shards) - len(todo), out
+    return todo, shards, out
 
 
 def run_job(
@@ -91,13 +104,16 @@ def run_job(
     """Run a job to completion; failed shards are reported, never silently dropped."""
     began = time.time()
     spec = spec.with_absolute_paths()
-    todo, skipped, out = plan(spec, overwrite or spec.output.overwrite)
-    result = JobResult(spec.output.url, len(todo) + skipped, skipped)
+    todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
+    result = JobResult(out.url, len(shards), len(shards) - len(todo))  # out.url: no trailing '/'
+
+    write_manifest(spec, out, result, began, final=False)  # the fingerprint, before any shard runs
     if todo:
         ex = spec.execution
         started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
         try:
-            _run_shards(spec, todo, result, progress, out)
+            schema = job_input_schema(spec, [url for url, _ in shards])
+            _run_shards(spec, todo, result, progress, out, schema, find_duplicates(spec, shards, out))
         finally:
             if started_ray:
                 ray.shutdown()
@@ -112,8 +128,55 @@ def run_job(
 ACTOR_RESTARTS = 2
 
 
+# How many shards `job_input_schema` opens looking for one that has the job's columns.
+SCHEMA_PROBES = 8
+
+
+def job_input_schema(spec: JobSpec, urls: list[str]) -> pa.Schema | None:
+    """The input schema that types the id and kept columns of every outputs file of the job.
+
+    It is the first shard's (in the sorted listing) that has those columns, so it does not
+    depend on which shard an actor happens to finish first. A shard whose columns do not convert
+    to it is an unreadable shard, named as such, rather than an outputs file with another schema
+    (`pyarrow.parquet.read_table(outputs_dir)` would then drop columns silently). None when
+    none of the first SCHEMA_PROBES shards has them (each shard then uses its own types).
+    """
+    wanted = [spec.input.id_column, *spec.input.keep_columns]
+    for url in urls[:SCHEMA_PROBES]:
+        try:
+            schema = open_shard(url, spec.input.storage_options).schema_arrow
+        except ShardReadError:
+            continue
+        if all(c in schema.names for c in wanted):
+            return schema
+    return None
+
+
+def find_duplicates(spec: JobSpec, shards: list[tuple[str, str]], out: Storage) -> dict[str, dict[str, str]]:
+    """{shard: {id: shard holding it}} for rows whose id an earlier shard holds (see pipeline.ids)."""
+    columns = [spec.input.id_column, spec.input.text_column, *spec.input.keep_columns]
+    mapper = ray.remote(map_ids)
+    opts = spec.input.storage_options
+    counts = ray.get([mapper.remote(url, name, out, opts, columns) for url, name in shards])
+    parts = partitions(sum(counts))
+    out.delete_prefix("_ids/dups")  # an earlier run may have used more partitions
+    names = [name for _, name in shards]
+    ray.get([ray.remote(reduce_ids).remote(p, parts, names, out) for p in range(parts)])
+    duplicates: dict[str, dict[str, str]] = {}
+    for file in out.list("_ids/dups", suffix=".parquet"):
+        for row in out.read_parquet(file).to_pylist():
+            duplicates.setdefault(row["shard"], {})[row["id"]] = row["kept_in"]
+    return duplicates
+
+
 def _run_shards(
-    spec: JobSpec, todo: list[tuple[str, str]], result: JobResult, progress: bool | None, out: Storage
+    spec: JobSpec,
+    todo: list[tuple[str, str]],
+    result: JobResult,
+    progress: bool | None,
+    out: Storage,
+    input_schema: pa.Schema | None,
+    duplicates: dict[str, dict[str, str]],
 ) -> None:
     ex = spec.execution
 
@@ -159,7 +222,8 @@ def _run_shards(
         while queue and idle:
             actor = idle.pop()
             url, name, attempt = queue.popleft()
-            running[actor.process.remote(url, name, attempt)] = (actor, url, name, attempt)
+            call = actor.process.remote(url, name, attempt, input_schema, duplicates.get(name))
+            running[call] = (actor, url, name, attempt)
         ready, _ = ray.wait(list(running) + list(warming), num_returns=1)
         ref = ready[0]
         if ref in warming:
@@ -240,8 +304,12 @@ def _show_progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float) -> None:
-    """manifest.json always (what ran and how it ended); _SUCCESS only when every shard is done."""
+def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float, final: bool = True) -> None:
+    """manifest.json always (what ran and how it ended); _SUCCESS only when every shard is done.
+
+    Also written when a run starts (`final` False: `finished` is null), so that a run killed
+    before its end still records the spec fingerprint a resume is checked against.
+    """
     stats = read_stats(out)
     totals = {
         "shards": len(stats),
@@ -250,6 +318,8 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float)
         "rows_error": sum(s.get("rows_error", 0) for s in stats),
         "tokens_out": sum(s.get("tokens_out", 0) for s in stats),
         "unreadable_shards": sum(1 for s in stats if s.get("status") == "unreadable"),
+        # rows_in counts them too: the rows of unreadable shards, under one error record each
+        "rows_in_unreadable": sum(s.get("rows_in", 0) for s in stats if s.get("status") == "unreadable"),
     }
     models = next((s["models"] for s in stats if s.get("models")), {})
     manifest = {
@@ -258,14 +328,15 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float)
         "date": spec.date,
         "package_version": pipeline.__version__,
         "spec": spec.to_dict(),
+        "fingerprint": fingerprint(spec),
         "models": models,
         "started": began,
-        "finished": time.time(),
+        "finished": time.time() if final else None,
         "shards_total": result.shards_total,
         "shards_skipped": result.shards_skipped,
         "failed": result.failed,
         "totals": totals,
     }
     out.write_json("manifest.json", manifest)
-    if result.ok and totals["shards"] == result.shards_total:
+    if final and result.ok and totals["shards"] == result.shards_total:
         out.write_bytes("_SUCCESS", b"")

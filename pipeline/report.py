@@ -9,8 +9,10 @@ import pyarrow as pa
 
 from pipeline.storage import Storage
 
-# the per-row columns the report plots; `generated` and the reference only when scoring quality
-ROW_COLUMNS = ("id", "new_tokens", "alpha", "drafted", "accepted", "rounds", "latency_s")
+# the per-row columns the report plots; `generated` and the reference only when scoring quality.
+# Not the id: the report never shows it, and its type follows the input's (outputs of older
+# versions mixed string and integer ids across shards, which no table can hold at once).
+ROW_COLUMNS = ("new_tokens", "alpha", "drafted", "accepted", "rounds", "latency_s")
 
 
 def read_stats(store: Storage) -> list[dict]:
@@ -103,16 +105,27 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_shard_table(output_url: str, storage_options: dict | None = None) -> bool:
-    """Print one line per shard and a totals line; False when there are no stats yet."""
-    stats = load_stats(output_url, storage_options)
-    if not stats:
+def read_failed(store: Storage) -> list[dict]:
+    """The failure records of shards that ran out of attempts (failed/<shard>.json)."""
+    return [store.read_json(name) for name in store.list("failed", suffix=".json")]
+
+
+def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bool:
+    """Print one line per shard (failed ones too, with their reason) and a totals line; False when
+    there is nothing to show yet."""
+    failed = failed or []
+    if not stats and not failed:
         return False
     click.echo(
         f"{'shard':<24} {'rows':>5} {'err':>4} {'tokens':>7} {'alpha':>6} {'tau':>5} {'tok/s':>7} "
         f"{'speedup':>8} {'predicted':>9}"
     )
-    for s in sorted(stats, key=lambda s: s["shard"]):
+    for s in sorted([*stats, *({**f, "status": "failed"} for f in failed)], key=lambda s: s["shard"]):
+        if s.get("status") == "failed":
+            reason = s.get("reason", "")[:80]
+            attempts = s.get("attempts")
+            click.echo(f"{s['shard']:<24} {'':>5} {'':>4} FAILED after {attempts} attempt(s): {reason}")
+            continue
         if s.get("status") != "ok":
             click.echo(f"{s['shard']:<24} {'':>5} {'':>4} unreadable: {s.get('error', '')[:80]}")
             continue

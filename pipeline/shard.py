@@ -21,13 +21,42 @@ import torch
 from pipeline.decode.costs import alpha_from_tau, predicted_speedup
 from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
+from pipeline.ids import id_key
 from pipeline.prompts import OverlongDocument, PromptBuilder
 from pipeline.spec import JobSpec
-from pipeline.storage import ShardReadError, Storage
+from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
 
 ERROR_SCHEMA = pa.schema(
     [("id", pa.string()), ("row", pa.int64()), ("reason", pa.string()), ("detail", pa.string())]
 )
+
+
+# What every outputs/ record holds after the id and the kept input columns.
+GENERATED_FIELDS = [
+    ("generated", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("new_tokens", pa.int64()),
+    ("finish_reason", pa.string()),
+    ("truncated", pa.bool_()),
+    ("alpha", pa.float64()),
+    ("tau", pa.float64()),
+    ("rounds", pa.int64()),
+    ("drafted", pa.int64()),
+    ("accepted", pa.int64()),
+    ("drafter", pa.string()),
+    ("latency_s", pa.float64()),
+]
+
+
+def output_schema(spec: JobSpec, input_schema: pa.Schema | None) -> pa.Schema:
+    """The outputs/ schema: id and kept columns typed as in `input_schema` (string where it has
+    no such column, or is unknown), then GENERATED_FIELDS. Types are written out, never
+    inferred from the rows, so an empty shard's file matches a full one's."""
+    carried = []
+    for column in (spec.input.id_column, *spec.input.keep_columns):
+        known = input_schema is not None and column in input_schema.names
+        carried.append(pa.field(column, input_schema.field(column).type if known else pa.string()))
+    return pa.schema([*carried, *GENERATED_FIELDS])
 
 
 def shard_name(shard_url: str, input_root: str) -> str:
@@ -79,15 +108,29 @@ class ShardProcessor:
 
     # -- the unit of work ---------------------------------------------------------------------
 
-    def process(self, shard_url: str, name: str, attempt: int = 1) -> dict:
-        """Decode one shard and write its outputs, errors and stats; return the stats."""
+    def process(
+        self,
+        shard_url: str,
+        name: str,
+        attempt: int = 1,
+        input_schema: pa.Schema | None = None,
+        duplicates: dict[str, str] | None = None,
+    ) -> dict:
+        """Decode one shard and write its outputs, errors and stats; return the stats.
+
+        `input_schema` is the job's (the executor's `job_input_schema`): the id and kept columns
+        get its types, so every outputs file of a job has one schema. Without it the shard's
+        own types are used. `duplicates` maps the ids (as text) that earlier shards hold to
+        the shard holding each (pipeline.ids): those rows are `duplicate_id` errors here.
+        """
         started = time.time()
         self.oom_splits = 0
         errors: list[dict] = []
+        schema = output_schema(self.spec, input_schema)
         try:
-            rows = self._read(shard_url, errors)
-        except ShardReadError as exc:
-            return self._write_failed_read(shard_url, name, str(exc), started, attempt)
+            rows, schema = self._read(shard_url, errors, input_schema, duplicates or {})
+        except _Unreadable as exc:
+            return self._write_failed_read(shard_url, name, exc, started, attempt, schema)
 
         prompts, good = [], []
         truncated = 0
@@ -129,7 +172,7 @@ class ShardProcessor:
             out_rows.append(record)
 
         paths = shard_paths(name)
-        self.output.write_parquet(paths["outputs"], _table(out_rows, self.spec.input.id_column))
+        self.output.write_parquet(paths["outputs"], pa.Table.from_pylist(out_rows, schema=schema))
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist(errors, schema=ERROR_SCHEMA))
         stats = self._stats(shard_url, name, rows, errors, decoded, totals, truncated, tokens_in, sample)
         stats.update(attempt=attempt, started=started, finished=time.time())
@@ -138,20 +181,39 @@ class ShardProcessor:
 
     # -- reading and checking rows ------------------------------------------------------------
 
-    def _read(self, shard_url: str, errors: list[dict]) -> list[_Row]:
+    def _read(
+        self, shard_url: str, errors: list[dict], input_schema: pa.Schema | None, duplicates: dict[str, str]
+    ) -> tuple[list[_Row], pa.Schema]:
+        """The shard's decodable rows (the others go to `errors`) and its output schema."""
         id_col, text_col = self.spec.input.id_column, self.spec.input.text_column
         parent, _, base = shard_url.rpartition("/")
-        table = Storage(parent, self.spec.input.storage_options).read_parquet(base)
+        try:
+            table = Storage(parent, self.spec.input.storage_options).read_parquet(base)
+        except ShardReadError as exc:
+            raise _Unreadable(str(exc), self._row_count(shard_url)) from None
         missing = [
             c for c in (id_col, text_col, *self.spec.input.keep_columns) if c not in table.column_names
         ]
         if missing:
-            raise ShardReadError(
-                f"missing column(s) {missing}; columns found: {table.column_names}", url=shard_url
+            raise _Unreadable(
+                f"missing column(s) {missing}; columns found: {table.column_names}", table.num_rows
             )
-        ids = table.column(id_col).to_pylist()
+        schema = output_schema(self.spec, input_schema or table.schema)
+        carried = [id_col, *self.spec.input.keep_columns]
+        try:
+            carried_table = table.select(carried).cast(pa.schema([schema.field(c) for c in carried]))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            differing = ", ".join(
+                f"{c} is {table.schema.field(c).type} where the job's first shard has {schema.field(c).type}"
+                for c in carried
+                if table.schema.field(c).type != schema.field(c).type
+            )
+            reason = f"column types differ from the job's: {differing} ({exc})"
+            raise _Unreadable(reason, table.num_rows) from None
+        ids = carried_table.column(id_col).to_pylist()
         texts = table.column(text_col)
-        keep = {c: table.column(c).to_pylist() for c in self.spec.input.keep_columns}
+        keep = {c: carried_table.column(c).to_pylist() for c in self.spec.input.keep_columns}
+        not_text = None if _is_text_type(texts.type) else f"{text_col} is {texts.type}, not a string"
         seen: set = set()
         rows = []
         for i, (row_id, text) in enumerate(zip(ids, _texts(texts))):
@@ -160,6 +222,11 @@ class ShardProcessor:
                 reason = ("missing_id", f"{id_col} is null")
             elif row_id in seen:
                 reason = ("duplicate_id", f"{id_col} {row_id!r} already appeared in this shard")
+            elif id_key(row_id) in duplicates:
+                held = duplicates[id_key(row_id)]
+                reason = ("duplicate_id", f"{id_col} {row_id!r} is already in shard {held}")
+            elif not_text and text is not None:
+                reason = ("text_not_string", not_text)
             elif isinstance(text, bytes):
                 reason = ("invalid_utf8", f"{text_col} is not valid UTF-8")
             elif text is None:
@@ -172,14 +239,32 @@ class ShardProcessor:
                 errors.append(_error(row_id, i, *reason))
             else:
                 rows.append(_Row(i, row_id, text, {c: keep[c][i] for c in keep}))
-        return rows
+        return rows, schema
+
+    def _row_count(self, shard_url: str) -> int:
+        """Rows of a shard whose data cannot be read, from its footer; 0 when that is gone too."""
+        try:
+            return open_shard(shard_url, self.spec.input.storage_options).metadata.num_rows
+        except (StorageError, pa.ArrowException, OSError, ValueError):
+            return 0
 
     def _write_failed_read(
-        self, shard_url: str, name: str, reason: str, started: float, attempt: int
+        self,
+        shard_url: str,
+        name: str,
+        unreadable: _Unreadable,
+        started: float,
+        attempt: int,
+        schema: pa.Schema,
     ) -> dict:
-        """An unreadable shard is a shard-level error: record it and let the job go on."""
+        """An unreadable shard is a shard-level error: record it and let the job go on.
+
+        Its rows (as many as its footer or its readable columns tell) count in rows_in, so the
+        manifest's input total is the corpus's; the one error record stands for all of them.
+        """
         paths = shard_paths(name)
-        self.output.write_parquet(paths["outputs"], _table([], self.spec.input.id_column))
+        reason = str(unreadable)
+        self.output.write_parquet(paths["outputs"], schema.empty_table())
         error = _error(None, -1, "unreadable_shard", reason)
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist([error], schema=ERROR_SCHEMA))
         stats = {
@@ -187,7 +272,7 @@ class ShardProcessor:
             "input_url": shard_url,
             "status": "unreadable",
             "error": reason,
-            "rows_in": 0,
+            "rows_in": unreadable.rows,
             "rows_out": 0,
             "rows_error": 0,
             "errors_by_reason": {"unreadable_shard": 1},
@@ -332,12 +417,33 @@ class ShardProcessor:
         }
 
 
+class _Unreadable(Exception):
+    """A shard whose rows cannot be decoded (corrupt file, missing column); `rows` as far as known."""
+
+    def __init__(self, reason: str, rows: int):
+        super().__init__(reason)
+        self.rows = rows
+
+
+def _is_text_type(t: pa.DataType) -> bool:
+    """Types whose values `_texts` turns into text (binary: to report non-UTF-8 per row)."""
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
+        pa.types.is_large_binary(t) or pa.types.is_null(t)
+    )
+
+
 def _error(row_id, row: int, reason: str, detail: str) -> dict:
     return {"id": None if row_id is None else str(row_id), "row": row, "reason": reason, "detail": detail}
 
 
 def _texts(column: pa.ChunkedArray) -> list:
-    """Texts as str, None for nulls, and the raw bytes where a value is not valid UTF-8."""
+    """Texts as str, None for nulls, and the raw bytes where a value is not valid UTF-8.
+
+    A column of another type (int64, ...) gives its values unchanged: each row becomes a
+    `text_not_string` error record, where a cast would fail the whole shard.
+    """
+    if not _is_text_type(column.type):
+        return column.to_pylist()
     values = []
     for raw in column.cast(pa.binary()).to_pylist() if column.type != pa.null() else [None] * len(column):
         if raw is None:
@@ -354,10 +460,3 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     """Drop a stop string and what follows it (the engine stops right after it appears)."""
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text
-
-
-def _table(records: list[dict], id_column: str) -> pa.Table:
-    """Output records as a table; an empty shard still gets the output columns."""
-    if records:
-        return pa.Table.from_pylist(records)
-    return pa.table({id_column: pa.array([], pa.string()), "generated": pa.array([], pa.string())})

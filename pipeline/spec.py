@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import difflib
+import json
 import os
 import posixpath
 import re
@@ -55,6 +56,7 @@ __all__ = [
     "spec_from_dict",
     "parse_overrides",
     "check_models_reachable",
+    "check_context_length",
     "new_run_id",
     "today_utc",
 ]
@@ -212,10 +214,14 @@ def _path_segments(url: str) -> list[str]:
 
 
 def _normalized_location(url: str) -> tuple[str, str]:
-    """(scheme, absolute normalized path) used to compare input and output locations."""
+    """(scheme, absolute normalized path) used to compare input and output locations.
+
+    Local paths (plain, relative or file://) are resolved through symlinks: a link to the
+    input directory is the input directory, and writing through it would replace the corpus.
+    """
     scheme, rest = _split_scheme(url)
     if scheme in (None, "file"):
-        return "file", os.path.normpath(os.path.abspath(os.path.expanduser(rest)))
+        return "file", os.path.realpath(os.path.expanduser(rest))
     return scheme, posixpath.normpath("/" + rest.strip("/"))
 
 
@@ -238,6 +244,11 @@ def _is_inside(inner: str, outer: str) -> bool:
     if s_in != s_out:
         return False
     return p_in == p_out or p_in.startswith(p_out.rstrip("/") + "/")
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """True when one location is the other or lies inside it."""
+    return _is_inside(a, b) or _is_inside(b, a)
 
 
 def _is_local_model_path(path: str) -> bool:
@@ -695,12 +706,16 @@ class JobSpec(_Section):
 
     @field_validator("output")
     @classmethod
-    def _output_outside_input(cls, v: OutputSpec, info: ValidationInfo) -> OutputSpec:
+    def _output_apart_from_input(cls, v: OutputSpec, info: ValidationInfo) -> OutputSpec:
+        """Output inside the input would be read back as input; input inside the output (or both
+        the same place) would have its shards replaced by output records, or deleted by
+        --overwrite. Both directions are refused, after resolving symlinks and relative paths."""
         inp = info.data.get("input")
-        if inp is not None and _is_inside(v.url, _input_base(inp.url)):
+        if inp is not None and _overlaps(v.url, _input_base(inp.url)):
             raise _rule_error(
                 "output.url",
-                f"must not be (inside) the input location {inp.url!r}: outputs would be read back as input",
+                f"must not be, contain or be inside the input location {inp.url!r}: the job would "
+                "read its own outputs as input or overwrite the input shards",
             )
         return v
 
@@ -1134,4 +1149,38 @@ def check_models_reachable(spec: JobSpec) -> list[str]:
     return [
         f"models.draft: tokenizer of {draft_path} does not match target {target_path} "
         f"(vocab sizes {len(d)} vs {len(t)}, {differing} differing tokens)"
+    ]
+
+
+def check_context_length(spec: JobSpec) -> list[str]:
+    """generation.max_new_tokens against the target's context window; error lines ([] when fine).
+
+    The engine keeps max_new_tokens free in the context and cuts the prompt to the rest, so a
+    max_new_tokens that leaves no room for a single prompt token fails every row of every shard,
+    after the retries. It is read from the target's config.json (no weights loaded); targets
+    without a local config (hub ids, GGUF files, pairs not installed) are not checked.
+    """
+    target_path = spec.models.target.path if spec.models.target is not None else None
+    if spec.models.pair is not None:
+        try:
+            from pipeline.models.loading import resolve_pair
+
+            target_path = str(resolve_pair(spec.models.pair)[0].path)
+        except (ImportError, KeyError, OSError, ValueError):
+            return []
+    target_dir = _local_model_dir(target_path) if target_path else None
+    config_file = target_dir / "config.json" if target_dir is not None else None
+    if config_file is None or not config_file.is_file():
+        return []
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []  # the loader reports a broken config with its own error
+    context = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    wanted = spec.generation.max_new_tokens
+    if not isinstance(context, int) or wanted < context:
+        return []
+    return [
+        f"generation.max_new_tokens: {wanted} does not fit the target's context of {context} tokens "
+        f"({config_file}: max_position_embeddings), which must also hold the prompt; at most {context - 1}"
     ]

@@ -777,11 +777,12 @@ class Storage:
 
         return _call("exists", url, run)
 
-    def list(self, rel: str = "", suffix: str | None = None) -> list[str]:
+    def list(self, rel: str = "", suffix: str | None = None, hidden: bool = False) -> list[str]:
         """Files below ``rel`` (recursive), as sorted names relative to the root.
 
         Names with a component starting with ``_`` or ``.`` (temp files, ``_SUCCESS``
-        markers, ``_tmp/``) are skipped.  A missing directory / prefix gives ``[]``; a missing
+        markers, ``_tmp/``) are skipped unless ``hidden`` (used to see everything a prefix
+        holds before deleting any of it).  A missing directory / prefix gives ``[]``; a missing
         bucket raises StorageNotFoundError.  If ``rel`` is an absolute URL the names are full
         URLs.
         """
@@ -804,7 +805,7 @@ class Storage:
         for p in _call("list", url, run):
             name = self._rel_name(p, base)
             below = name[len(listed_prefix) :].lstrip("/") if listed_prefix else name
-            if not name or _hidden(below):
+            if not name or (_hidden(below) and not hidden):
                 continue
             if suffix is not None and not name.endswith(suffix):
                 continue

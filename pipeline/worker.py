@@ -130,5 +130,5 @@ class ModelWorker:
     def info(self) -> dict:
         return {**self.processor.model_info, "actor_load_seconds": self.load_seconds}
 
-    def process(self, shard_url: str, name: str, attempt: int) -> dict:
-        return self.processor.process(shard_url, name, attempt)
+    def process(self, shard_url: str, name: str, attempt: int, input_schema=None, duplicates=None) -> dict:
+        return self.processor.process(shard_url, name, attempt, input_schema, duplicates)

@@ -319,12 +319,12 @@ BROKEN = [
     (
         "output-inside-input",
         VALID.replace("s3://results/{name}/{date}/{run_id}", "s3://corpus/docs/{date}/out"),
-        ["output.url: must not be (inside) the input location"],
+        ["output.url: must not be, contain or be inside the input location"],
     ),
     (
         "output-equals-input",
         VALID.replace("s3://results/{name}/{date}/{run_id}", "s3://corpus/docs/{date}"),
-        ["output.url: must not be (inside) the input location"],
+        ["output.url: must not be, contain or be inside the input location"],
     ),
     (
         "output-path-traversal",
