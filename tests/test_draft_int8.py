@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeline.models import streamed
 from pipeline.models.draft_int8 import (
     INT8_MAX_ROWS,
     Int8Linear,
@@ -63,10 +64,16 @@ def test_quantize_draft_replaces_the_layers_but_not_the_output_layer(tiny_models
 def test_load_pair_quantizes_the_draft_on_cpu_unless_told_not_to(tiny_pair_dirs):
     target_dir, draft_dir = tiny_pair_dirs
     refs = ModelRef(str(target_dir)), ModelRef(str(draft_dir))
-    default = load_pair(*refs, dtype="float32", device="cpu")
+    default = load_pair(*refs, dtype="float32", device="cpu", streamed_linears=False)
     assert default.draft_int8 and default.manifest()["draft_int8"] is True
     assert any(isinstance(m, Int8Linear) for m in default.draft.modules())
     assert not any(isinstance(m, Int8Linear) for m in default.target.modules())
-    off = load_pair(*refs, dtype="float32", device="cpu", draft_int8=False)
+    off = load_pair(*refs, dtype="float32", device="cpu", draft_int8=False, streamed_linears=False)
     assert not off.draft_int8 and not any(isinstance(m, Int8Linear) for m in off.draft.modules())
     assert load_pair(refs[0], None, dtype="float32", device="cpu").draft_int8 is False
+    if streamed.library() is not None:  # float32 on AVX2: the draft streams instead of int8
+        fast = load_pair(*refs, dtype="float32", device="cpu")
+        assert not fast.draft_int8 and fast.streamed
+        kinds = {type(m) for m in fast.draft.modules()}
+        assert streamed.StreamedLinear in kinds and Int8Linear not in kinds
+        assert isinstance(fast.draft.get_output_embeddings(), torch.nn.Linear)  # gathered per job

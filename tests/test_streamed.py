@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.models import invariant, streamed
 from pipeline.models.loading import ModelRef, load_pair
 
@@ -105,3 +106,23 @@ def test_without_a_compiler_the_model_keeps_torchs_kernels_and_says_so(monkeypat
         assert [r.getMessage() for r in caplog.records if "streamed linear kernel off" in r.getMessage()]
     finally:
         streamed.library.cache_clear()  # the next caller builds (or finds) the real one again
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_streamed_pair_decodes_exactly_the_targets_greedy_text(tiny_pair_dirs, batch_size):
+    """Both models stream, the draft proposing from a gathered (and streamed) part of its
+    output layer: the speculative output is the target-only output, token for token."""
+    pair = load_pair(*(ModelRef(str(d)) for d in tiny_pair_dirs), dtype="float32", device="cpu")
+    assert pair.streamed and any(isinstance(m, streamed.StreamedLinear) for m in pair.draft.modules())
+    engine = SpeculativeEngine(
+        pair.target,
+        pair.draft,
+        eos_token_ids=[1],
+        pad_token_id=0,
+        config=EngineConfig(drafter="draft_model", adaptive=False, gamma_max=4, draft_vocab=200),
+    )
+    prompts = torch.randint(3, 300, (6, 30), generator=torch.Generator().manual_seed(7)).tolist()
+    reference = [engine.generate([p], 20, drafter="none")[0][0].tokens for p in prompts]
+    outputs, stats = engine.generate(prompts, 20, drafter="draft_model", batch_size=batch_size)
+    assert [o.tokens for o in outputs] == reference and stats.accepted > 0
+    assert isinstance(engine.draft.lm._head, streamed.StreamedLinear)

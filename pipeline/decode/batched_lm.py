@@ -34,9 +34,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from pipeline.decode import packing
+from pipeline.models.streamed import StreamedLinear
 
 # A common start shorter than this is not worth keeping as a template (a BOS token, one word).
 MIN_TEMPLATE = 8
@@ -106,10 +108,16 @@ class BatchedLM:
         from a much smaller set of likely tokens. The weight rows are gathered once here.
         """
         self.head_rows = rows
+        self._head = None
         if rows is not None:
             head = self.model.get_output_embeddings()
-            self._head_weight = head.weight[rows.to(head.weight.device)]
-            self._head_bias = head.bias[rows] if getattr(head, "bias", None) is not None else None
+            some = nn.Linear(head.in_features, len(rows), bias=getattr(head, "bias", None) is not None)
+            some.weight = nn.Parameter(head.weight[rows.to(head.weight.device)], requires_grad=False)
+            if some.bias is not None:
+                some.bias = nn.Parameter(head.bias[rows], requires_grad=False)
+            # a model whose Linear layers stream (float32 on AVX2 CPUs) streams this one too
+            streams = getattr(self.model, "_streamed", False) and head.in_features % 8 == 0
+            self._head = StreamedLinear(some) if streams else some
 
     def reset(self, batch_size: int) -> None:
         """Start an empty cache for `batch_size` rows."""
@@ -340,7 +348,7 @@ class BatchedLM:
         hidden = hidden.reshape(-1, hidden.shape[-1])[wanted]
         if self.head_rows is None:
             return self.model.get_output_embeddings()(hidden)[:, : self.vocab_size].float()
-        some = torch.nn.functional.linear(hidden, self._head_weight, self._head_bias).float()
+        some = self._head(hidden).float()
         logits = some.new_full((some.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.head_rows] = some
         return logits

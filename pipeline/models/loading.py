@@ -464,7 +464,8 @@ def load_pair(
     weights, which halves what a memory-bound step reads (see `pipeline.models.draft_int8`).
     `streamed_linears` (None: on for float32 on CPUs with AVX2) gives the target Linear layers
     whose cost hardly grows with the tokens in a pass, and which are row-invariant by
-    construction, so that batch invariance comes with them (see `pipeline.models.streamed`).
+    construction, so that batch invariance comes with them (see `pipeline.models.streamed`);
+    the draft gets them too, in place of int8 weights unless `draft_int8` asks for those.
     """
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -504,6 +505,9 @@ def load_pair(
         draft_model = load_model(draft, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
         times["draft_s"] = time.perf_counter() - t
         _check_embeddings(draft_model, tokenizer, draft, "draft")
+        if streamed_linears and not draft_int8:  # int8 products in float32 are slow on AVX2
+            streamed.stream_linears(draft_model, output_layer=False)
+            draft_int8 = False
         draft_int8 = _quantize(draft_model, torch_dtype, device, draft_int8)
     return LoadedPair(
         tokenizer=tokenizer,

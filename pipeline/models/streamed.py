@@ -128,7 +128,7 @@ class StreamedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = weight.shape
         bf16 = weight.to(torch.bfloat16)
         exact = weight.dtype == torch.bfloat16 or torch.equal(bf16.to(weight.dtype), weight)
         source = bf16.contiguous() if exact else weight.float().contiguous()
@@ -178,18 +178,22 @@ def wanted(dtype: torch.dtype, device: str) -> bool:
     return device == "cpu" and dtype == torch.float32 and library() is not None
 
 
-def stream_linears(model: nn.Module) -> int:
+def stream_linears(model: nn.Module, output_layer: bool = True) -> int:
     """Replace every Linear of `model` whose input width is a multiple of 8 (the kernel's step)
     by a StreamedLinear, in place; returns how many. Tied weights stay shared with what ties
-    them (the input embeddings keep their own copy)."""
+    them (the input embeddings keep their own copy). `output_layer=False` keeps a draft's as
+    loaded: `BatchedLM.restrict_head` gathers the rows it proposes from, and streams those."""
+    head = None if output_layer else model.get_output_embeddings()
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (
                 isinstance(child, nn.Linear)
+                and child is not head
                 and child.in_features % 8 == 0
                 and child.weight.device.type == "cpu"
             ):
                 setattr(parent, name, StreamedLinear(child))
                 replaced += 1
+    model._streamed = True
     return replaced

@@ -1,15 +1,15 @@
-// y = x W^T + b for float32 activations, the weights read once per call whatever the number of
-// token rows: a decode pass of 1 token and a verify pass of 16 cost about the same time.
+// y = x W^T + b for float32 activations, the weights streamed from memory once per call: a pass
+// of up to 6 token rows costs about what a pass of 1 does, wider ones a little more per tile.
 //
 // Why not torch's kernel: on CPUs without AVX512-BF16 the matrix-matrix kernel repacks the whole
 // weight for every call, so a pass of 8 tokens cost 3x a pass of 1 (see docs/engine.md). Here a
 // block of weight rows small enough to stay in L2 is loaded once, and every tile of up to 6 token
-// rows passes over it while it is there.
+// rows passes over it while it is there (the first as it streams in).
 //
 // Bitwise row invariance is by construction: every output y[t][o] is one fixed chain of
 // operations on W[o] and x[t] alone (8 float lanes of fused multiply-adds over k in order, a
-// fixed horizontal sum, the k tail, the bias), whatever the number of rows, the tile a row
-// falls in or the thread that computes it. Compiled with -ffp-contract=off and without
+// fixed horizontal sum, the bias), whatever the number of rows, the tile a row falls in or the
+// thread that computes it. The input width must be a multiple of 8 (no k tail). Compiled with -ffp-contract=off and without
 // -ffast-math so that the compiler keeps that chain as written.
 //
 // Weights are float32, or bfloat16 widened to float32 in registers (exact: a bf16 is the top
@@ -64,9 +64,6 @@ inline void micro(const W* w, const float* x, int64_t K, int64_t len, __m256* ac
         load_pair(w, w0, w1);
         for (int n = 0; n < N; ++n) {
             __m256 xv = _mm256_loadu_ps(x + n * K + k);
-            // Keep xv in a register: folded into both multiply-adds as a memory operand, it is
-            // loaded twice, and the loads, not the multiply-adds, set the pace (45% of peak
-            // against 88% measured on an AVX2 EPYC core).
             asm("" : "+x"(xv));
             a0[n] = _mm256_fmadd_ps(w0, xv, a0[n]);
             a1[n] = _mm256_fmadd_ps(w1, xv, a1[n]);
@@ -79,9 +76,7 @@ inline void micro(const W* w, const float* x, int64_t K, int64_t len, __m256* ac
 }
 
 template <typename W>
-inline void micro_n(int n, const W* w, const float* x, int64_t K, int64_t len, __m256* acc, bool first,
-                    const char* prefetch, int64_t lines) {
-    for (int64_t i = 0; i < lines; ++i) _mm_prefetch(prefetch + 64 * i, _MM_HINT_T1);
+inline void micro_n(int n, const W* w, const float* x, int64_t K, int64_t len, __m256* acc, bool first) {
     switch (n) {
         case 1: micro<1>(w, x, K, len, acc, first); break;
         case 2: micro<2>(w, x, K, len, acc, first); break;
@@ -119,7 +114,6 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
-        const int64_t next_rows = std::max<int64_t>(0, std::min(RB, padded - o0 - rows));
         __m256 acc[MAX_RB * TILE];
         for (int64_t tile = 0, t = 0; tile < tiles; ++tile) {
             // tiles as even as can be (8 rows: 4 + 4, not 6 + 2): more independent chains each
@@ -127,20 +121,13 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
             for (int64_t k0 = 0; k0 < K; k0 += KB) {
                 const int64_t len = std::min(KB, K - k0);
                 const W* wk = w + o0 * K + rows * k0;
-                // With several tiles the weights are read from L2 after the first: each tile
-                // fetches its share of the next block meanwhile, so memory never waits.
-                const W* wn = w + (o0 + rows) * K + next_rows * k0;
-                const int64_t lines = tiles > 1 ? 2 * len * int64_t(sizeof(W)) / 64 / tiles : 0;
-                for (int64_t p = 0; p < rows; p += 2) {
-                    const char* pf = reinterpret_cast<const char*>(wn + p * len) + 64 * lines * tile;
-                    micro_n(n, wk + p * len, x + t * K + k0, K, len, acc + p * n, k0 == 0, pf,
-                            p < next_rows ? lines : 0);
-                }
+                for (int64_t p = 0; p < rows; p += 2)
+                    micro_n(n, wk + p * len, x + t * K + k0, K, len, acc + p * n, k0 == 0);
             }
             for (int64_t p = 0; p < rows; ++p) {
                 const int64_t o = o0 + p;
                 if (o >= O) break;
-                const __m256* a = acc + (p & ~int64_t(1)) * n + (p & 1) * n;
+                const __m256* a = acc + p * n;  // row p's accumulators (see `micro`)
                 for (int i = 0; i < n; ++i) {
                     float s = hsum(a[i]);
                     if (bias) s += bias[o];
