@@ -141,12 +141,13 @@ def run_benchmark(
     hf_lookup_tokens: tuple[int, ...] = (3, 10),
     drafters: tuple[str, ...] = ("draft_model", "prompt_lookup", "auto"),
     draft_vocab: int = EngineConfig.draft_vocab,
-    hf_target=None,
+    hf_models: tuple | None = None,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
-    """`hf_target`: the target as `transformers` loads it, for the HF rows, where our loader
-    changed the target's kernels (streamed Linear layers); None: HF runs `pair.target`."""
-    hf_target = hf_target if hf_target is not None else pair.target
+    """`hf_models`: the target and draft as `transformers` loads them, for the HF rows, where
+    our loader changed their kernels (streamed Linear layers); None: HF runs the pair's. The
+    "int8" assisted rows run HF's loop with our draft as the engine runs it."""
+    hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
     tok = pair.tokenizer
     eos = eos_ids(tok, pair.target)
     pad = pad_id(tok, pair.target)
@@ -179,7 +180,7 @@ def run_benchmark(
                 f"hf assisted k={k}" + (" int8" if int8 else ""),
                 1,
                 lambda k=k, i=int8, p=prompts: hf_assisted(
-                    hf_target, pair, p, max_new_tokens, eos, pad, k, i
+                    hf_target, pair.draft if i else hf_draft, p, max_new_tokens, eos, pad, k, i
                 ),
                 base="hf target-only",
             )
@@ -220,10 +221,10 @@ def _assistant(draft, k: int):
     return draft
 
 
-def hf_assisted(target, pair: LoadedPair, prompts, max_new: int, eos, pad, k: int, int8: bool):
+def hf_assisted(target, draft, prompts, max_new: int, eos, pad, k: int, int8: bool):
     """HF assisted generation with the draft on its int8 decode steps, or as loaded."""
-    with nullcontext() if int8 else loaded_weights(pair.draft):
-        return hf_generate(target, prompts, max_new, eos, pad, assistant_model=_assistant(pair.draft, k))
+    with nullcontext() if int8 else loaded_weights(draft):
+        return hf_generate(target, prompts, max_new, eos, pad, assistant_model=_assistant(draft, k))
 
 
 @dataclass

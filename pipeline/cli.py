@@ -440,8 +440,12 @@ def bench(
         + (", int8 draft steps" if loaded.draft_int8 else "")
         + (", streamed linears" if loaded.streamed else "")
     )
-    # HF's rows run the target as `transformers` loads it, not on our kernels
-    hf_target = load_model(target, dtype=loaded.dtype, device=loaded.device) if loaded.streamed else None
+    # HF's rows run the models as `transformers` loads them, not on our kernels
+    hf_models = None
+    if loaded.streamed:
+        hf_models = tuple(
+            load_model(r, dtype=loaded.dtype, device=loaded.device) if r else None for r in (target, draft)
+        )
     click.echo(HEADER)
     result = run_benchmark(
         loaded,
@@ -455,7 +459,7 @@ def bench(
         hf_lookup_tokens=_ints(hf_lookup_tokens),
         drafters=tuple(d for d in drafters.split(",") if d),
         draft_vocab=draft_vocab,
-        hf_target=hf_target,
+        hf_models=hf_models,
         log=click.echo,
     )
     meta = {

@@ -46,6 +46,20 @@ def test_the_product_is_torchs_and_a_rows_bits_do_not_depend_on_the_width(rows, 
             assert torch.equal(layer(x[start : start + width]), full[start : start + width])
 
 
+@pytest.mark.parametrize("rows, features", SHAPES)
+def test_int8_weights_for_a_draft_give_the_product_of_their_dequantized_values(rows, features):
+    linear = _linear(rows, features, bias=True, bf16_exact=False)
+    layer = streamed.StreamedLinear(linear, int8=True)
+    assert layer.kind == "i8" and layer.packed.dtype == torch.int8
+    q = torch.round(linear.weight / layer.scale[:, None]).clamp(-127, 127)
+    x = torch.randn(9, features)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x, q * layer.scale[:, None], linear.bias)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer(x), linear(x), rtol=0.05, atol=0.05 * linear(x).abs().max().item())
+    assert torch.equal(layer(x[:1]), layer(x)[:1])
+
+
 def test_the_threads_that_compute_a_row_change_no_bit():
     layer = streamed.StreamedLinear(_linear(300, 256, bias=True, bf16_exact=True))
     x = torch.randn(9, 256)

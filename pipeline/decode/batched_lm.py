@@ -116,8 +116,8 @@ class BatchedLM:
             if some.bias is not None:
                 some.bias = nn.Parameter(head.bias[rows], requires_grad=False)
             # a model whose Linear layers stream (float32 on AVX2 CPUs) streams this one too
-            streams = getattr(self.model, "_streamed", False) and head.in_features % 8 == 0
-            self._head = StreamedLinear(some) if streams else some
+            streams = getattr(self.model, "_streamed", None) and head.in_features % 8 == 0
+            self._head = StreamedLinear(some, int8=self.model._streamed == "int8") if streams else some
 
     def reset(self, batch_size: int) -> None:
         """Start an empty cache for `batch_size` rows."""

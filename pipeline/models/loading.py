@@ -465,7 +465,7 @@ def load_pair(
     `streamed_linears` (None: on for float32 on CPUs with AVX2) gives the target Linear layers
     whose cost hardly grows with the tokens in a pass, and which are row-invariant by
     construction, so that batch invariance comes with them (see `pipeline.models.streamed`);
-    the draft gets them too, in place of int8 weights unless `draft_int8` asks for those.
+    the draft gets them too, with int8 weights unless `draft_int8` is False.
     """
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -505,10 +505,11 @@ def load_pair(
         draft_model = load_model(draft, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
         times["draft_s"] = time.perf_counter() - t
         _check_embeddings(draft_model, tokenizer, draft, "draft")
-        if streamed_linears and not draft_int8:  # int8 products in float32 are slow on AVX2
-            streamed.stream_linears(draft_model, output_layer=False)
-            draft_int8 = False
-        draft_int8 = _quantize(draft_model, torch_dtype, device, draft_int8)
+        if streamed_linears:  # int8 (unless asked not to) in the streamed kernel, not torch's
+            draft_int8 = draft_int8 is not False
+            streamed.stream_linears(draft_model, output_layer=False, int8=draft_int8)
+        else:
+            draft_int8 = _quantize(draft_model, torch_dtype, device, draft_int8)
     return LoadedPair(
         tokenizer=tokenizer,
         target=target_model,

@@ -97,15 +97,16 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("streamed linear kernel off (%s); float32 passes use torch's kernels", e)
         return None
-    for name in ("pack_f32", "pack_bf16"):
+    for name in ("pack_f32", "pack_bf16", "pack_i8"):
         getattr(lib, name).argtypes = [_POINTER, _INT, _INT, _INT, _INT, _POINTER]
-    for name in ("linear_f32", "linear_bf16"):
+    for name in ("linear_f32", "linear_bf16", "linear_i8"):
         getattr(lib, name).argtypes = [
             _POINTER,
             _INT,
             _INT,
             _POINTER,
             _INT,
+            _POINTER,
             _POINTER,
             _POINTER,
             _INT,
@@ -119,24 +120,34 @@ class StreamedLinear(nn.Module):
     """A Linear (float32 in and out) over weights packed for `streamed_linear.cpp`.
 
     The weights are kept as bfloat16 when every value is exactly a bfloat16 (then the product
-    is the float32 model's, bit for bit), as float32 otherwise. They are stored as integers so
-    that `model.to(dtype)` leaves them as they are.
+    is the float32 model's, bit for bit), as float32 otherwise, or, with `int8=True` (a draft,
+    whose proposals the target checks), as int8 with one scale per output row: half the bytes
+    again. They are stored as integers so that `model.to(dtype)` leaves them as they are.
     """
 
     token_wise = True  # `packing` gathers a ragged pass's real rows for it, as for a Linear
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, int8: bool = False):
         super().__init__()
         weight = linear.weight.detach()
         self.out_features, self.in_features = weight.shape
-        bf16 = weight.to(torch.bfloat16)
-        exact = weight.dtype == torch.bfloat16 or torch.equal(bf16.to(weight.dtype), weight)
-        source = bf16.contiguous() if exact else weight.float().contiguous()
-        element = source.element_size()
-        self.block_rows = max(2, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (self.in_features * element)) // 2 * 2)
+        scale = None
+        if int8:
+            scale = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            source, kind = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), "i8"
+        else:
+            bf16 = weight.to(torch.bfloat16)
+            if weight.dtype == torch.bfloat16 or torch.equal(bf16.to(weight.dtype), weight):
+                source, kind = bf16.view(torch.int16), "bf16"
+            else:
+                source, kind = weight.float(), "f32"
+        source = source.contiguous()
+        self.kind = kind
+        self.block_rows = max(
+            2, min(MAX_BLOCK_ROWS, BLOCK_BYTES // (self.in_features * source.element_size())) // 2 * 2
+        )
         packed = torch.empty((self.out_features + 1) // 2 * 2 * self.in_features, dtype=source.dtype)
-        pack = library().pack_bf16 if exact else library().pack_f32
-        pack(
+        getattr(library(), f"pack_{kind}")(
             source.data_ptr(),
             self.out_features,
             self.in_features,
@@ -144,10 +155,11 @@ class StreamedLinear(nn.Module):
             K_SLICE,
             packed.data_ptr(),
         )
-        self.register_buffer("packed", packed.view(torch.int16 if exact else torch.int32))
-        self._product = library().linear_bf16 if exact else library().linear_f32
+        self.register_buffer("packed", packed.view(torch.int32) if kind == "f32" else packed)
+        self.register_buffer("scale", scale)
         bias = linear.bias.detach().float().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias)
+        self._product = getattr(library(), f"linear_{kind}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
@@ -155,22 +167,15 @@ class StreamedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
         self._product(
-            rows.data_ptr(),
-            rows.shape[0],
-            self.in_features,
-            self.packed.data_ptr(),
-            self.out_features,
+            rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
+            self.scale.data_ptr() if self.scale is not None else None,
             self.bias.data_ptr() if self.bias is not None else None,
-            out.data_ptr(),
-            self.block_rows,
-            K_SLICE,
-            torch.get_num_threads(),
-        )
+            out.data_ptr(), self.block_rows, K_SLICE, torch.get_num_threads(),
+        )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kind = "bf16" if self.packed.dtype == torch.int16 else "float32"
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights={kind}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}"
 
 
 def wanted(dtype: torch.dtype, device: str) -> bool:
@@ -178,11 +183,12 @@ def wanted(dtype: torch.dtype, device: str) -> bool:
     return device == "cpu" and dtype == torch.float32 and library() is not None
 
 
-def stream_linears(model: nn.Module, output_layer: bool = True) -> int:
+def stream_linears(model: nn.Module, output_layer: bool = True, int8: bool = False) -> int:
     """Replace every Linear of `model` whose input width is a multiple of 8 (the kernel's step)
-    by a StreamedLinear, in place; returns how many. Tied weights stay shared with what ties
-    them (the input embeddings keep their own copy). `output_layer=False` keeps a draft's as
-    loaded: `BatchedLM.restrict_head` gathers the rows it proposes from, and streams those."""
+    by a StreamedLinear (int8 ones with `int8`), in place; returns how many. Tied weights stay
+    shared with what ties them (the input embeddings keep their own copy). `output_layer=False`
+    keeps a draft's as loaded: `BatchedLM.restrict_head` gathers the rows it proposes from,
+    and streams those."""
     head = None if output_layer else model.get_output_embeddings()
     replaced = 0
     for parent in list(model.modules()):
@@ -193,7 +199,7 @@ def stream_linears(model: nn.Module, output_layer: bool = True) -> int:
                 and child.in_features % 8 == 0
                 and child.weight.device.type == "cpu"
             ):
-                setattr(parent, name, StreamedLinear(child))
+                setattr(parent, name, StreamedLinear(child, int8=int8))
                 replaced += 1
-    model._streamed = True
+    model._streamed = "int8" if int8 else "exact"
     return replaced

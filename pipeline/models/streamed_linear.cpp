@@ -40,6 +40,13 @@ inline void load_pair(const uint16_t* p, __m256& w0, __m256& w1) {
     w0 = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
     w1 = _mm256_castsi256_ps(_mm256_and_si256(both, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+// int8 (a draft's weights, one float scale per row applied after the sum): 8 of row o, 8 of
+// row o+1, widened exactly.
+inline void load_pair(const int8_t* p, __m256& w0, __m256& w1) {
+    const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(both, both)));
+}
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -97,8 +104,8 @@ void pack(const W* w, int64_t O, int64_t K, int64_t RB, int64_t KB, W* out) {
             for (int64_t p = 0; p < rows; p += 2)
                 for (int64_t k = k0; k < k0 + len; k += 8)
                     for (int i = 0; i < 16; ++i) {
-                        // float32: 8 of row o, then 8 of row o+1; bf16: alternating rows
-                        const int row = sizeof(W) == 4 ? i / 8 : i % 2, col = sizeof(W) == 4 ? i % 8 : i / 2;
+                        // float32, int8: 8 of row o, then 8 of row o+1; bf16: alternating rows
+                        const int row = sizeof(W) != 2 ? i / 8 : i % 2, col = sizeof(W) != 2 ? i % 8 : i / 2;
                         const int64_t o = o0 + p + row;
                         *dst++ = o < O ? w[o * K + k + col] : W(0);
                     }
@@ -107,7 +114,7 @@ void pack(const W* w, int64_t O, int64_t K, int64_t RB, int64_t KB, W* out) {
 }
 
 template <typename W>
-void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const float* bias, float* y,
+void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const float* scale, const float* bias, float* y,
             int64_t RB, int64_t KB, int threads) {
     const int64_t padded = (O + 1) / 2 * 2, blocks = (padded + RB - 1) / RB;
     const int64_t tiles = (T + TILE - 1) / TILE;
@@ -130,6 +137,7 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
                 const __m256* a = acc + p * n;  // row p's accumulators (see `micro`)
                 for (int i = 0; i < n; ++i) {
                     float s = hsum(a[i]);
+                    if (scale) s *= scale[o];
                     if (bias) s += bias[o];
                     y[(t + i) * O + o] = s;
                 }
@@ -147,12 +155,17 @@ void pack_f32(const float* w, int64_t O, int64_t K, int64_t RB, int64_t KB, floa
 void pack_bf16(const uint16_t* w, int64_t O, int64_t K, int64_t RB, int64_t KB, uint16_t* out) {
     pack(w, O, K, RB, KB, out);
 }
-void linear_f32(const float* x, int64_t T, int64_t K, const float* w, int64_t O, const float* bias, float* y,
-                int64_t RB, int64_t KB, int threads) {
-    linear(x, T, K, w, O, bias, y, RB, KB, threads);
+void pack_i8(const int8_t* w, int64_t O, int64_t K, int64_t RB, int64_t KB, int8_t* out) { pack(w, O, K, RB, KB, out); }
+void linear_f32(const float* x, int64_t T, int64_t K, const float* w, int64_t O, const float* scale, const float* bias,
+                float* y, int64_t RB, int64_t KB, int threads) {
+    linear(x, T, K, w, O, scale, bias, y, RB, KB, threads);
 }
-void linear_bf16(const float* x, int64_t T, int64_t K, const uint16_t* w, int64_t O, const float* bias,
-                 float* y, int64_t RB, int64_t KB, int threads) {
-    linear(x, T, K, w, O, bias, y, RB, KB, threads);
+void linear_bf16(const float* x, int64_t T, int64_t K, const uint16_t* w, int64_t O, const float* scale,
+                 const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
+    linear(x, T, K, w, O, scale, bias, y, RB, KB, threads);
+}
+void linear_i8(const float* x, int64_t T, int64_t K, const int8_t* w, int64_t O, const float* scale, const float* bias,
+               float* y, int64_t RB, int64_t KB, int threads) {
+    linear(x, T, K, w, O, scale, bias, y, RB, KB, threads);
 }
 }
