@@ -27,6 +27,7 @@ import pipeline
 from pipeline import metrics
 from pipeline.fingerprint import check_resume, fingerprint
 from pipeline.ids import map_ids, partitions, reduce_ids
+from pipeline.lease import DEFAULT_TIMEOUT_MINUTES, Lease
 from pipeline.prefix import clear_job_output, foreign_files
 from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name, shard_paths
@@ -99,26 +100,39 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tu
 
 
 def run_job(
-    spec: JobSpec, *, address: str | None = None, overwrite: bool = False, progress: bool | None = None
+    spec: JobSpec,
+    *,
+    address: str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    lease_timeout: float = DEFAULT_TIMEOUT_MINUTES,
 ) -> JobResult:
-    """Run a job to completion; failed shards are reported, never silently dropped."""
+    """Run a job to completion; failed shards are reported, never silently dropped.
+
+    Everything happens under the output's lease (pipeline.lease), taken before the prefix is
+    read or cleared: LeaseHeld if another driver holds it, LeaseLost if it is taken over.
+    """
     began = time.time()
     spec = spec.with_absolute_paths()
-    todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
-    result = JobResult(out.url, len(shards), len(shards) - len(todo))  # out.url: no trailing '/'
+    with Lease(Storage(spec.output.url, spec.output.storage_options), spec.run_id, lease_timeout) as lease:
+        todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
+        result = JobResult(out.url, len(shards), len(shards) - len(todo))  # out.url: no trailing '/'
 
-    write_manifest(spec, out, result, began, final=False)  # the fingerprint, before any shard runs
-    if todo:
-        ex = spec.execution
-        started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
-        try:
-            schema = job_input_schema(spec, [url for url, _ in shards])
-            _run_shards(spec, todo, result, progress, out, schema, find_duplicates(spec, shards, out))
-        finally:
-            if started_ray:
-                ray.shutdown()
-    result.seconds = time.time() - began
-    write_manifest(spec, out, result, began)
+        write_manifest(spec, out, result, began, final=False)  # the fingerprint, before any shard runs
+        if todo:
+            ex = spec.execution
+            cpus = max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus))
+            started_ray = ensure_ray(address, num_cpus=cpus)
+            try:
+                schema = job_input_schema(spec, [url for url, _ in shards])
+                duplicates = find_duplicates(spec, shards, out)
+                _run_shards(spec, todo, result, progress, out, schema, duplicates, lease)
+            finally:
+                if started_ray:
+                    ray.shutdown()
+        result.seconds = time.time() - began
+        lease.check()
+        write_manifest(spec, out, result, began)
     return result
 
 
@@ -177,6 +191,7 @@ def _run_shards(
     out: Storage,
     input_schema: pa.Schema | None,
     duplicates: dict[str, dict[str, str]],
+    lease: Lease,
 ) -> None:
     ex = spec.execution
 
@@ -225,6 +240,7 @@ def _run_shards(
             call = actor.process.remote(url, name, attempt, input_schema, duplicates.get(name))
             running[call] = (actor, url, name, attempt)
         ready, _ = ray.wait(list(running) + list(warming), num_returns=1)
+        lease.check()
         ref = ready[0]
         if ref in warming:
             actor = warming.pop(ref)
