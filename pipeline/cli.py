@@ -101,7 +101,7 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeo
       pipeline run jobs/summarize.yaml --date 2026-11-22 --address auto
       pipeline run jobs/demo.yaml --run-id 20261123T081500Z   # resume a killed run
     """
-    from pipeline.executor import run_job
+    from pipeline.executor import JobStopped, run_job
     from pipeline.report import load_stats, print_shard_table
 
     spec = _load(spec_path, run_id, date, sets)
@@ -120,6 +120,10 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeo
     except LeaseHeld as exc:  # another driver writes this output: nothing was started
         click.echo(f"{spec_path}: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    except JobStopped as exc:  # the storage went away mid-job
+        for line in exc.summary:
+            click.echo(line, err=True)
+        sys.exit(EXIT_FAILED)
     except (StorageError, ValueError, OSError, LeaseLost) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
