@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from pipeline.lease import DEFAULT_TIMEOUT_MINUTES, LeaseHeld, LeaseLost
 from pipeline.spec import (
     JobSpec,
     SpecError,
@@ -83,7 +84,15 @@ def main() -> None:
 @click.option("--address", help="Ray cluster address (ray://... or auto); default: an embedded local Ray.")
 @click.option("--overwrite", is_flag=True, help="Redo shards that are already complete.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
-def run(spec_path, run_id, date, sets, address, overwrite, progress):
+@click.option(
+    "--lease-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_TIMEOUT_MINUTES,
+    show_default=True,
+    metavar="MINUTES",
+    help="Take over the output's lease from a driver with no heartbeat for this long.",
+)
+def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeout):
     """Run SPEC now and wait for it.
 
     \b
@@ -92,7 +101,7 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress):
       pipeline run jobs/summarize.yaml --date 2026-11-22 --address auto
       pipeline run jobs/demo.yaml --run-id 20261123T081500Z   # resume a killed run
     """
-    from pipeline.executor import run_job
+    from pipeline.executor import JobStopped, run_job
     from pipeline.report import load_stats, print_shard_table
 
     spec = _load(spec_path, run_id, date, sets)
@@ -102,11 +111,20 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress):
     click.echo(f"job {spec.name}  run {spec.run_id}  ->  {spec.output.url}", err=True)
     click.echo(f"(resume or re-run with: --run-id {spec.run_id})", err=True)
     try:
-        result = run_job(spec, address=address, overwrite=overwrite, progress=progress)
+        result = run_job(
+            spec, address=address, overwrite=overwrite, progress=progress, lease_timeout=lease_timeout
+        )
     except SpecError as exc:  # found before anything ran (e.g. --overwrite over foreign files)
         click.echo(str(exc), err=True)
         sys.exit(EXIT_USAGE)
-    except (StorageError, ValueError, OSError) as exc:
+    except LeaseHeld as exc:  # another driver writes this output: nothing was started
+        click.echo(f"{spec_path}: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    except JobStopped as exc:  # the storage went away mid-job
+        for line in exc.summary:
+            click.echo(line, err=True)
+        sys.exit(EXIT_FAILED)
+    except (StorageError, ValueError, OSError, LeaseLost) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
     print_shard_table(load_stats(result.output_url, spec.output.storage_options), result.failed)

@@ -27,11 +27,12 @@ import pipeline
 from pipeline import metrics
 from pipeline.fingerprint import check_resume, fingerprint
 from pipeline.ids import map_ids, partitions, reduce_ids
+from pipeline.lease import DEFAULT_TIMEOUT_MINUTES, Lease
 from pipeline.prefix import clear_job_output, foreign_files
 from pipeline.report import read_stats
 from pipeline.shard import is_complete, shard_name, shard_paths
 from pipeline.spec import JobSpec, SpecError
-from pipeline.storage import ShardReadError, Storage, _glob_root, list_shards, open_shard
+from pipeline.storage import ShardReadError, Storage, StorageError, _glob_root, list_shards, open_shard
 from pipeline.worker import ModelWorker
 
 LOOPBACK_ENV = {
@@ -99,27 +100,91 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tu
 
 
 def run_job(
-    spec: JobSpec, *, address: str | None = None, overwrite: bool = False, progress: bool | None = None
+    spec: JobSpec,
+    *,
+    address: str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    lease_timeout: float = DEFAULT_TIMEOUT_MINUTES,
 ) -> JobResult:
-    """Run a job to completion; failed shards are reported, never silently dropped."""
+    """Run a job to completion; failed shards are reported, never silently dropped.
+
+    Everything happens under the output's lease (pipeline.lease), taken before the prefix is
+    read or cleared: LeaseHeld if another driver holds it, LeaseLost if it is taken over.
+    Storage that fails the driver once shards have started is JobStopped, with a summary.
+    """
     began = time.time()
     spec = spec.with_absolute_paths()
-    todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
-    result = JobResult(out.url, len(shards), len(shards) - len(todo))  # out.url: no trailing '/'
+    with Lease(Storage(spec.output.url, spec.output.storage_options), spec.run_id, lease_timeout) as lease:
+        todo, shards, out = plan(spec, overwrite or spec.output.overwrite)
+        result = JobResult(out.url, len(shards), len(shards) - len(todo))  # out.url: no trailing '/'
 
-    write_manifest(spec, out, result, began, final=False)  # the fingerprint, before any shard runs
-    if todo:
-        ex = spec.execution
-        started_ray = ensure_ray(address, num_cpus=max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus)))
+        write_manifest(spec, out, result, began, final=False)  # the fingerprint, before any shard runs
         try:
-            schema = job_input_schema(spec, [url for url, _ in shards])
-            _run_shards(spec, todo, result, progress, out, schema, find_duplicates(spec, shards, out))
-        finally:
-            if started_ray:
-                ray.shutdown()
-    result.seconds = time.time() - began
-    write_manifest(spec, out, result, began)
+            if todo:
+                ex = spec.execution
+                cpus = max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus))
+                started_ray = ensure_ray(address, num_cpus=cpus)
+                try:
+                    schema = job_input_schema(spec, [url for url, _ in shards])
+                    duplicates = find_duplicates(spec, shards, out)
+                    _run_shards(spec, todo, result, progress, out, schema, duplicates, lease)
+                finally:
+                    if started_ray:
+                        ray.shutdown()
+            result.seconds = time.time() - began
+            lease.check()
+            write_manifest(spec, out, result, began)
+        except StorageError as exc:
+            raise _stopped(spec, out, result, began, todo, shards, exc) from None
     return result
+
+
+class JobStopped(Exception):
+    """The driver lost its output storage mid-job; `summary` is what it can still tell."""
+
+    def __init__(self, summary: list[str]):
+        super().__init__(summary)
+        self.summary = summary
+
+
+def _names(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    return shown or "none"
+
+
+def _stopped(
+    spec: JobSpec,
+    out: Storage,
+    result: JobResult,
+    began: float,
+    todo: list[tuple[str, str]],
+    shards: list[tuple[str, str]],
+    exc: StorageError,
+) -> JobStopped:
+    """Write what can still be written (the manifest, with the failures so far) and say which
+    shards are done and which are not, so that an operator knows what a resume will redo."""
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc  # a Ray task's StorageError
+    result.seconds = time.time() - began
+    try:
+        write_manifest(spec, out, result, began)
+        manifest = "manifest.json updated"
+    except StorageError:
+        manifest = "manifest.json not updated (storage still failing)"
+    ran = {s["shard"] for s in result.done}
+    failed = [f["shard"] for f in result.failed]
+    queued = {name for _, name in todo}
+    done = [name for _, name in shards if name in ran or name not in queued]
+    not_done = [name for _, name in shards if name in queued and name not in ran]
+    summary = [
+        f"error: the job stopped: its storage failed: {cause}",
+        f"  {len(done)} of {len(shards)} shard(s) done: {_names(done)}",
+        f"  {len(not_done)} not done: {_names(not_done)}",
+    ]
+    if failed:
+        summary.append(f"  of which failed: {_names(failed)}")
+    summary.append(f"  {manifest}; resume with --run-id {spec.run_id} once the storage is back")
+    return JobStopped(summary)
 
 
 # Ray restarts a crashed model actor this many times before it is dead for good; the executor
@@ -177,6 +242,7 @@ def _run_shards(
     out: Storage,
     input_schema: pa.Schema | None,
     duplicates: dict[str, dict[str, str]],
+    lease: Lease,
 ) -> None:
     ex = spec.execution
 
@@ -225,6 +291,7 @@ def _run_shards(
             call = actor.process.remote(url, name, attempt, input_schema, duplicates.get(name))
             running[call] = (actor, url, name, attempt)
         ready, _ = ray.wait(list(running) + list(warming), num_returns=1)
+        lease.check()
         ref = ready[0]
         if ref in warming:
             actor = warming.pop(ref)

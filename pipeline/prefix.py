@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import re
 
+from pipeline.lease import LEASE_NAME
 from pipeline.storage import Storage
 
 # Directories and files a job writes directly under its output prefix (see docs/reliability.md).
 JOB_DIRS = ("outputs", "errors", "stats", "failed", "report", "_ids")
-JOB_FILES = ("manifest.json", "_SUCCESS")
+# The lease is the running driver's own: overwrite leaves it in place.
+JOB_FILES = ("manifest.json", "_SUCCESS", LEASE_NAME)
 # an atomic write's temporary name next to its target (pipeline.storage._write_local_atomic)
 _TEMP = re.compile(r"^\.(.+)\.[0-9a-f]{32}\.tmp$")
 

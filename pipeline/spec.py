@@ -614,8 +614,9 @@ class OutputSpec(_Section):
         min_length=1,
         description=(
             "Output prefix (directory): s3://, file://, memory:// or a local path. Placeholders "
-            "{name}, {date} and {run_id} are rendered at load time. Must not be inside input.url "
-            "and must not contain '..' segments."
+            "{name}, {date} and {run_id} are rendered at load time. Must neither be, contain nor be "
+            "inside the input location (input.url, or a glob's directory), and must not contain '..' "
+            "segments. One driver at a time writes it (the _LEASE.json lease)."
         ),
         examples=["s3://my-bucket/summaries/{date}/{run_id}/", "./out/{name}/{run_id}"],
     )

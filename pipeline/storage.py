@@ -46,7 +46,10 @@ Credentials
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -70,6 +73,7 @@ __all__ = [
     "StorageError",
     "StorageNotFoundError",
     "TransientStorageError",
+    "Versioned",
     "is_transient",
     "list_shards",
     "open_shard",
@@ -655,6 +659,7 @@ class Storage:
             self._root_path = rest  # fsspec path, resolved via _strip_protocol when needed
         self._fs: fsspec.AbstractFileSystem | None = None
         self._other_fs: dict[str, fsspec.AbstractFileSystem] = {}
+        self._no_conditional = False  # set when an S3 server refuses conditional PUTs
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -905,10 +910,177 @@ class Storage:
 
         _call("delete_prefix", url, run)
 
+    # -- conditional writes (the output lease, pipeline.lease) ------------------------------
+
+    @property
+    def conditional_writes(self) -> str:
+        """How :meth:`write_if` decides between writers racing for one object.
+
+        ``"atomic"``: the storage itself compares and writes in one step (local files under an
+        exclusive ``flock``; S3's ``If-None-Match: *`` / ``If-Match: <etag>`` on PutObject).
+        ``"verified"``: read, compare, write, then read back; two writers racing within one
+        round trip can both believe they won (other fsspec stores, and S3 servers that answer
+        conditional PUTs with NotImplemented).
+        """
+        if self._protocol == "file" or (self._protocol in ("s3", "s3a") and not self._no_conditional):
+            return "atomic"
+        return "verified"
+
+    def read_versioned(self, rel: str) -> Versioned | None:
+        """``rel``'s bytes and a version to pass to :meth:`write_if`, or None if it is absent."""
+        fs, path, url = self._target(rel)
+        return _call("read", url, lambda: self._read_versioned(fs, path))
+
+    def _read_versioned(self, fs: fsspec.AbstractFileSystem, path: str) -> Versioned | None:
+        if self._protocol == "file":
+            return _read_locked(path)
+        try:
+            if self.conditional_writes == "atomic":  # S3: the ETag, read before the body (see write_if)
+                etag = fs.info(path)["ETag"]
+                return Versioned(fs.cat_file(path), etag)
+            data = fs.cat_file(path)
+        except FileNotFoundError as exc:
+            if _is_missing_bucket(exc):
+                raise
+            return None
+        return Versioned(data, _digest(data))
+
+    def write_if(self, rel: str, data: bytes, version: str | None) -> str | None:
+        """Write ``rel`` only if it is still at ``version`` (None: only if it does not exist).
+
+        Returns the new version, or None when the condition did not hold (another writer got
+        there first). On S3 the version is the ETag, and a version read before the body can
+        only be older than the body: a write based on a stale read fails rather than wins.
+        """
+        fs, path, url = self._target(rel)
+
+        def run() -> str | None:
+            if self._protocol == "file":
+                return _write_locked(path, data, version)
+            if self.conditional_writes == "atomic":
+                bucket, key, _ = fs.split_path(path)
+                condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+                try:
+                    return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+                except OSError as exc:
+                    code = _first_code(exc)
+                    if code in _CONDITION_FAILED or isinstance(exc, FileExistsError):
+                        return None
+                    if code not in _CONDITION_UNSUPPORTED:
+                        raise
+                    log.warning("%s does not support conditional writes; verifying by reading back", url)
+                    self._no_conditional = True  # an ETag `version` now fails: the caller reads again
+            return self._write_verified(fs, path, data, version)
+
+        return _call("write_if", url, run)
+
+    def _write_verified(
+        self, fs: fsspec.AbstractFileSystem, path: str, data: bytes, version: str | None
+    ) -> str | None:
+        current = self._read_versioned(fs, path)
+        if (current.version if current else None) != version:
+            return None
+        fs.pipe_file(path, data)
+        written = self._read_versioned(fs, path)
+        return written.version if written and written.data == data else None
+
+    def delete_if(self, rel: str, version: str) -> bool:
+        """Delete ``rel`` if it is still at ``version``; whether it was. Atomic for local files
+        only: on object stores the check and the delete are two requests."""
+        fs, path, url = self._target(rel)
+        if self._protocol == "file":
+            return _call("delete", url, lambda: _delete_locked(path, version))
+        current = self.read_versioned(rel)
+        if current is None or current.version != version:
+            return False
+        self.delete(rel)
+        return True
+
 
 # --------------------------------------------------------------------------------------------
 # Atomic write helpers
 # --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+    """An object's bytes and the version :meth:`Storage.write_if` compares against."""
+
+    data: bytes
+    version: str
+
+
+# S3 answers for a failed condition (a concurrent conditional write may get 409)
+_CONDITION_FAILED = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
+# servers that do not implement conditional PUTs
+_CONDITION_UNSUPPORTED = frozenset({"NotImplemented", "501"})
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: str, create: bool) -> Iterator[int | None]:
+    """An fd of ``path`` under an exclusive ``flock`` (None if absent and not ``create``).
+
+    The lock is on the file itself, so it is written in place, never replaced; a file deleted
+    or replaced while we waited for its lock is opened again.
+    """
+    if create:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int) -> Versioned | None:
+    """An empty file is an absent one: a writer that died between creating and writing it."""
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, size, 0) if size else b""
+    return Versioned(data, _digest(data)) if data else None
+
+
+def _read_locked(path: str) -> Versioned | None:
+    with _locked(path, create=False) as fd:
+        return None if fd is None else _read_fd(fd)
+
+
+def _write_locked(path: str, data: bytes, version: str | None) -> str | None:
+    with _locked(path, create=True) as fd:
+        current = _read_fd(fd)
+        if (current.version if current else None) != version:
+            return None
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+        return _digest(data)
+
+
+def _delete_locked(path: str, version: str) -> bool:
+    with _locked(path, create=False) as fd:
+        current = None if fd is None else _read_fd(fd)
+        if current is None or current.version != version:
+            return False
+        os.unlink(path)
+        return True
 
 
 def _write_local_atomic(path: str, data: bytes) -> None:

@@ -332,3 +332,52 @@ def test_shard_names_cannot_leave_the_output_prefix(shard_url, tmp_path):
         target = Path(out.url_for(rel).removeprefix("file://")).resolve()
         assert target.is_relative_to((tmp_path / "out").resolve()), (shard_url, rel)
         assert "/" not in name
+
+
+def test_a_driver_that_loses_its_storage_stops_with_a_summary(tiny_pair_dirs, faulty_s3, ray_local, tmp_path):
+    """Every request fails from mid-job on: exit 1, the shards done and not done, no traceback;
+    once the storage is back, the same command finishes the job."""
+    bucket = faulty_s3.make_bucket("lost")
+    upstream = Storage(f"s3://{bucket}", faulty_s3.upstream.storage_options)
+    expected = clean_corpus(upstream.child("in"), shards=6, rows=3)
+    data = job_dict(tiny_pair_dirs, f"s3://{bucket}/in/", f"s3://{bucket}/out", max_retries=0)
+    data["input"].update(keep_columns=[], storage_options=dict(faulty_s3.storage_options))
+    data["output"] = {"url": f"s3://{bucket}/out", "storage_options": dict(faulty_s3.storage_options)}
+    spec_path = tmp_path / "job.yaml"
+    spec_path.write_text(json.dumps(data))
+    command = [sys.executable, "-m", "pipeline.cli", "run", str(spec_path), "--run-id", "lost-1"]
+    command += ["--address", ray.get_runtime_context().gcs_address, "--no-progress"]
+    env = dict(os.environ, PIPELINE_STORAGE_RETRIES="1", PIPELINE_STORAGE_RETRY_WAIT="0.05")
+    out = upstream.child("out")
+
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 180
+    while not out.list("stats"):
+        assert driver.poll() is None, driver.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the job never got going"
+        time.sleep(0.05)
+    faulty_s3.set_fault_rate(1.0, kinds=("internal",))
+    try:
+        _, stderr = driver.communicate(timeout=240)
+    finally:
+        faulty_s3.set_fault_rate(0.0)
+    assert driver.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "error: the job stopped: its storage failed: " in stderr
+    assert f"s3://{bucket}/out" in stderr and "InternalError" in stderr
+    done_line = next(line for line in stderr.splitlines() if "shard(s) done: " in line)
+    not_done_line = next(line for line in stderr.splitlines() if " not done: " in line)
+    done = done_line.split(": ", 1)[1].split(", ")
+    not_done = not_done_line.split(": ", 1)[1].split(", ")
+    assert done_line.strip().startswith(f"{len(done)} of 6 shard(s)") and not_done != ["none"]
+    assert sorted(done + not_done) == [f"part-{s:03d}" for s in range(6)]
+    assert all(out.exists(f"stats/{name}.json") for name in done)
+    assert "resume with --run-id lost-1 once the storage is back" in stderr
+    assert not out.exists("_SUCCESS")
+
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "taking over the lease" in again.stderr  # the stopped driver could not release it
+    assert out.exists("_SUCCESS")
+    assert_exactly_once(out, expected)
