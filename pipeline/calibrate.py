@@ -28,6 +28,7 @@ import torch
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig
 from pipeline.machine import CPU_FLAGS, cpu_info, describe_machine
+from pipeline.models import streamed
 from pipeline.models.loading import LoadedPair
 from pipeline.models.pairs import cache_dir
 from pipeline.worker import pad_id
@@ -236,6 +237,8 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         "batch_invariant": loaded.batch_invariant,
         "draft_int8": loaded.draft_int8,
         "streamed": bool(getattr(loaded, "streamed", False)),
+        # a changed kernel source changes what a pass costs
+        "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16] if loaded.streamed else None,
         "torch": torch.__version__,
         "draft_vocab": draft_vocab if loaded.draft_ref else None,
     }
