@@ -46,7 +46,9 @@ def job_dict(tiny_pair_dirs, input_url: str, output_url: str, **execution) -> di
         "task": {"kind": "summarize", "max_input_tokens": 48, "overlong": "truncate"},
         "generation": {"max_new_tokens": 12},
         "models": {"target": str(target), "draft": str(draft), "dtype": "float32", "device": "cpu"},
-        "drafter": {"kind": "auto", "gamma_max": 4},
+        # fixed gamma: every round drafts, so outputs prove the speculative path lossless (adaptive
+        # rounds on the tiny pair, a draft costing what its target does, would decode target-only)
+        "drafter": {"kind": "auto", "gamma_max": 4, "adaptive": False},
         "execution": {"batch_size": 3, "num_actors": 1, "num_cpus": 1, "speedup_sample": 0.5, **execution},
         "output": {"url": output_url},
     }
