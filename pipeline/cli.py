@@ -83,7 +83,11 @@ def main() -> None:
 @with_spec_options
 @click.option("--address", help="Ray cluster address (ray://... or auto); default: an embedded local Ray.")
 @click.option("--overwrite", is_flag=True, help="Redo shards that are already complete.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="A progress bar, or one line per finished shard (default: the bar on a terminal only).",
+)
 @click.option(
     "--lease-timeout",
     type=click.FloatRange(min=0, min_open=True),
@@ -92,7 +96,8 @@ def main() -> None:
     metavar="MINUTES",
     help="Take over the output's lease from a driver with no heartbeat for this long.",
 )
-def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeout):
+@click.option("-v", "--verbose", is_flag=True, help="Also show the model actors' own logs.")
+def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeout, verbose):
     """Run SPEC now and wait for it.
 
     \b
@@ -112,7 +117,12 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeo
     click.echo(f"(resume or re-run with: --run-id {spec.run_id})", err=True)
     try:
         result = run_job(
-            spec, address=address, overwrite=overwrite, progress=progress, lease_timeout=lease_timeout
+            spec,
+            address=address,
+            overwrite=overwrite,
+            progress=progress,
+            lease_timeout=lease_timeout,
+            verbose=verbose,
         )
     except SpecError as exc:  # found before anything ran (e.g. --overwrite over foreign files)
         click.echo(str(exc), err=True)

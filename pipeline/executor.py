@@ -21,22 +21,21 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from tqdm import tqdm
 
 import pipeline
 from pipeline import metrics
 from pipeline.fingerprint import check_resume, fingerprint
 from pipeline.ids import map_ids, partitions, reduce_ids
+from pipeline.layout import clear_job_output, foreign_files, is_complete, shard_name, shard_paths
 from pipeline.lease import DEFAULT_TIMEOUT_MINUTES, Lease
-from pipeline.prefix import clear_job_output, foreign_files
+from pipeline.progress import ShardProgress
 from pipeline.report import read_stats
-from pipeline.shard import is_complete, shard_name, shard_paths
 from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import ShardReadError, Storage, StorageError, _glob_root, list_shards, open_shard
 from pipeline.worker import ModelWorker
 
 LOOPBACK_ENV = {
-    # Keep an embedded Ray on 127.0.0.1 and quiet (see README "Running on a cluster").
+    # Keep an embedded Ray on 127.0.0.1 and quiet (see docs/operations.md).
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
@@ -56,17 +55,21 @@ class JobResult:
         return not self.failed
 
 
-def ensure_ray(address: str | None, num_cpus: int | None = None) -> bool:
-    """Connect to `address` (or RAY_ADDRESS), or start an embedded local Ray. True if we started it."""
+def ensure_ray(address: str | None, num_cpus: int | None = None, verbose: bool = False) -> bool:
+    """Connect to `address` (or RAY_ADDRESS), or start an embedded local Ray. True if we started it.
+
+    Actors' own output reaches this terminal only when `verbose`: their failures come back as
+    exceptions with their cause, and their logs stay in the Ray dashboard and session logs.
+    """
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=verbose)
         return False
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, configure_logging=False)
     return True
 
 
@@ -106,6 +109,7 @@ def run_job(
     overwrite: bool = False,
     progress: bool | None = None,
     lease_timeout: float = DEFAULT_TIMEOUT_MINUTES,
+    verbose: bool = False,
 ) -> JobResult:
     """Run a job to completion; failed shards are reported, never silently dropped.
 
@@ -124,7 +128,7 @@ def run_job(
             if todo:
                 ex = spec.execution
                 cpus = max(os.cpu_count() or 1, int(ex.num_actors * ex.num_cpus))
-                started_ray = ensure_ray(address, num_cpus=cpus)
+                started_ray = ensure_ray(address, num_cpus=cpus, verbose=verbose)
                 try:
                     schema = job_input_schema(spec, [url for url, _ in shards])
                     duplicates = find_duplicates(spec, shards, out)
@@ -281,8 +285,7 @@ def _run_shards(
     # have, in a row, no actor can start (corrupt weights, model too big) and the job stops.
     answered: set = set()
     dead_in_a_row = 0
-    bar = tqdm(total=len(todo), unit="shard", disable=not _show_progress(progress), dynamic_ncols=True)
-    rows = tokens = 0
+    shown = ShardProgress(len(todo), show_bar=_show_progress(progress))
     idle = list(actors)
     while queue or running:
         while queue and idle:
@@ -307,11 +310,11 @@ def _run_shards(
                     warming[_ping(actor)] = actor
                 elif queue:
                     reason = f"model actors cannot start: {_reason(exc)}"
-                    bar.write(f"giving up on {len(queue)} shard(s): {reason}")
+                    shown.note(f"giving up on {len(queue)} shard(s): {reason}")
                     while queue:
                         url, name, attempt = queue.popleft()
                         fail(url, name, attempt - 1, reason)
-                        bar.update(1)
+                        shown.shard_failed(f"shard {name}: FAILED: {reason}")
             continue
         actor, url, name, attempt = running.pop(ref)
         try:
@@ -328,12 +331,11 @@ def _run_shards(
             elif attempt <= ex.max_retries:
                 metrics.record_failure(spec.name, name, reason, final=False)
                 queue.append((url, name, attempt + 1))
-                bar.write(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
+                shown.note(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
                 continue
             else:
                 fail(url, name, attempt, reason)
-                bar.write(f"shard {name}: FAILED after {attempt} attempts: {reason}")
-                bar.update(1)
+                shown.shard_failed(f"shard {name}: FAILED after {attempt} attempts: {reason}")
                 continue
         else:
             idle.append(actor)
@@ -341,11 +343,8 @@ def _run_shards(
             dead_in_a_row = 0
         result.done.append(stats)
         metrics.record_shard(stats, spec.name)
-        rows += stats.get("rows_out", 0)
-        tokens += stats.get("tokens_out", 0)
-        bar.set_postfix(rows=rows, tokens=tokens, failed=len(result.failed))
-        bar.update(1)
-    bar.close()
+        shown.shard_done(stats)
+    shown.close()
 
 
 def _ping(actor):

@@ -22,6 +22,7 @@ from pipeline.decode.costs import alpha_from_tau, predicted_speedup
 from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.ids import id_key
+from pipeline.layout import shard_paths
 from pipeline.prompts import OverlongDocument, PromptBuilder
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
@@ -57,26 +58,6 @@ def output_schema(spec: JobSpec, input_schema: pa.Schema | None) -> pa.Schema:
         known = input_schema is not None and column in input_schema.names
         carried.append(pa.field(column, input_schema.field(column).type if known else pa.string()))
     return pa.schema([*carried, *GENERATED_FIELDS])
-
-
-def shard_name(shard_url: str, input_root: str) -> str:
-    """A stable, flat name for a shard: its path under the input root without `.parquet`."""
-    rel = shard_url[len(input_root) :].lstrip("/") if shard_url.startswith(input_root) else shard_url
-    rel = rel.rsplit("/", 1)[-1] if "://" in rel else rel
-    return rel.removesuffix(".parquet").replace("/", "__")
-
-
-def shard_paths(name: str) -> dict[str, str]:
-    return {
-        "outputs": f"outputs/{name}.parquet",
-        "errors": f"errors/{name}.parquet",
-        "stats": f"stats/{name}.json",
-    }
-
-
-def is_complete(out: Storage, name: str) -> bool:
-    paths = shard_paths(name)
-    return out.exists(paths["stats"]) and out.exists(paths["outputs"])
 
 
 @dataclass
@@ -427,8 +408,11 @@ class _Unreadable(Exception):
 
 def _is_text_type(t: pa.DataType) -> bool:
     """Types whose values `_texts` turns into text (binary: to report non-UTF-8 per row)."""
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or (
-        pa.types.is_large_binary(t) or pa.types.is_null(t)
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or (pa.types.is_large_binary(t) or pa.types.is_null(t))
     )
 
 

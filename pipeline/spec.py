@@ -1115,7 +1115,7 @@ def check_models_reachable(spec: JobSpec) -> list[str]:
     pair = False
     if spec.models.pair is not None:
         try:
-            from pipeline.models.loading import resolve_pair
+            from pipeline.models.pairs import resolve_pair
 
             target_ref, draft_ref = resolve_pair(spec.models.pair)
         except (ImportError, KeyError, OSError, ValueError):
@@ -1164,7 +1164,7 @@ def check_context_length(spec: JobSpec) -> list[str]:
     target_path = spec.models.target.path if spec.models.target is not None else None
     if spec.models.pair is not None:
         try:
-            from pipeline.models.loading import resolve_pair
+            from pipeline.models.pairs import resolve_pair
 
             target_path = str(resolve_pair(spec.models.pair)[0].path)
         except (ImportError, KeyError, OSError, ValueError):

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.models.loading import ModelRef, load_pair, resolve_pair
-from pipeline.shard import ShardProcessor
 from pipeline.spec import JobSpec
+
+if TYPE_CHECKING:  # the driver imports this module for ModelWorker: torch loads in the actor only
+    from pipeline.decode.engine import SpeculativeEngine
+    from pipeline.models.pairs import ModelRef
+    from pipeline.shard import ShardProcessor
 
 # The start-up calibration: passes of 1 to 16 tokens over a few hundred cached ones (a few
 # seconds for the 1.5B target on 2 cores); wider passes are learned as the job runs.
@@ -25,6 +26,8 @@ STARTUP_CONTEXT = 256
 
 def model_refs(spec: JobSpec) -> tuple[ModelRef, ModelRef | None]:
     """The target and (when the drafter needs one) the draft model a spec asks for."""
+    from pipeline.models.pairs import ModelRef, resolve_pair
+
     models = spec.models
     if models.pair:
         target, draft = resolve_pair(models.pair)
@@ -55,7 +58,15 @@ def pad_id(tokenizer, model) -> int:
 
 def build_processor(spec: JobSpec) -> ShardProcessor:
     """Load the models a spec names and wire them into an engine and a shard processor."""
+    import transformers
+
+    from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+    from pipeline.models.loading import load_pair
+    from pipeline.shard import ShardProcessor
+
     target_ref, draft_ref = model_refs(spec)
+    # Load bars, one line per refresh per actor, would drown the driver's own progress.
+    transformers.utils.logging.disable_progress_bar()
     pair = load_pair(
         target_ref,
         draft_ref,
@@ -97,6 +108,8 @@ def seed_costs(engine: SpeculativeEngine, pair, draft_vocab: int) -> dict:
     """Give the engine measured pass costs before its first shard: from the cache when this
     machine, pair, dtype, thread count and kernels were calibrated before (`pipeline calibrate`
     or an earlier actor), else measured now with a cheap calibration and cached."""
+    import torch
+
     from pipeline import calibrate
 
     began = time.perf_counter()
@@ -121,6 +134,8 @@ class ModelWorker:
     """Ray actor body (wrapped with `ray.remote` by the executor, so this module imports no Ray)."""
 
     def __init__(self, spec: JobSpec):
+        import torch
+
         threads = spec.execution.threads or max(1, math.ceil(spec.execution.num_cpus))
         torch.set_num_threads(threads)
         began = time.perf_counter()

@@ -26,7 +26,7 @@ from s3_fixtures import TEST_KEY_ID, TEST_SECRET
 
 from pipeline.cli import main
 from pipeline.executor import ACTOR_RESTARTS, run_job
-from pipeline.shard import shard_name, shard_paths
+from pipeline.layout import shard_name, shard_paths
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
 from pipeline.worker import build_processor

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import pickle
 import re
-import sys
 import textwrap
 import types
 from pathlib import Path
 
 import pytest
 
+import pipeline.models.pairs
 from pipeline.spec import (
     JobSpec,
     SpecError,
@@ -446,9 +446,7 @@ def test_pair_resolution(tokenizer_dirs, monkeypatch):
     def resolve_pair(name: str):
         return pairs[name]  # KeyError for unknown pairs, like the real one
 
-    fake = types.ModuleType("pipeline.models.loading")
-    fake.resolve_pair = resolve_pair
-    monkeypatch.setitem(sys.modules, "pipeline.models.loading", fake)
+    monkeypatch.setattr(pipeline.models.pairs, "resolve_pair", resolve_pair)
     base = {
         "name": "t",
         "input": {"url": "memory://in"},

@@ -273,3 +273,77 @@ def dir_size(path: Path) -> int:
             if p.is_file() and not p.is_symlink():
                 total += p.stat().st_size
     return total
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model to load: a hub id (`org/name`), a local directory, or a `file://` directory.
+
+    `revision` is passed to the hub for hub ids; for local directories it is informational (an
+    installed pair records the sha256 of the weights it was converted from) and only lands in
+    manifests. `name` is a display name.
+    """
+
+    path: str
+    revision: str | None = None
+    name: str | None = None
+
+    @property
+    def display(self) -> str:
+        return self.name or self.path
+
+
+def _ref_from_entry(value: Any, where: str) -> ModelRef:
+    if isinstance(value, str) and value:
+        return ModelRef(path=value)
+    if isinstance(value, dict) and value.get("path"):
+        rev = value.get("revision")
+        name = value.get("name")
+        return ModelRef(
+            path=str(value["path"]),
+            revision=str(rev) if rev is not None else None,
+            name=str(name) if name is not None else None,
+        )
+    raise ConfigError(f"{where}: expected a model id/path or a mapping with `path`, got {value!r}")
+
+
+def resolve_pair(name: str, *, config_dir: str | Path | None = None) -> tuple[ModelRef, ModelRef | None]:
+    """Look `name` up in `configs/models.yaml` and return `(target, draft)`; `draft` may be None when
+    the entry names only a target.
+
+    Raises `UnknownPairError` (a `KeyError`) listing the known names, and
+    `ModelNotInstalledError` for an offline pair that `pipeline models install <name>` has not
+    installed yet.
+    """
+    config = load_models_config(config_dir)
+    pairs = config["pairs"]
+    if name not in pairs:
+        raise UnknownPairError(
+            f"unknown model pair {name!r}; known pairs: {', '.join(sorted(pairs)) or '(none)'} "
+            f"(from {config['_path']})"
+        )
+    entry = pairs[name]
+    where = f"{config['_path']}: pairs.{name}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+
+    if "install" in entry:
+        spec = get_install_spec(name, config)
+        root = install_dir(spec.name)
+        problem = marker_problem(spec, root)
+        if problem is not None:
+            raise ModelNotInstalledError(
+                f"model pair {name!r} is not installed in {root} ({problem}). Install it with:\n"
+                f"    pipeline models install {name}"
+            )
+        refs = {
+            role: ModelRef(path=str(root / role), revision=f"sha256:{parts.sha256}", name=parts.name)
+            for role, parts in spec.models.items()
+        }
+        return refs["target"], refs.get("draft")
+
+    if "target" not in entry:
+        raise ConfigError(f"{where}: needs `target` (and optionally `draft`) or `install`")
+    target = _ref_from_entry(entry["target"], f"{where}.target")
+    draft = _ref_from_entry(entry["draft"], f"{where}.draft") if entry.get("draft") else None
+    return target, draft

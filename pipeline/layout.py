@@ -1,4 +1,8 @@
-"""What a job owns under its output prefix, and deleting only that.
+"""The output layout: where a shard's outputs, errors and stats go, when a shard is complete,
+and what a job owns under its output prefix (and deleting only that).
+
+A shard is committed in order: its outputs, its errors, then its stats file as the commit
+record, so a shard is complete when its stats and outputs are both there (`is_complete`).
 
 `--overwrite` deletes a job's earlier results before running again. An output prefix set by
 mistake to a directory that holds other data (a corpus, another tool's results, a parent of
@@ -20,6 +24,26 @@ JOB_DIRS = ("outputs", "errors", "stats", "failed", "report", "_ids")
 JOB_FILES = ("manifest.json", "_SUCCESS", LEASE_NAME)
 # an atomic write's temporary name next to its target (pipeline.storage._write_local_atomic)
 _TEMP = re.compile(r"^\.(.+)\.[0-9a-f]{32}\.tmp$")
+
+
+def shard_name(shard_url: str, input_root: str) -> str:
+    """A stable, flat name for a shard: its path under the input root without `.parquet`."""
+    rel = shard_url[len(input_root) :].lstrip("/") if shard_url.startswith(input_root) else shard_url
+    rel = rel.rsplit("/", 1)[-1] if "://" in rel else rel
+    return rel.removesuffix(".parquet").replace("/", "__")
+
+
+def shard_paths(name: str) -> dict[str, str]:
+    return {
+        "outputs": f"outputs/{name}.parquet",
+        "errors": f"errors/{name}.parquet",
+        "stats": f"stats/{name}.json",
+    }
+
+
+def is_complete(out: Storage, name: str) -> bool:
+    paths = shard_paths(name)
+    return out.exists(paths["stats"]) and out.exists(paths["outputs"])
 
 
 def _ours(name: str) -> bool:
