@@ -445,7 +445,7 @@ def _yes(value: bool | None) -> str:
     return "?" if value is None else ("yes" if value else "no")
 
 
-def _machine_lines(machine: dict) -> list[str]:
+def machine_table(machine: dict) -> list[str]:
     """The machine as a two-column Markdown table (see `pipeline.machine.describe_machine`)."""
     flags = ", ".join(f"{flag} {_yes(has)}" for flag, has in machine["cpu_flags"].items())
     kernels = machine.get("kernels", {})
@@ -489,7 +489,7 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
         "",
         "## Machine",
         "",
-        *_machine_lines(meta["machine"]),
+        *machine_table(meta["machine"]),
         "",
         "## Pair",
         "",

@@ -302,3 +302,33 @@ def format_table(result: dict[str, Any]) -> str:
             cells = "".join(f"{p['speedup']:>10.2f}x g={p['gamma']:<2}" for p in by_alpha.values())
             lines.append(f"{'batch ' + batch:<22}{cells}")
     return "\n".join(lines)
+
+
+def write_report(path: str, result: dict[str, Any], command: str, json_path: str) -> None:
+    """A Markdown record of one calibration for docs/benchmarks/: the command and the machine
+    beside the table, since pass costs hold for the machine, dtype and threads they came from."""
+    from pipeline.bench import machine_table
+
+    pair = result["pair"]
+    lines = [
+        f"# Calibration: {pair['name']} ({pair['target']} + {pair['draft']})",
+        "",
+        f"Run {result['measured_at']}. Measurements: [{os.path.basename(json_path)}]"
+        f"({os.path.relpath(json_path, os.path.dirname(os.path.abspath(path)))}).",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "## Machine",
+        "",
+        *machine_table(result["machine"]),
+        "",
+        "## Pass costs",
+        "",
+        "```",
+        format_table(result),
+        "```",
+    ]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n")

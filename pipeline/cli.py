@@ -325,7 +325,7 @@ def validate(spec_path, run_id, date, sets, no_models):
 
 def _overwrite_problems(spec: JobSpec) -> list[str]:
     """What `run` would refuse to delete under output.overwrite: files no job of ours wrote."""
-    from pipeline.prefix import foreign_files
+    from pipeline.layout import foreign_files
     from pipeline.storage import Storage
 
     out = Storage(spec.output.url, spec.output.storage_options)
@@ -531,7 +531,15 @@ def bench(
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")
 @click.option("--out", "out_path", help="Also write the JSON to this file.")
-def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out_path):
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    metavar="PATH.md",
+    help="Also write a Markdown record (command, machine, table), e.g. docs/benchmarks/NAME.md, "
+    "with the JSON beside it unless --out says where.",
+)
+def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out_path, report_path):
     """Measure what target passes and draft steps cost here, as a job would run them.
 
     Loads the pair as a job's actor does and times, with the engine's own runner, a target
@@ -543,11 +551,23 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
     Example:
       pipeline calibrate --batch 1,8 --widths 1,2,4,8 --runs 3
     """
+    import shlex
+    from pathlib import Path
+
     import torch
 
-    from pipeline.calibrate import calibration_key, check_settings, format_table, measure, save_cached
+    from pipeline.calibrate import (
+        calibration_key,
+        check_settings,
+        format_table,
+        measure,
+        save_cached,
+        write_report,
+    )
     from pipeline.models.loading import ModelError, load_pair, resolve_pair
 
+    command = shlex.join(["pipeline", *sys.argv[1:]])
+    out_path = out_path or (str(Path(report_path).with_suffix(".json")) if report_path else None)
     if threads:
         torch.set_num_threads(threads)
     batches, widths = _ints(batches), _ints(widths)
@@ -565,8 +585,11 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
     cached = save_cached(key, result)
     text = json.dumps(result, indent=2)
     if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         with open(out_path, "w") as fh:
             fh.write(text + "\n")
+    if report_path:
+        write_report(report_path, result, command, out_path)
     if as_json:
         click.echo(text)
     else:
@@ -576,7 +599,8 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
             f"{machine['threads']} threads, {machine['cpu_model']}"
         )
         click.echo(format_table(result))
-    click.echo(f"cached as {cached}" + (f"; wrote {out_path}" if out_path else ""), err=True)
+    wrote = "".join(f"; wrote {path}" for path in (out_path, report_path) if path)
+    click.echo(f"cached as {cached}{wrote}", err=True)
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -156,5 +156,16 @@ def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, m
     _check_grid(printed["draft_step_seconds_by_batch"], ["1", "2"], ["1", "2", "3"])
     assert load_cached(printed["key"]) == printed  # an actor on this machine can reuse it
 
+    report = tmp_path / "docs" / "calibrate-tiny.md"
+    args = ["calibrate", "--pair", "tiny", "--batch", "1", "--widths", "1,2", "--context", "12"]
+    args += ["--runs", "1", "--report", str(report)]
+    monkeypatch.setattr("sys.argv", ["pipeline", *args])  # the command the report records
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    text = report.read_text()
+    written = json.loads((tmp_path / "docs" / "calibrate-tiny.json").read_text())  # beside the report
+    assert "pipeline calibrate --pair tiny" in text and "[calibrate-tiny.json](calibrate-tiny.json)" in text
+    assert "| CPU flags | avx2 " in text and "target pass" in text and written["pair"]["name"] == "tiny"
+
     bad = CliRunner().invoke(main, ["calibrate", "--pair", "tiny", "--widths", "2,4"])
     assert bad.exit_code == 2 and "widths must include 1" in bad.output
