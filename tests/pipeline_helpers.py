@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from pipeline.prompts import PromptBuilder
+from pipeline.job.prompts import PromptBuilder
 from pipeline.storage import Storage
 
 DOCS = [

@@ -25,11 +25,11 @@ from pipeline_helpers import DOCS, check_output, expected_text, job_dict, write_
 from s3_fixtures import TEST_KEY_ID, TEST_SECRET
 
 from pipeline.cli import main
-from pipeline.executor import ACTOR_RESTARTS, run_job
-from pipeline.layout import shard_name, shard_paths
+from pipeline.job.executor import ACTOR_RESTARTS, run_job
+from pipeline.job.layout import shard_name, shard_paths
+from pipeline.job.worker import build_processor
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
-from pipeline.worker import build_processor
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""pipeline.metrics without a Ray cluster: no-op without Ray, and what it records (with fakes)."""
+"""pipeline.cluster.metrics without a Ray cluster: no-op without Ray, and what it records (with fakes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from pipeline import metrics
+from pipeline.cluster import metrics
 
 STATS = {
     "shard": "part-00001",

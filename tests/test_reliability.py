@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from pipeline_helpers import DOCS, job_dict
 
 from pipeline.cli import main
-from pipeline.executor import JobResult, plan, run_job, write_manifest
+from pipeline.job.executor import JobResult, plan, run_job, write_manifest
+from pipeline.job.worker import build_processor
 from pipeline.spec import SpecError, spec_from_dict
 from pipeline.storage import Storage
-from pipeline.worker import build_processor
 
 
 def write_shards(store: Storage, shards: int = 2, rows: int = 2) -> dict[str, bytes]:
