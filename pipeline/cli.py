@@ -575,7 +575,7 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
     try:
         check_settings(batches, widths, context, runs)
         target, draft = resolve_pair(pair)
-        # as a job's actor loads it (pipeline/worker.py with a spec's default models fields)
+        # as a job's actor loads it (pipeline/job/worker.py with a spec's default models fields)
         loaded = load_pair(target, draft, dtype=dtype, device="auto")
         result = measure(loaded, batches, widths, context, runs, pair_name=pair)
     except (ModelError, ValueError) as exc:

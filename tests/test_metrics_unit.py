@@ -71,7 +71,7 @@ def _calls(fakes, name):
 
 def test_import_is_cheap_and_calls_are_noops_without_ray():
     code = (
-        "import sys; from pipeline import metrics; "
+        "import sys; from pipeline.cluster import metrics; "
         "metrics.record_shard({'shard': 'a', 'status': 'ok', 'rows_out': 3}, 'job'); "
         "metrics.record_failure('job', 'a', 'boom'); "
         "assert 'ray' not in sys.modules, 'ray was imported'; print('ok')"
