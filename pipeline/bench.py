@@ -24,11 +24,11 @@ import torch
 from pipeline.decode.costs import predicted_speedup
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.demo_data import CORPORA
+from pipeline.job.prompts import PromptBuilder
+from pipeline.job.worker import eos_ids, pad_id
 from pipeline.models.draft_int8 import loaded_weights
 from pipeline.models.loading import LoadedPair
-from pipeline.prompts import PromptBuilder
 from pipeline.spec import TaskSpec
-from pipeline.worker import eos_ids, pad_id
 
 
 @dataclass

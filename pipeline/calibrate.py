@@ -27,11 +27,11 @@ import torch
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig
+from pipeline.job.worker import pad_id
 from pipeline.machine import CPU_FLAGS, cpu_info, describe_machine
 from pipeline.models import streamed
 from pipeline.models.loading import LoadedPair
 from pipeline.models.pairs import cache_dir
-from pipeline.worker import pad_id
 
 # Bumped when what `measure` records, or how, changes: older cache entries are then ignored.
 CALIBRATION_FORMAT = 1

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from pipeline.lease import DEFAULT_TIMEOUT_MINUTES, LeaseHeld, LeaseLost
+from pipeline.job.lease import DEFAULT_TIMEOUT_MINUTES, LeaseHeld, LeaseLost
 from pipeline.spec import (
     JobSpec,
     SpecError,
@@ -106,8 +106,8 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeo
       pipeline run jobs/summarize.yaml --date 2026-11-22 --address auto
       pipeline run jobs/demo.yaml --run-id 20261123T081500Z   # resume a killed run
     """
-    from pipeline.executor import JobStopped, run_job
-    from pipeline.report import load_stats, print_shard_table
+    from pipeline.job.executor import JobStopped, run_job
+    from pipeline.report.results import load_stats, print_shard_table
 
     spec = _load(spec_path, run_id, date, sets)
     for line in check_context_length(spec):  # cheap (a config file), and it would fail every shard
@@ -179,7 +179,7 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite, progress):
             progress=progress,
         )
         return
-    from pipeline.jobs_api import follow, submit_job
+    from pipeline.cluster.jobs_api import follow, submit_job
 
     job_id = submit_job(address, spec, SPEC_ENV, overwrite)
     click.echo(job_id)
@@ -202,7 +202,7 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite, progress):
 )
 def status(job_id, address):
     """Show a submitted job's state and its shards' progress."""
-    from pipeline.jobs_api import job_status
+    from pipeline.cluster.jobs_api import job_status
 
     info = job_status(address, job_id)
     for key, value in info.items():
@@ -217,7 +217,7 @@ def status(job_id, address):
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 def logs(job_id, address, progress):
     """Follow a submitted job's logs until it ends."""
-    from pipeline.jobs_api import follow
+    from pipeline.cluster.jobs_api import follow
 
     status = follow(address, job_id, progress=sys.stderr.isatty() if progress is None else progress)
     sys.exit(EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED)
@@ -257,12 +257,13 @@ def stats(output_url, as_json, storage_options):
     Exits 1 when the run failed (shards out of attempts, listed) or is not complete (no
     _SUCCESS: still running, or killed), so scripts can trust exit 0.
     """
-    from pipeline.report import print_shard_table, read_failed, read_stats, totals
+    from pipeline.job.layout import is_job_complete, read_failed, read_stats, totals
+    from pipeline.report.results import print_shard_table
     from pipeline.storage import Storage
 
     try:
         store = Storage(output_url, _parse_storage_options(storage_options))
-        shard_stats, failed, complete = read_stats(store), read_failed(store), store.exists("_SUCCESS")
+        shard_stats, failed, complete = read_stats(store), read_failed(store), is_job_complete(store)
     except (StorageError, ValueError) as exc:
         click.echo(f"pipeline stats: {exc}", err=True)
         sys.exit(EXIT_FAILED)
@@ -294,7 +295,7 @@ def stats(output_url, as_json, storage_options):
 @storage_option
 def report(output_url, report_url, reference_column, storage_options):
     """Write an HTML report with figures (α, τ, speedup, γ, throughput, errors, quality)."""
-    from pipeline.html_report import write_report
+    from pipeline.report.html import write_report
 
     options = _parse_storage_options(storage_options)
     try:
@@ -325,7 +326,7 @@ def validate(spec_path, run_id, date, sets, no_models):
 
 def _overwrite_problems(spec: JobSpec) -> list[str]:
     """What `run` would refuse to delete under output.overwrite: files no job of ours wrote."""
-    from pipeline.layout import foreign_files
+    from pipeline.job.layout import foreign_files
     from pipeline.storage import Storage
 
     out = Storage(spec.output.url, spec.output.storage_options)
@@ -574,7 +575,7 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
     try:
         check_settings(batches, widths, context, runs)
         target, draft = resolve_pair(pair)
-        # as a job's actor loads it (pipeline/worker.py with a spec's default models fields)
+        # as a job's actor loads it (pipeline/job/worker.py with a spec's default models fields)
         loaded = load_pair(target, draft, dtype=dtype, device="auto")
         result = measure(loaded, batches, widths, context, runs, pair_name=pair)
     except (ModelError, ValueError) as exc:

@@ -1,12 +1,19 @@
 """Shared by the end-to-end tests: a small corpus with every kind of bad input, a job spec
-for the tiny pair, and the row-by-row check of a job's output against target-only decoding."""
+for the tiny pair, the row-by-row check of a job's output against target-only decoding, clean
+corpora with every row accounted for once, and a killer of model actors."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
+import psutil
 import pyarrow as pa
 import torch
 
-from pipeline.prompts import PromptBuilder
+from pipeline.job.prompts import PromptBuilder
 from pipeline.storage import Storage
 
 DOCS = [
@@ -123,3 +130,53 @@ def check_output(tiny_models, spec, out: Storage, rows_in: int) -> None:
     assert manifest["totals"]["rows_out"] == outputs.num_rows
     assert manifest["models"]["target"]["path"] == spec.models.target.path
     assert out.exists("_SUCCESS")
+
+
+def clean_corpus(store: Storage, shards: int, rows: int) -> set[str]:
+    """`shards` shards of `rows` good documents each; returns every id written."""
+    ids = set()
+    for s in range(shards):
+        shard_ids = [f"s{s}r{r}" for r in range(rows)]
+        texts = [DOCS[(s + r) % 5] for r in range(rows)]
+        store.write_parquet(f"part-{s:03d}.parquet", pa.table({"id": shard_ids, "text": texts}))
+        ids.update(shard_ids)
+    return ids
+
+
+def ids_in(out: Storage, sub: str) -> list:
+    """Every id under outputs/ or errors/, duplicates kept (so the caller can count them)."""
+    return [i for n in out.list(sub) for i in out.read_parquet(n).column("id").to_pylist()]
+
+
+def assert_exactly_once(out: Storage, expected: set[str]) -> None:
+    seen = ids_in(out, "outputs") + [i for i in ids_in(out, "errors") if i is not None]
+    assert len(seen) == len(set(seen)), "a row appears twice"
+    assert set(seen) == expected, f"missing rows: {sorted(expected - set(seen))}"
+
+
+class ActorKiller(threading.Thread):
+    """SIGKILLs model actor processes while they decode a shard (up to `kills` times).
+
+    Ray titles an actor process `ray::ModelWorker.process` while that method runs, so the kill
+    lands mid-shard, never while the actor is idle or loading.
+    """
+
+    def __init__(self, kills: int):
+        super().__init__(daemon=True)
+        self.kills = kills
+        self.killed: list[int] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set() and len(self.killed) < self.kills:
+            for proc in psutil.process_iter(["pid", "cmdline"]):
+                cmdline = " ".join(proc.info["cmdline"] or [])
+                if "ray::ModelWorker.process" in cmdline and proc.pid not in self.killed:
+                    time.sleep(0.2)  # let it get into the shard
+                    try:
+                        os.kill(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    self.killed.append(proc.pid)
+                    break
+            time.sleep(0.05)

@@ -20,8 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-from pipeline_helpers import job_dict
-from test_faults import assert_exactly_once, clean_corpus, ids_in
+from pipeline_helpers import assert_exactly_once, clean_corpus, ids_in, job_dict
 
 from pipeline.storage import Storage
 

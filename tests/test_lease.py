@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from pipeline_helpers import DOCS, job_dict
 
 from pipeline.cli import main
-from pipeline.lease import LEASE_NAME, Lease, LeaseHeld, LeaseLost
+from pipeline.job.lease import LEASE_NAME, Lease, LeaseHeld, LeaseLost
 from pipeline.storage import Storage
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from pipeline_helpers import check_output, job_dict, write_corpus
 
 from pipeline.cli import main
-from pipeline.executor import run_job
+from pipeline.job.executor import run_job
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
 

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from pipeline_helpers import DOCS, job_dict
 
 from pipeline.cli import main
-from pipeline.executor import JobResult, plan, run_job, write_manifest
+from pipeline.job.executor import JobResult, plan, run_job, write_manifest
+from pipeline.job.worker import build_processor
 from pipeline.spec import SpecError, spec_from_dict
 from pipeline.storage import Storage
-from pipeline.worker import build_processor
 
 
 def write_shards(store: Storage, shards: int = 2, rows: int = 2) -> dict[str, bytes]:
@@ -353,12 +353,3 @@ def test_stats_on_s3_errors_cleanly_and_exits_non_zero_unless_complete(processor
     assert bad_option.exit_code == 2 and "expected KEY=VALUE" in bad_option.output
     secret = stats(f"s3://{bucket}/run", "--storage-option", "secret=x", *endpoint)
     assert secret.exit_code == 1 and "must not carry credentials" in secret.output
-
-
-def test_shard_name_collision_names_both_files(tiny_pair_dirs, tmp_path):
-    inp = Storage(str(tmp_path / "in"))
-    inp.write_parquet("a__b.parquet", pa.table({"id": ["x"], "text": ["t"]}))
-    inp.write_parquet("a/b.parquet", pa.table({"id": ["y"], "text": ["t"]}))
-    spec = spec_from_dict(job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out")))
-    with pytest.raises(ValueError, match=r"a/b.parquet and .*a__b.parquet -> a__b"):
-        plan(spec.with_absolute_paths(), overwrite=False)

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from pipeline_helpers import DOCS, job_dict
 
 from pipeline.cli import main
-from pipeline.executor import run_job
-from pipeline.quality import score
+from pipeline.job.executor import run_job
+from pipeline.report.quality import score
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
 

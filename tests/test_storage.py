@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 from s3_fixtures import TEST_KEY_ID, TEST_SECRET
 
-from pipeline import storage as storage_mod
 from pipeline.storage import (
     PermanentStorageError,
     ShardReadError,
@@ -26,9 +25,9 @@ from pipeline.storage import (
     is_transient,
     list_shards,
     open_shard,
-    read_table,
     redact,
 )
+from pipeline.storage import filesystem as storage_mod
 
 TABLE = pa.table({"id": [1, 2, 3], "prompt": ["a", "bb", "ccc"]})
 
@@ -302,8 +301,8 @@ def test_list_shards_prefix_glob_and_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert list_shards("data") == expected
     for url in expected + [f"file://{expected[0]}"]:
-        assert read_table(url).equals(TABLE)
-    assert read_table(expected[0], columns=["id"]).column_names == ["id"]
+        assert Storage(url).read_parquet("").equals(TABLE)
+    assert Storage(expected[0]).read_parquet("", columns=["id"]).column_names == ["id"]
     pf = open_shard(expected[0])
     assert pf.metadata.num_rows == 3
     with pytest.raises(StorageNotFoundError, match="no Parquet shards under .*empty"):
@@ -325,7 +324,7 @@ def test_list_shards_s3_and_memory(s3_server):
         assert list_shards(f"{base}/*.parquet") == [f"{base}/1.parquet"]
         assert list_shards(f"{base}/**/*.parquet") == shards
         for url in shards:
-            assert read_table(url).equals(TABLE)
+            assert Storage(url).read_parquet("").equals(TABLE)
         # a prefix that is only a string prefix of the real one does not match
         with pytest.raises(StorageNotFoundError, match="no Parquet shards"):
             list_shards(base[:-1])
@@ -343,7 +342,11 @@ def test_corrupt_shard_raises_shard_read_error(store, content):
         content = sink.getvalue().to_pybytes()[:-12]
     store.write_bytes("bad.parquet", content)
     url = store.url_for("bad.parquet")
-    for read in (lambda: store.read_parquet("bad.parquet"), lambda: read_table(url), lambda: open_shard(url)):
+    for read in (
+        lambda: store.read_parquet("bad.parquet"),
+        lambda: Storage(url).read_parquet(""),
+        lambda: open_shard(url),
+    ):
         with pytest.raises(ShardReadError) as info:
             read()
         msg = str(info.value)
@@ -398,7 +401,7 @@ def test_transient_faults_are_absorbed(faulty_s3, fast_retries):
         st.write_json(f"part-{i}.json", {"i": i})
     assert st.list(suffix=".parquet") == [f"part-{i}.parquet" for i in range(3)]
     for url in list_shards(st.url, faulty_s3.storage_options):
-        assert read_table(url, storage_options=faulty_s3.storage_options).equals(TABLE)
+        assert Storage(url, faulty_s3.storage_options).read_parquet("").equals(TABLE)
     assert st.read_json("part-2.json") == {"i": 2}
     faulty_s3.set_fault_rate(0.0)
     assert faulty_s3.injected > 0, faulty_s3.injected_by_kind
@@ -459,7 +462,7 @@ def test_weed_round_trip_and_bad_credentials(weed_s3, monkeypatch):
     st = Storage(f"s3://{bucket}/x", weed_s3.storage_options)
     st.write_parquet("a.parquet", TABLE)
     assert list_shards(st.url, weed_s3.storage_options) == [f"s3://{bucket}/x/a.parquet"]
-    assert read_table(f"s3://{bucket}/x/a.parquet", storage_options=weed_s3.storage_options).equals(TABLE)
+    assert Storage(f"s3://{bucket}/x/a.parquet", weed_s3.storage_options).read_parquet("").equals(TABLE)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-5b7d")
     bad = Storage(f"s3://{bucket}/x", weed_s3.storage_options)
     t0 = time.monotonic()

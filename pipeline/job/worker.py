@@ -15,8 +15,8 @@ from pipeline.spec import JobSpec
 
 if TYPE_CHECKING:  # the driver imports this module for ModelWorker: torch loads in the actor only
     from pipeline.decode.engine import SpeculativeEngine
+    from pipeline.job.shard import ShardProcessor
     from pipeline.models.pairs import ModelRef
-    from pipeline.shard import ShardProcessor
 
 # The start-up calibration: passes of 1 to 16 tokens over a few hundred cached ones (a few
 # seconds for the 1.5B target on 2 cores); wider passes are learned as the job runs.
@@ -61,8 +61,8 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     import transformers
 
     from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+    from pipeline.job.shard import ShardProcessor
     from pipeline.models.loading import load_pair
-    from pipeline.shard import ShardProcessor
 
     target_ref, draft_ref = model_refs(spec)
     # Load bars, one line per refresh per actor, would drown the driver's own progress.

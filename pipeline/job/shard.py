@@ -21,9 +21,9 @@ import torch
 from pipeline.decode.costs import alpha_from_tau, predicted_speedup
 from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
-from pipeline.ids import id_key
-from pipeline.layout import shard_paths
-from pipeline.prompts import OverlongDocument, PromptBuilder
+from pipeline.job.ids import id_key
+from pipeline.job.layout import row_tau, shard_paths
+from pipeline.job.prompts import OverlongDocument, PromptBuilder
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
 
@@ -102,7 +102,7 @@ class ShardProcessor:
         `input_schema` is the job's (the executor's `job_input_schema`): the id and kept columns
         get its types, so every outputs file of a job has one schema. Without it the shard's
         own types are used. `duplicates` maps the ids (as text) that earlier shards hold to
-        the shard holding each (pipeline.ids): those rows are `duplicate_id` errors here.
+        the shard holding each (pipeline.job.ids): those rows are `duplicate_id` errors here.
         """
         started = time.time()
         self.oom_splits = 0
@@ -329,7 +329,7 @@ class ShardProcessor:
             for i, (b, _), (s, _) in zip(picked, base_out, spec_out)
         )
         row_passes = sum(out.stats.target_passes for out, _ in spec_out)
-        tau = spec.new_tokens / row_passes if row_passes else 0.0
+        tau = row_tau(spec.new_tokens, row_passes)
         # c: the measured cost of a draft step over a 1-token target pass
         c = self.engine.cost_ratio(min(len(sample), self.spec.execution.batch_size)) or 0.0
         per_pass = spec.draft_passes / spec.target_passes if spec.target_passes else 0.0
@@ -356,7 +356,7 @@ class ShardProcessor:
         """Per-shard statistics. Row-level tau counts a batched pass once per row in it."""
         outs = [o for o, _ in decoded]
         row_passes = sum(o.stats.target_passes for o in outs)
-        tau = totals.new_tokens / row_passes if row_passes else 0.0
+        tau = row_tau(totals.new_tokens, row_passes)
         mean_gamma = sum(o.stats.gamma_sum for o in outs) / max(row_passes - len(outs), 1)
         reasons = Counter(e["reason"] for e in errors)
         return {

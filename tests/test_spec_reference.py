@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from pipeline.spec import JobSpec
-from pipeline.spec_doc import END, START, main, render_spec_reference
+from pipeline.spec.reference import END, START, main, render_spec_reference
 
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "spec-reference.md"
 
@@ -40,7 +40,7 @@ def test_reference_is_up_to_date() -> None:
     section = text.split(START, 1)[1].split(END, 1)[0]
     assert section == "\n" + render_spec_reference(), (
         "docs/spec-reference.md is out of date: "
-        "run `python -m pipeline.spec_doc --write docs/spec-reference.md`"
+        "run `python -m pipeline.spec.reference --write docs/spec-reference.md`"
     )
 
 

@@ -1,99 +1,43 @@
-"""The YAML job spec: schema, loading, placeholder rendering and readable validation errors.
+"""The job spec's schema: pydantic models with strict types, where unknown keys are errors.
 
 A job spec describes one batch run: where the Parquet shards come from, what to ask the model,
 how to decode, which target/draft models to use, how to spread the work over Ray actors and
-where to write the results. It is validated with pydantic (strict types, unknown keys are
-errors) and every problem is reported as one line ``<dotted.field.path>: <what is wrong>``.
-
-Entry points: :func:`load_spec` (a YAML file), :func:`spec_from_dict` (an already parsed
-mapping), :func:`parse_overrides` (``KEY=VALUE`` strings from the command line) and
-:func:`check_models_reachable` (an optional, slower check that loads tokenizers).
+where to write the results. Cross-field rules (placeholders, overlapping input and output,
+credentials) are checked here too; loading a spec from YAML and turning validation errors into
+readable lines is `pipeline.spec.loading`.
 """
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
-import difflib
-import json
 import os
 import posixpath
 import re
 import string
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import annotated_types
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticCustomError
 
-__all__ = [
-    "SpecError",
-    "JobSpec",
-    "InputSpec",
-    "TaskSpec",
-    "GenerationSpec",
-    "ModelRefSpec",
-    "ModelsSpec",
-    "DrafterSpec",
-    "ExecutionSpec",
-    "OutputSpec",
-    "DEFAULT_TEMPLATES",
-    "load_spec",
-    "spec_from_dict",
-    "parse_overrides",
-    "check_models_reachable",
-    "check_context_length",
-    "new_run_id",
-    "today_utc",
-]
+from pipeline.spec.errors import rule_error
+from pipeline.storage.secrets import CREDENTIALS_HINT, find_credentials, has_userinfo, redact_options
+from pipeline.storage.urls import GLOB_CHARS, split_scheme
 
 # --------------------------------------------------------------------------------------------
-# errors
-
-
-class SpecError(Exception):
-    """An invalid job spec. ``errors`` holds one line per problem: ``<field.path>: <message>``."""
-
-    def __init__(self, errors: list[str] | str, source: str | None = None):
-        if isinstance(errors, str):
-            errors = [errors]
-        self.errors: list[str] = list(errors)
-        self.source: str = source if source is not None else "<dict>"
-        # keep args picklable (Ray ships exceptions between processes)
-        super().__init__(self.errors, self.source)
-
-    def __str__(self) -> str:
-        if not self.errors:
-            return f"{self.source}: invalid job spec"
-        return "\n".join(f"{self.source}: {line}" for line in self.errors)
-
-
-def _rule_error(field: str, message: str) -> PydanticCustomError:
-    """A validation error attributed to an explicit dotted field path (for cross-field rules)."""
-    return PydanticCustomError("spec_rule", "{message}", {"field": field, "message": message})
-
-
-# --------------------------------------------------------------------------------------------
-# helpers: run ids, dates, URLs, credentials
+# helpers: run ids, dates, URLs
 
 SUPPORTED_SCHEMES = ("s3", "file", "memory")
-_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")
-_GLOB_CHARS = "*?["
 _NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
 _NAME_RE = re.compile(_NAME_PATTERN)
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
@@ -101,31 +45,6 @@ _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 INPUT_PLACEHOLDERS = ("date", "run_id")
 OUTPUT_PLACEHOLDERS = ("date", "run_id", "name")
-
-# storage_options keys that carry credentials (compared case-insensitively, at any nesting level)
-_CREDENTIAL_KEYS = frozenset(
-    {
-        "key",
-        "secret",
-        "token",
-        "password",
-        "passwd",
-        "access_key",
-        "secret_key",
-        "session_token",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "account_key",
-        "sas_token",
-        "credentials",
-    }
-)
-_CREDENTIAL_SUBSTRINGS = ("secret", "password", "passwd", "token", "credential", "access_key", "private_key")
-_CREDENTIALS_HINT = (
-    "credentials come only from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-    "AWS_SESSION_TOKEN, AWS_PROFILE) or the standard AWS config files, never from the job spec"
-)
 
 
 def new_run_id(now: dt.datetime | None = None) -> str:
@@ -137,45 +56,6 @@ def new_run_id(now: dt.datetime | None = None) -> str:
 def today_utc() -> str:
     """Today's date in UTC as ``YYYY-MM-DD``."""
     return dt.datetime.now(dt.timezone.utc).date().isoformat()
-
-
-def _split_scheme(url: str) -> tuple[str | None, str]:
-    """``("s3", "bucket/key")`` for URLs, ``(None, path)`` for plain local paths."""
-    m = _SCHEME_RE.match(url)
-    if not m:
-        return None, url
-    return m.group(1), url[m.end() :]
-
-
-def _is_credential_key(key: str) -> bool:
-    k = key.lower()
-    return k in _CREDENTIAL_KEYS or any(s in k for s in _CREDENTIAL_SUBSTRINGS)
-
-
-def _find_credentials(obj: Any, prefix: str = "") -> list[str]:
-    """Dotted names of credential-looking keys (and URLs with user:password@) anywhere in obj."""
-    found: list[str] = []
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            name = f"{prefix}{k}"
-            if isinstance(k, str) and _is_credential_key(k):
-                found.append(name)
-            else:
-                found.extend(_find_credentials(v, name + "."))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            found.extend(_find_credentials(v, f"{prefix}[{i}]."))
-    elif isinstance(obj, str) and _has_userinfo(obj):
-        found.append(prefix.rstrip(".") or "<value>")
-    return found
-
-
-def _has_userinfo(url: str) -> bool:
-    scheme, rest = _split_scheme(url)
-    if scheme is None:
-        return False
-    authority = rest.split("/", 1)[0]
-    return "@" in authority
 
 
 def _check_placeholders_rendered(url: str, supported: tuple[str, ...]) -> None:
@@ -194,13 +74,13 @@ def _check_url(url: str) -> None:
     """Scheme and shape checks shared by input.url and output.url (after rendering)."""
     if url != url.strip():
         raise ValueError(f"must not start or end with whitespace, got {url!r}")
-    scheme, rest = _split_scheme(url)
+    scheme, rest = split_scheme(url)
     if scheme is not None and scheme not in SUPPORTED_SCHEMES:
         raise ValueError(
             f"unsupported URL scheme {scheme!r} (expected s3://, file://, memory:// or a local path)"
         )
-    if _has_userinfo(url):
-        raise ValueError(f"credentials must not be embedded in URLs; {_CREDENTIALS_HINT}")
+    if has_userinfo(url):
+        raise ValueError(f"credentials must not be embedded in URLs; {CREDENTIALS_HINT}")
     if scheme in ("s3", "memory") and not rest.split("/", 1)[0]:
         what = "a bucket" if scheme == "s3" else "a path"
         raise ValueError(f"expected {what} after {scheme}://, got {url!r}")
@@ -209,7 +89,7 @@ def _check_url(url: str) -> None:
 
 
 def _path_segments(url: str) -> list[str]:
-    _, rest = _split_scheme(url)
+    _, rest = split_scheme(url)
     return re.split(r"[/\\]+", rest)
 
 
@@ -219,7 +99,7 @@ def _normalized_location(url: str) -> tuple[str, str]:
     Local paths (plain, relative or file://) are resolved through symlinks: a link to the
     input directory is the input directory, and writing through it would replace the corpus.
     """
-    scheme, rest = _split_scheme(url)
+    scheme, rest = split_scheme(url)
     if scheme in (None, "file"):
         return "file", os.path.realpath(os.path.expanduser(rest))
     return scheme, posixpath.normpath("/" + rest.strip("/"))
@@ -227,13 +107,13 @@ def _normalized_location(url: str) -> tuple[str, str]:
 
 def _input_base(url: str) -> str:
     """The directory an input URL covers: the URL itself, or for a glob the folder before it."""
-    cut = min((url.find(c) for c in _GLOB_CHARS if c in url), default=-1)
+    cut = min((url.find(c) for c in GLOB_CHARS if c in url), default=-1)
     if cut < 0:
         return url
     head = url[:cut]
     if head.endswith("/"):
         return head
-    scheme, rest = _split_scheme(head)
+    scheme, rest = split_scheme(head)
     parent = posixpath.dirname(rest)
     return f"{scheme}://{parent}" if scheme else (parent or ".")
 
@@ -279,16 +159,16 @@ StorageOptions = dict[str, Any]
 _STORAGE_DESCRIPTION = (
     "Extra fsspec/s3fs options, e.g. endpoint_url, profile, region_name, anon, client_kwargs, "
     "config_kwargs. Credential keys (key, secret, token, password, aws_*_key*, ...) are rejected: "
-    + _CREDENTIALS_HINT
+    + CREDENTIALS_HINT
     + "."
 )
 
 
 def _validate_storage_options(value: dict[str, Any]) -> dict[str, Any]:
-    found = _find_credentials(value)
+    found = find_credentials(value)
     if found:
         keys = ", ".join(repr(k) for k in found)
-        raise ValueError(f"credential keys are not allowed (found {keys}); {_CREDENTIALS_HINT}")
+        raise ValueError(f"credential keys are not allowed (found {keys}); {CREDENTIALS_HINT}")
     return value
 
 
@@ -326,7 +206,7 @@ class InputSpec(_Section):
     @property
     def is_glob(self) -> bool:
         """True when ``url`` is a glob pattern rather than a prefix."""
-        return any(c in self.url for c in _GLOB_CHARS)
+        return any(c in self.url for c in GLOB_CHARS)
 
 
 DEFAULT_TEMPLATES: dict[str, str] = {
@@ -415,9 +295,9 @@ class TaskSpec(_Section):
         if self.kind == "translate":
             missing = [f for f in ("source_language", "target_language") if getattr(self, f) is None]
             if missing:
-                raise _rule_error(f"task.{missing[0]}", "required when task.kind is 'translate'")
+                raise rule_error(f"task.{missing[0]}", "required when task.kind is 'translate'")
         if self.kind == "custom" and self.template is None:
-            raise _rule_error("task.template", "required when task.kind is 'custom' (must contain {text})")
+            raise rule_error("task.template", "required when task.kind is 'custom' (must contain {text})")
         return self
 
     def prompt_template(self) -> str:
@@ -465,7 +345,7 @@ class ModelRefSpec(_Section):
     @field_validator("path")
     @classmethod
     def _path(cls, v: str) -> str:
-        scheme, rest = _split_scheme(v)
+        scheme, rest = split_scheme(v)
         if scheme is not None and scheme != "file":
             raise ValueError(
                 f"unsupported model location scheme {scheme!r} "
@@ -531,11 +411,11 @@ class ModelsSpec(_Section):
     @model_validator(mode="after")
     def _pair_xor_paths(self) -> ModelsSpec:
         if self.pair is not None and (self.target is not None or self.draft is not None):
-            raise _rule_error("models", "give either 'pair' or 'target'/'draft', not both")
+            raise rule_error("models", "give either 'pair' or 'target'/'draft', not both")
         if self.pair is None and self.target is None:
             if self.draft is not None:
-                raise _rule_error("models.target", "required when 'draft' is given (or use 'pair')")
-            raise _rule_error(
+                raise rule_error("models.target", "required when 'draft' is given (or use 'pair')")
+            raise rule_error(
                 "models",
                 "expected either 'pair' (a named pair from configs/models.yaml) or 'target' and 'draft'",
             )
@@ -630,7 +510,7 @@ class OutputSpec(_Section):
         _check_url(v)
         if ".." in _path_segments(v):
             raise ValueError(f"must not contain '..' path segments, got {v!r}")
-        if any(c in v for c in _GLOB_CHARS):
+        if any(c in v for c in GLOB_CHARS):
             raise ValueError(f"must be a prefix, not a glob, got {v!r}")
         return v
 
@@ -687,7 +567,7 @@ class JobSpec(_Section):
         models = info.data.get("models")
         if models is not None and models.pair is None and models.draft is None:
             if v.kind in ("auto", "draft_model"):
-                raise _rule_error(
+                raise rule_error(
                     "models.draft",
                     f"required when drafter.kind is {v.kind!r} (give models.draft or models.pair, "
                     "or set drafter.kind to prompt_lookup or none)",
@@ -699,7 +579,7 @@ class JobSpec(_Section):
     def _gpu_for_cuda(cls, v: ExecutionSpec, info: ValidationInfo) -> ExecutionSpec:
         models = info.data.get("models")
         if models is not None and models.device == "cuda" and v.num_gpus == 0:
-            raise _rule_error(
+            raise rule_error(
                 "execution.num_gpus",
                 "must be > 0 when models.device is 'cuda' (Ray only gives GPUs to actors that request them)",
             )
@@ -713,7 +593,7 @@ class JobSpec(_Section):
         --overwrite. Both directions are refused, after resolving symlinks and relative paths."""
         inp = info.data.get("input")
         if inp is not None and _overlaps(v.url, _input_base(inp.url)):
-            raise _rule_error(
+            raise rule_error(
                 "output.url",
                 f"must not be, contain or be inside the input location {inp.url!r}: the job would "
                 "read its own outputs as input or overwrite the input shards",
@@ -745,7 +625,7 @@ class JobSpec(_Section):
         """
         data = self.model_dump(mode="json")
         for section in ("input", "output"):
-            data[section]["storage_options"] = _redact(data[section]["storage_options"])
+            data[section]["storage_options"] = redact_options(data[section]["storage_options"])
         return data
 
     def with_absolute_paths(self, cwd: str | os.PathLike | None = None) -> JobSpec:
@@ -760,7 +640,7 @@ class JobSpec(_Section):
             return p if os.path.isabs(p) else os.path.normpath(os.path.join(base, p))
 
         def fix_url(url: str) -> str:
-            scheme, rest = _split_scheme(url)
+            scheme, rest = split_scheme(url)
             if scheme is None:
                 return absolute(rest) + ("/" if url.endswith("/") else "")
             if scheme == "file":
@@ -770,7 +650,7 @@ class JobSpec(_Section):
         def fix_model(ref: ModelRefSpec | None) -> ModelRefSpec | None:
             if ref is None:
                 return None
-            scheme, rest = _split_scheme(ref.path)
+            scheme, rest = split_scheme(ref.path)
             if scheme == "file":
                 return ref.model_copy(update={"path": "file://" + absolute(rest)})
             if ref.path.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.join(base, ref.path)):
@@ -790,7 +670,7 @@ class JobSpec(_Section):
 
 
 # --------------------------------------------------------------------------------------------
-# rendering, overrides, redaction
+# rendering
 
 
 def _render_urls(data: Mapping[str, Any], *, run_id: str, date: str) -> dict[str, Any]:
@@ -811,377 +691,3 @@ def _render_urls(data: Mapping[str, Any], *, run_id: str, date: str) -> dict[str
 
         data[section] = {**sec, "url": _PLACEHOLDER_RE.sub(sub, sec["url"])}
     return data
-
-
-def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> list[str]:
-    """Set dotted keys in data (in place); returns error lines for paths that cannot be set."""
-    errors: list[str] = []
-    for dotted, value in overrides.items():
-        parts = str(dotted).split(".")
-        if not all(parts):
-            errors.append(f"{dotted}: invalid override key (expected dotted.field.path)")
-            continue
-        node: Any = data
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                errors.append(f"{'.'.join(parts[: i + 1])}: cannot apply override {dotted!r}: not a mapping")
-                break
-            node = child
-        else:
-            node[parts[-1]] = copy.deepcopy(value)
-    return errors
-
-
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """Parse ``KEY=VALUE`` strings (e.g. from ``--set``) into an overrides dict for load_spec.
-
-    VALUE is read as a YAML scalar/flow value (``64`` -> int, ``false`` -> bool, ``[a, b]`` -> list,
-    ``null`` -> None); dates and timestamps stay strings. Raises SpecError on malformed items.
-    """
-    out: dict[str, Any] = {}
-    errors: list[str] = []
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            errors.append(f"{item or '<empty>'}: expected KEY=VALUE (e.g. generation.max_new_tokens=64)")
-            continue
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, (dt.date, dt.datetime)):
-            value = raw.strip()
-        out[key] = value
-    if errors:
-        raise SpecError(errors, "<overrides>")
-    return out
-
-
-def _redact(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: ("<redacted>" if _is_credential_key(str(k)) else _redact(v)) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_redact(v) for v in obj]
-    return obj
-
-
-# --------------------------------------------------------------------------------------------
-# error formatting
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        m = _model_of(arg)
-        if m is not None:
-            return m
-    return None
-
-
-def _resolve(loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, FieldInfo | None]:
-    """The model class at loc (if loc names a section) and the FieldInfo of its last part."""
-    model: type[BaseModel] | None = JobSpec
-    info: FieldInfo | None = None
-    for part in loc:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
-            return None, None
-        info = model.model_fields[part]
-        model = _model_of(info.annotation)
-    return model, info
-
-
-def _format_loc(loc: Iterable[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _bounds(info: FieldInfo | None) -> str:
-    if info is None:
-        return ""
-    parts = []
-    for meta in info.metadata:
-        for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-            value = getattr(meta, attr, None)
-            if isinstance(meta, annotated_types.BaseMetadata) and value is not None:
-                parts.append(f"{op} {value}")
-    return (" " + " and ".join(parts)) if parts else ""
-
-
-def _is_int_field(info: FieldInfo | None) -> bool:
-    if info is None:
-        return False
-    ann = info.annotation
-    return ann is int or int in typing.get_args(ann)
-
-
-_TYPE_WORDS = {
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "int_from_float": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "finite_number": "a finite number",
-    "bool_type": "a boolean (true or false)",
-    "bool_parsing": "a boolean (true or false)",
-    "string_type": "a string",
-    "dict_type": "a mapping",
-    "model_type": "a mapping",
-    "model_attributes_type": "a mapping",
-    "list_type": "a list",
-}
-_PATTERN_WORDS = {
-    _NAME_PATTERN: "letters, digits, '_', '.' or '-' (not starting with '.' or '-')",
-}
-_BOUND_TYPES = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of"}
-
-
-def _describe(err: Mapping[str, Any]) -> str:
-    loc = tuple(err.get("loc", ()))
-    typ = err.get("type", "")
-    ctx = err.get("ctx") or {}
-    value = err.get("input")
-    path = _format_loc(loc)
-
-    if typ == "spec_rule":
-        return f"{ctx.get('field') or path or '(top level)'}: {ctx.get('message', err.get('msg', ''))}"
-    if typ == "extra_forbidden":
-        parent = loc[:-1]
-        key = str(loc[-1]) if loc else "?"
-        model, _ = _resolve(parent) if parent else (JobSpec, None)
-        msg = f"unknown key {key!r}"
-        if model is not None:
-            allowed = list(model.model_fields)
-            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-            msg += f" (did you mean {close[0]!r}?)" if close else f" (expected one of: {', '.join(allowed)})"
-        return f"{_format_loc(parent) or '(top level)'}: {msg}"
-    if typ == "missing":
-        return f"{path}: required field is missing"
-
-    _, info = _resolve(loc)
-    if typ in _TYPE_WORDS:
-        what = _TYPE_WORDS[typ]
-        if typ.startswith(("int_", "float_")) or typ == "finite_number":
-            what += _bounds(info)
-        return f"{path}: expected {what}, got {_show(value)}"
-    if typ in _BOUND_TYPES:
-        what = "an integer" if _is_int_field(info) else "a number"
-        return f"{path}: expected {what}{_bounds(info)}, got {_show(value)}"
-    if typ == "literal_error":
-        return f"{path}: expected one of {ctx.get('expected')}, got {_show(value)}"
-    if typ == "string_too_short":
-        return f"{path}: must not be empty"
-    if typ == "string_too_long":
-        return f"{path}: expected at most {ctx.get('max_length')} characters"
-    if typ == "string_pattern_mismatch":
-        pattern = ctx.get("pattern")
-        what = _PATTERN_WORDS.get(pattern, f"a string matching {pattern}")
-        return f"{path}: expected {what}, got {_show(value)}"
-    if typ in ("value_error", "assertion_error") and "error" in ctx:
-        return f"{path}: {ctx['error']}"
-    msg = str(err.get("msg", "invalid value"))
-    return f"{path or '(top level)'}: {msg[:1].lower() + msg[1:]}"
-
-
-def _format_errors(exc: ValidationError) -> list[str]:
-    lines: list[str] = []
-    for err in exc.errors(include_url=False):
-        line = _describe(err)
-        if line not in lines:
-            lines.append(line)
-    return lines
-
-
-# --------------------------------------------------------------------------------------------
-# loading
-
-
-def _check_context(run_id: str | None, date: str | dt.date | None) -> tuple[str, str, list[str]]:
-    errors: list[str] = []
-    if isinstance(date, dt.datetime):
-        date = date.date()
-    if isinstance(date, dt.date):
-        date = date.isoformat()
-    if date is None:
-        date = today_utc()
-    elif not (isinstance(date, str) and _DATE_RE.match(date)):
-        errors.append(f"date: expected YYYY-MM-DD, got {_show(date)}")
-    else:
-        try:
-            dt.date.fromisoformat(date)
-        except ValueError:
-            errors.append(f"date: not a valid calendar date, got {date!r}")
-    if run_id is None:
-        run_id = new_run_id()
-    elif not (isinstance(run_id, str) and _RUN_ID_RE.match(run_id)):
-        errors.append(
-            f"run_id: expected 1-128 letters, digits, '_', '.' or '-' (not starting with '.' or '-'), "
-            f"got {_show(run_id)}"
-        )
-    return str(run_id), str(date), errors
-
-
-def spec_from_dict(
-    data: Any,
-    *,
-    source: str = "<dict>",
-    run_id: str | None = None,
-    date: str | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> JobSpec:
-    """Validate a parsed spec mapping; render placeholders; raise SpecError listing every problem."""
-    run_id, date, errors = _check_context(run_id, date)
-    if errors:
-        raise SpecError(errors, source)
-    if not isinstance(data, Mapping):
-        got = "an empty document" if data is None else _show(data)
-        sections = ", ".join(JobSpec.model_fields)
-        raise SpecError([f"(top level): expected a mapping with keys {sections}; got {got}"], source)
-    data = copy.deepcopy(dict(data))
-    if overrides:
-        errors = _apply_overrides(data, overrides)
-        if errors:
-            raise SpecError(errors, source)
-    try:
-        return JobSpec.model_validate(data, context={"run_id": run_id, "date": date, "source": source})
-    except ValidationError as exc:
-        raise SpecError(_format_errors(exc), source) from None
-
-
-def load_spec(
-    path: str | os.PathLike[str],
-    *,
-    run_id: str | None = None,
-    date: str | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> JobSpec:
-    """Read a YAML job spec (yaml.safe_load), apply dotted overrides, render, validate.
-
-    Placeholders {date} (default: today, UTC) and {run_id} (default: a new timestamp id) are
-    rendered in input.url and output.url; output.url also supports {name}. Any problem (unreadable
-    file, YAML syntax, schema) raises SpecError with one line per problem.
-    """
-    source = os.fspath(path)
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError([f"(file): cannot read spec: {exc}"], source) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
-        problem = getattr(exc, "problem", None) or str(exc)
-        context = getattr(exc, "context", None)
-        detail = f"{context}, {problem}" if context else problem
-        raise SpecError([f"(yaml): syntax error at {where}: {detail}"], source) from None
-    return spec_from_dict(data, source=source, run_id=run_id, date=date, overrides=overrides)
-
-
-# --------------------------------------------------------------------------------------------
-# optional slow check
-
-
-def check_models_reachable(spec: JobSpec) -> list[str]:
-    """Check that local target and draft share a tokenizer; returns error lines ([] when fine).
-
-    Only pairs where both models are existing local directories are checked (hub ids, missing
-    directories and unknown named pairs are skipped). Loads tokenizers, not weights.
-    """
-    if spec.drafter.kind in ("none", "prompt_lookup"):
-        return []
-    pair = False
-    if spec.models.pair is not None:
-        try:
-            from pipeline.models.pairs import resolve_pair
-
-            target_ref, draft_ref = resolve_pair(spec.models.pair)
-        except (ImportError, KeyError, OSError, ValueError):
-            # unknown pair, not installed, loader not available: nothing local to compare
-            return []
-        if target_ref is None or draft_ref is None:
-            return []
-        target_path, draft_path = str(target_ref.path), str(draft_ref.path)
-        pair = True
-    elif spec.models.target is not None and spec.models.draft is not None:
-        target_path, draft_path = spec.models.target.path, spec.models.draft.path
-    else:
-        return []
-    target_dir, draft_dir = _local_model_dir(target_path), _local_model_dir(draft_path)
-    if target_dir is None or draft_dir is None:
-        return []
-
-    from transformers import AutoTokenizer
-
-    vocabs: dict[str, dict[str, int]] = {}
-    for role, d in (("target", target_dir), ("draft", draft_dir)):
-        try:
-            tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=spec.models.trust_remote_code)
-            vocabs[role] = dict(tok.get_vocab())
-        except Exception as exc:  # noqa: BLE001 - any loading failure is reported, not raised
-            where = "models.pair" if pair else f"models.{role}"
-            return [f"{where}: cannot load the {role} tokenizer from {d}: {type(exc).__name__}: {exc}"]
-    t, d = vocabs["target"], vocabs["draft"]
-    if t == d:
-        return []
-    differing = sum(1 for k in t.keys() | d.keys() if t.get(k) != d.get(k))
-    return [
-        f"models.draft: tokenizer of {draft_path} does not match target {target_path} "
-        f"(vocab sizes {len(d)} vs {len(t)}, {differing} differing tokens)"
-    ]
-
-
-def check_context_length(spec: JobSpec) -> list[str]:
-    """generation.max_new_tokens against the target's context window; error lines ([] when fine).
-
-    The engine keeps max_new_tokens free in the context and cuts the prompt to the rest, so a
-    max_new_tokens that leaves no room for a single prompt token fails every row of every shard,
-    after the retries. It is read from the target's config.json (no weights loaded); targets
-    without a local config (hub ids, GGUF files, pairs not installed) are not checked.
-    """
-    target_path = spec.models.target.path if spec.models.target is not None else None
-    if spec.models.pair is not None:
-        try:
-            from pipeline.models.pairs import resolve_pair
-
-            target_path = str(resolve_pair(spec.models.pair)[0].path)
-        except (ImportError, KeyError, OSError, ValueError):
-            return []
-    target_dir = _local_model_dir(target_path) if target_path else None
-    config_file = target_dir / "config.json" if target_dir is not None else None
-    if config_file is None or not config_file.is_file():
-        return []
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return []  # the loader reports a broken config with its own error
-    context = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    wanted = spec.generation.max_new_tokens
-    if not isinstance(context, int) or wanted < context:
-        return []
-    return [
-        f"generation.max_new_tokens: {wanted} does not fit the target's context of {context} tokens "
-        f"({config_file}: max_position_embeddings), which must also hold the prompt; at most {context - 1}"
-    ]

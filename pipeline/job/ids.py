@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 from pipeline.storage import ShardReadError, Storage
 
 PARTITION_ROWS = 4_000_000
+DUPS_DIR = "_ids/dups"
 DUPS_SCHEMA = pa.schema([("shard", pa.string()), ("id", pa.string()), ("kept_in", pa.string())])
 
 
@@ -89,5 +90,19 @@ def reduce_ids(part: int, parts: int, names: list[str], output: Storage) -> int:
         },
         schema=DUPS_SCHEMA,
     )
-    output.write_parquet(f"_ids/dups/p-{part:05d}.parquet", dups)
+    output.write_parquet(f"{DUPS_DIR}/p-{part:05d}.parquet", dups)
     return dups.num_rows
+
+
+def clear_duplicates(output: Storage) -> None:
+    """Delete the reduce files of an earlier run (which may have used more partitions)."""
+    output.delete_prefix(DUPS_DIR)
+
+
+def read_duplicates(output: Storage) -> dict[str, dict[str, str]]:
+    """{shard: {id: shard holding it}} from the reduce files."""
+    duplicates: dict[str, dict[str, str]] = {}
+    for file in output.list(DUPS_DIR, suffix=".parquet"):
+        for row in output.read_parquet(file).to_pylist():
+            duplicates.setdefault(row["shard"], {})[row["id"]] = row["kept_in"]
+    return duplicates

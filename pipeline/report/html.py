@@ -13,10 +13,11 @@ import datetime as dt
 
 import jinja2
 
-from pipeline.figures import RUN_FIGURES, Figure, error_counts
-from pipeline.figures import quality as quality_figure
-from pipeline.quality import QualityScores, score
-from pipeline.report import RunData, load_run, totals
+from pipeline.job.layout import REPORT_DIR, totals
+from pipeline.report.figures import RUN_FIGURES, Figure, error_counts
+from pipeline.report.figures import quality as quality_figure
+from pipeline.report.quality import QualityScores, score
+from pipeline.report.results import RunData, load_run
 from pipeline.storage import Storage
 
 
@@ -71,7 +72,7 @@ def write_report(
     if report_url:
         out = Storage(report_url, storage_options)
     else:
-        out = Storage(output_url, storage_options).child("report")
+        out = Storage(output_url, storage_options).child(REPORT_DIR)
     for figure in figures:
         out.write_bytes(f"figures/{figure.name}.png", figure.png)
     manifest = run.manifest or {}

@@ -4,7 +4,7 @@ Plain Ray Core rather than Ray Data: one task per shard keeps "one input shard -
 one errors and one stats file" exact, makes a shard the unit of retry, and streams (the driver
 only ever holds shard names and small stats dicts, never rows).
 
-Ray dashboard metrics (`pipeline.metrics`) are recorded here, from each shard's stats as it
+Ray dashboard metrics (`pipeline.cluster.metrics`) are recorded here, from each shard's stats as it
 comes back: the driver lives for the whole job, so the last shard's counts are still exported
 after the actors are gone, and a retried shard is counted once.
 """
@@ -23,16 +23,28 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 import pipeline
-from pipeline import metrics
-from pipeline.fingerprint import check_resume, fingerprint
-from pipeline.ids import map_ids, partitions, reduce_ids
-from pipeline.layout import clear_job_output, foreign_files, is_complete, shard_name, shard_paths
-from pipeline.lease import DEFAULT_TIMEOUT_MINUTES, Lease
-from pipeline.progress import ShardProgress
-from pipeline.report import read_stats
+from pipeline.cluster import metrics
+from pipeline.job.fingerprint import check_resume, fingerprint
+from pipeline.job.ids import clear_duplicates, map_ids, partitions, read_duplicates, reduce_ids
+from pipeline.job.layout import (
+    clear_failed,
+    clear_job_output,
+    failed_path,
+    foreign_files,
+    is_complete,
+    name_shards,
+    read_manifest,
+    read_stats,
+    remove_partial,
+    save_manifest,
+    shard_paths,
+    totals,
+)
+from pipeline.job.lease import DEFAULT_TIMEOUT_MINUTES, Lease
+from pipeline.job.progress import ShardProgress
+from pipeline.job.worker import ModelWorker
 from pipeline.spec import JobSpec, SpecError
-from pipeline.storage import ShardReadError, Storage, StorageError, _glob_root, list_shards, open_shard
-from pipeline.worker import ModelWorker
+from pipeline.storage import ShardReadError, Storage, StorageError, list_shards, open_shard
 
 LOOPBACK_ENV = {
     # Keep an embedded Ray on 127.0.0.1 and quiet (see docs/operations.md).
@@ -76,17 +88,10 @@ def ensure_ray(address: str | None, num_cpus: int | None = None, verbose: bool =
 def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tuple[str, str]], Storage]:
     """The (url, name) shards to run (those not complete in the output) and all of them, sorted."""
     out = Storage(spec.output.url, spec.output.storage_options)
-    urls = list_shards(spec.input.url, spec.input.storage_options)
-    root = _glob_root(spec.input.url) if spec.input.is_glob else Storage(spec.input.url).url
-    shards = [(url, shard_name(url, root)) for url in urls]
-    by_name: dict[str, list[str]] = {}
-    for url, name in shards:
-        by_name.setdefault(name, []).append(url)
-    clashes = [f"{' and '.join(urls)} -> {name}" for name, urls in by_name.items() if len(urls) > 1]
-    if clashes:
-        raise ValueError(f"input shards map to the same output name, rename them: {'; '.join(clashes)}")
-    if not overwrite and out.exists("manifest.json"):
-        check_resume(spec, out.read_json("manifest.json"))
+    shards = name_shards(list_shards(spec.input.url, spec.input.storage_options), spec.input.url)
+    manifest = None if overwrite else read_manifest(out)
+    if manifest is not None:
+        check_resume(spec, manifest)
     if overwrite:
         foreign = foreign_files(out)
         if foreign:
@@ -98,7 +103,7 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tu
             )
         clear_job_output(out)
     todo = [(url, name) for url, name in shards if overwrite or not is_complete(out, name)]
-    out.delete_prefix("failed")  # failures of an earlier run: those shards are retried now
+    clear_failed(out)  # failures of an earlier run: those shards are retried now
     return todo, shards, out
 
 
@@ -113,7 +118,7 @@ def run_job(
 ) -> JobResult:
     """Run a job to completion; failed shards are reported, never silently dropped.
 
-    Everything happens under the output's lease (pipeline.lease), taken before the prefix is
+    Everything happens under the output's lease (pipeline.job.lease), taken before the prefix is
     read or cleared: LeaseHeld if another driver holds it, LeaseLost if it is taken over.
     Storage that fails the driver once shards have started is JobStopped, with a summary.
     """
@@ -222,20 +227,16 @@ def job_input_schema(spec: JobSpec, urls: list[str]) -> pa.Schema | None:
 
 
 def find_duplicates(spec: JobSpec, shards: list[tuple[str, str]], out: Storage) -> dict[str, dict[str, str]]:
-    """{shard: {id: shard holding it}} for rows whose id an earlier shard holds (see pipeline.ids)."""
+    """{shard: {id: shard holding it}} for rows whose id an earlier shard holds (see pipeline.job.ids)."""
     columns = [spec.input.id_column, spec.input.text_column, *spec.input.keep_columns]
     mapper = ray.remote(map_ids)
     opts = spec.input.storage_options
     counts = ray.get([mapper.remote(url, name, out, opts, columns) for url, name in shards])
     parts = partitions(sum(counts))
-    out.delete_prefix("_ids/dups")  # an earlier run may have used more partitions
+    clear_duplicates(out)
     names = [name for _, name in shards]
     ray.get([ray.remote(reduce_ids).remote(p, parts, names, out) for p in range(parts)])
-    duplicates: dict[str, dict[str, str]] = {}
-    for file in out.list("_ids/dups", suffix=".parquet"):
-        for row in out.read_parquet(file).to_pylist():
-            duplicates.setdefault(row["shard"], {})[row["id"]] = row["kept_in"]
-    return duplicates
+    return read_duplicates(out)
 
 
 def _run_shards(
@@ -257,13 +258,10 @@ def _run_shards(
         marker) leaves files behind; they go, so that outputs/ holds finished shards only and a
         failed shard's rows are in no output until a re-run redoes it.
         """
-        for sub in ("outputs", "errors"):
-            partial = shard_paths(name)[sub]
-            if out.exists(partial):
-                out.delete(partial)
+        remove_partial(out, name)
         record = {"shard": name, "input_url": url, "attempts": attempts, "reason": reason}
         result.failed.append(record)
-        out.write_json(f"failed/{name}.json", record)
+        out.write_json(failed_path(name), record)
         metrics.record_failure(spec.name, name, reason, final=True)
 
     actor_class = ray.remote(ModelWorker).options(
@@ -377,16 +375,7 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float,
     before its end still records the spec fingerprint a resume is checked against.
     """
     stats = read_stats(out)
-    totals = {
-        "shards": len(stats),
-        "rows_in": sum(s.get("rows_in", 0) for s in stats),
-        "rows_out": sum(s.get("rows_out", 0) for s in stats),
-        "rows_error": sum(s.get("rows_error", 0) for s in stats),
-        "tokens_out": sum(s.get("tokens_out", 0) for s in stats),
-        "unreadable_shards": sum(1 for s in stats if s.get("status") == "unreadable"),
-        # rows_in counts them too: the rows of unreadable shards, under one error record each
-        "rows_in_unreadable": sum(s.get("rows_in", 0) for s in stats if s.get("status") == "unreadable"),
-    }
+    job_totals = totals(stats)
     models = next((s["models"] for s in stats if s.get("models")), {})
     manifest = {
         "job": spec.name,
@@ -401,8 +390,6 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float,
         "shards_total": result.shards_total,
         "shards_skipped": result.shards_skipped,
         "failed": result.failed,
-        "totals": totals,
+        "totals": job_totals,
     }
-    out.write_json("manifest.json", manifest)
-    if final and result.ok and totals["shards"] == result.shards_total:
-        out.write_bytes("_SUCCESS", b"")
+    save_manifest(out, manifest, complete=final and result.ok and job_totals["shards"] == result.shards_total)

@@ -1,9 +1,9 @@
-"""The job spec reference in docs/spec-reference.md, generated from the schema in :mod:`pipeline.spec`.
+"""The job spec reference in docs/spec-reference.md, generated from :mod:`pipeline.spec.schema`.
 
 Names, types, constraints, defaults and descriptions come from ``JobSpec.model_fields``, so the
 reference cannot drift from what the loader accepts and a new field shows up once declared.
-``python -m pipeline.spec_doc`` prints it; ``--write docs/spec-reference.md`` replaces the text
-between the START and END markers there, and ``tests/test_spec_doc.py`` fails while that file is
+``python -m pipeline.spec.reference`` prints it; ``--write docs/spec-reference.md`` replaces the text
+between the START and END markers there, and ``tests/test_spec_reference.py`` fails while that file is
 out of date.
 """
 
@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from pipeline.spec import JobSpec
+from pipeline.spec.schema import JobSpec
 
 __all__ = ["START", "END", "render_spec_reference", "splice_reference"]
 
@@ -144,7 +144,9 @@ def splice_reference(text: str, reference: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.spec_doc", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.spec.reference", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--write", metavar="FILE", type=Path, help="update the marked section of FILE")
     args = parser.parse_args(argv)
     reference = render_spec_reference()

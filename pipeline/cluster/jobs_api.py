@@ -138,7 +138,8 @@ def _update_bar(bar, info: dict) -> None:
 
 def job_status(address: str, job_id: str) -> dict:
     """State of a submitted job plus progress read from its output's stats files."""
-    from pipeline.report import load_stats, totals
+    from pipeline.job.layout import read_failed, totals
+    from pipeline.report.results import load_stats
     from pipeline.storage import Storage
 
     client = _client(address)
@@ -152,7 +153,7 @@ def job_status(address: str, job_id: str) -> dict:
     stats = load_stats(output_url)
     t = totals(stats)
     done = len(stats)
-    failed = len(Storage(output_url).list("failed", suffix=".json"))
+    failed = len(read_failed(Storage(output_url)))
     result["shards_done"] = done
     result["shards_failed"] = failed
     input_url = meta.get("input_url")

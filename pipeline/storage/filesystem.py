@@ -1,7 +1,7 @@
-"""The only module of the pipeline that touches storage.
+"""Storage: a root URL and the retried, atomic operations the pipeline needs below it.
 
 Everything the pipeline reads or writes goes through :class:`Storage` (a root URL plus relative
-paths) or the shard helpers :func:`list_shards` / :func:`read_table` / :func:`open_shard`.
+paths) or the shard helpers of :mod:`pipeline.storage.shards`.
 Any fsspec URL works: ``s3://bucket/prefix`` first, also ``file:///abs``, plain local paths
 (made absolute) and ``memory://name`` (tests).
 
@@ -66,63 +66,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import tenacity
 
-__all__ = [
-    "PermanentStorageError",
-    "ShardReadError",
-    "Storage",
-    "StorageError",
-    "StorageNotFoundError",
-    "TransientStorageError",
-    "Versioned",
-    "is_transient",
-    "list_shards",
-    "open_shard",
-    "read_table",
-    "redact",
-]
+from pipeline.storage.secrets import check_no_credentials, redact
+from pipeline.storage.urls import protocol_of
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# --------------------------------------------------------------------------------------------
-# Redaction
-# --------------------------------------------------------------------------------------------
-
-_SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-
-# Names of key=value / key: value pairs whose value is a credential.  Deliberately not a bare
-# "key" (S3 object keys are fine to show) nor "tokens" (this project counts tokens).
-_CRED_NAME = (
-    r"(?:[\w-]*?(?:secret|passw(?:or)?d)[\w-]*"
-    r"|[\w-]*?(?:session|security|auth|access|refresh|bearer|api|id)[_-]?token"
-    r"|token"
-    r"|[\w-]*?access[_-]?key(?:[_-]?id)?"
-    r"|[\w-]*?api[_-]?key"
-    r"|x-amz-credential|x-amz-signature|x-amz-security-token|signature|credentials?)"
-)
-_CRED_PAIR = re.compile(r"(?i)(?<![\w-])(" + _CRED_NAME + r")(['\"]?\s*[:=]\s*['\"]?)([^\s'\",;&}\])]+)")
-# AWS access key ids have a recognisable shape even without a name next to them.
-_AWS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA)[0-9A-Z]{16}\b")
-
-
-def redact(text: str) -> str:
-    """Return ``text`` with credentials replaced by ``***``.
-
-    Replaced: the values of AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN found
-    in ``os.environ`` (wherever they appear), the value of any credential-looking ``name=value``
-    or ``name: value`` pair (secret, password, *token, access_key(_id), signature, credential,
-    X-Amz-Signature ...), and anything shaped like an AWS access key id.
-    """
-    text = str(text)
-    values = {os.environ.get(name, "") for name in _SECRET_ENV_VARS}
-    # Longest first so that a value containing another one is replaced whole; very short
-    # values are skipped (replacing "a" everywhere would wreck the message, not protect it).
-    for value in sorted((v for v in values if len(v) >= 4), key=len, reverse=True):
-        text = text.replace(value, "***")
-    text = _CRED_PAIR.sub(lambda m: m.group(1) + m.group(2) + "***", text)
-    return _AWS_KEY_ID.sub("***", text)
-
 
 # --------------------------------------------------------------------------------------------
 # Errors
@@ -476,43 +425,9 @@ def _call(op: str, url: str, fn: Callable[[], T]) -> T:
 # Filesystems and URLs
 # --------------------------------------------------------------------------------------------
 
-_CREDENTIAL_OPTIONS = frozenset(
-    {
-        "key",
-        "secret",
-        "token",
-        "username",
-        "password",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "access_key",
-        "secret_key",
-        "session_token",
-    }
-)
 # Object stores where a single PUT (or a completed multipart upload) is atomic: readers see the
 # old object or the whole new one, never a prefix of it.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "memory"})
-_GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-def _check_no_credentials(options: Mapping[str, Any], where: str = "storage_options") -> None:
-    for name, value in options.items():
-        if str(name).lower() in _CREDENTIAL_OPTIONS:
-            raise ValueError(
-                f"{where} must not carry credentials ({name!r}): set AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN) in the environment, or use a profile"
-            )
-        if isinstance(value, Mapping):
-            _check_no_credentials(value, f"{where}[{name!r}]")
-
-
-def _protocol_of(url: str) -> str:
-    if "://" in url:
-        proto = url.split("://", 1)[0].lower()
-        return "s3" if proto == "s3a" else proto
-    return "file"
 
 
 _FS_CACHE: collections.OrderedDict[tuple[int, str], fsspec.AbstractFileSystem] = collections.OrderedDict()
@@ -529,7 +444,7 @@ def _make_fs(protocol: str, storage_options: Mapping[str, Any] | None) -> fsspec
     instances keep no listing cache.
     """
     opts = dict(storage_options or {})
-    _check_no_credentials(opts)
+    check_no_credentials(opts)
     if protocol in ("file", "memory"):
         return _new_fs(protocol, opts)
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
@@ -638,9 +553,9 @@ class Storage:
         if not isinstance(url, str) or not url.strip():
             raise ValueError(f"storage URL must be a non-empty string, got {url!r}")
         self._options: dict[str, Any] = dict(storage_options or {})
-        _check_no_credentials(self._options)
+        check_no_credentials(self._options)
         url = url.strip()
-        self._protocol = _protocol_of(url)
+        self._protocol = protocol_of(url)
         if self._protocol == "file":
             if url.lower().startswith("file://"):
                 path = url[len("file://") :]
@@ -714,7 +629,7 @@ class Storage:
     def _target(self, rel: str) -> tuple[fsspec.AbstractFileSystem, str, str]:
         """(filesystem, fsspec path, URL) of ``rel``."""
         if _is_absolute(rel):
-            proto = _protocol_of(rel)
+            proto = protocol_of(rel)
             if proto == "file":
                 url = rel
                 path = rel[len("file://") :] if rel.lower().startswith("file://") else rel
@@ -847,7 +762,7 @@ class Storage:
         """Atomically write ``data`` to ``rel`` (see the class docstring); returns its URL."""
         fs, path, url = self._target(rel)
         payload = bytes(data)
-        proto = _protocol_of(url)
+        proto = protocol_of(url)
         if proto == "file":
             _call("write", url, lambda: _write_local_atomic(path, payload))
         elif proto in _OBJECT_STORES:
@@ -890,7 +805,7 @@ class Storage:
         directory is removed.  Missing is not an error (a missing bucket is).
         """
         fs, path, url = self._target(rel)
-        proto = _protocol_of(url)
+        proto = protocol_of(url)
 
         def run() -> None:
             try:
@@ -910,7 +825,7 @@ class Storage:
 
         _call("delete_prefix", url, run)
 
-    # -- conditional writes (the output lease, pipeline.lease) ------------------------------
+    # -- conditional writes (the output lease, pipeline.job.lease) ------------------------------
 
     @property
     def conditional_writes(self) -> str:
@@ -1134,112 +1049,6 @@ def _parse_parquet(url: str, data: bytes, columns: list[str] | None) -> pa.Table
     try:
         return pq.read_table(pa.BufferReader(data), columns=columns)
     except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
-        raise ShardReadError(
-            f"cannot read Parquet shard {url}: {type(exc).__name__}: {exc}", url, type(exc).__name__
-        ) from None
-
-
-def _glob_root(url: str) -> str:
-    """The part of a glob URL before its first component holding a glob character."""
-    scheme = ""
-    rest = url
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        scheme += "://"
-    parts = rest.split("/")
-    fixed = []
-    for part in parts:
-        if _GLOB_CHARS.search(part):
-            break
-        fixed.append(part)
-    root = "/".join(fixed)
-    if not root and rest.startswith("/"):
-        root = "/"
-    return scheme + root
-
-
-def list_shards(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Full, sorted URLs of the Parquet shards named by ``url``.
-
-    * a glob (``s3://b/x/*.parquet``, ``/data/**/part-*.parquet``): the files it matches;
-    * a single ``.parquet`` file: just that file;
-    * a directory / prefix: every ``*.parquet`` below it, recursively.
-
-    Names with a component (below the fixed part of the URL) starting with ``_`` or ``.`` are
-    left out (temp files, ``_tmp/``, ``_SUCCESS``).  The URLs keep the input's form (``s3://``,
-    ``file://``, absolute local path, ``memory://``) and can be passed to :func:`read_table` or
-    any ``Storage`` method.  Raises StorageNotFoundError if nothing matches.
-    """
-    if _GLOB_CHARS.search(url):
-        root = Storage(_glob_root(url), storage_options)
-        fs = root.fs
-        pattern = url
-        if root.is_local:
-            pattern = os.path.abspath(url[len("file://") :] if url.lower().startswith("file://") else url)
-        base = root._fs_path(root.url)
-
-        def run() -> list[str]:
-            found = fs.glob(pattern if root.is_local else fs._strip_protocol(url), detail=True)
-            return [p for p, info in found.items() if info.get("type") == "file"]
-
-        names = []
-        for p in _call("list_shards", url, run):
-            name = root._rel_name(p, base)
-            if name and not _hidden(name):
-                names.append(root.url_for(name))
-        if not names:
-            raise StorageNotFoundError(f"no files match the glob {url}", url)
-        return sorted(names)
-
-    store = Storage(url, storage_options)
-    fs = store.fs
-    root_path = store._fs_path(store.url)
-
-    def info() -> dict | None:
-        try:
-            return fs.info(root_path)
-        except FileNotFoundError as exc:
-            if _is_missing_bucket(exc):
-                raise
-            return None
-
-    if url.rstrip("/").endswith(".parquet"):
-        found = _call("list_shards", store.url, info)
-        if found is not None and found.get("type") == "file":
-            return [store.url]
-    names = store.list("", suffix=".parquet")
-    if not names:
-        raise StorageNotFoundError(
-            f"no Parquet shards under {store.url} (looked for *.parquet recursively, "
-            "skipping names that start with '_' or '.')",
-            store.url,
-        )
-    return [store.url_for(n) for n in names]
-
-
-def read_table(
-    url: str, columns: list[str] | None = None, storage_options: Mapping[str, Any] | None = None
-) -> pa.Table:
-    """Read one Parquet shard (a full URL, e.g. from :func:`list_shards`) into a Table.
-
-    The object is fetched whole in one retried GET, then decoded in memory; a file that is not
-    readable Parquet raises ShardReadError naming the URL and the reason, a missing one
-    StorageNotFoundError.  This is the reading helper the pipeline uses.
-    """
-    return Storage(url, storage_options).read_parquet("", columns=columns)
-
-
-def open_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> pq.ParquetFile:
-    """Fetch one shard (whole, retried) and return a ``pyarrow.parquet.ParquetFile`` over it.
-
-    For metadata (``num_rows``, ``schema_arrow``) or batch-wise reading (``iter_batches``).
-    Only the footer is checked here (ShardReadError if it is not Parquet); damage further in
-    surfaces later from pyarrow itself, so prefer :func:`read_table` when reading everything.
-    """
-    data = Storage(url, storage_options).read_bytes("")
-    try:
-        return pq.ParquetFile(pa.BufferReader(data))
-    except (pa.ArrowException, OSError, ValueError) as exc:
         raise ShardReadError(
             f"cannot read Parquet shard {url}: {type(exc).__name__}: {exc}", url, type(exc).__name__
         ) from None

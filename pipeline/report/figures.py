@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from matplotlib.figure import Figure as _Canvas
 
-from pipeline.quality import QualityScores
-from pipeline.report import RunData
+from pipeline.report.quality import QualityScores
+from pipeline.report.results import RunData
 
 MAX_LABELLED_SHARDS = 40
 

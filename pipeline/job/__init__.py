@@ -1,0 +1,5 @@
+"""The job: from a spec to every shard's files. `executor` (the driver: plan, lease, the actor
+pool, manifest.json), `worker` (the Ray model actor), `shard` (one shard end to end: read, decode,
+write outputs, errors and stats), `layout` (where everything goes under the output prefix, when a
+shard or a job is complete, the totals over stats), `lease`, `fingerprint` (resume checks), `ids`
+(duplicate ids across shards), `prompts`, `progress` (the terminal)."""
