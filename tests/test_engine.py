@@ -13,7 +13,7 @@ from pipeline.decode.sampling import SamplingParams
 from pipeline.models.draft_int8 import quantize_draft
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "auto"])
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "suffix", "auto"])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_greedy_matches_target_for_every_gamma(case, drafter, batch_size):
     target, draft, _, prompts, eos, refs = case
@@ -223,9 +223,12 @@ def test_counters_are_consistent(case):
         assert s.new_tokens == len(out.tokens) == s.accepted + s.target_tokens
         assert s.tau * s.target_passes == pytest.approx(s.new_tokens)
         assert 0.0 <= s.alpha <= 1.0 and 0.0 <= s.alpha_leviathan <= 1.0
-        assert sum(s.drafted_by.values()) == s.drafted
+        assert sum(s.drafted_by.values()) == s.drafted and sum(s.accepted_by.values()) == s.accepted
     assert batch.new_tokens == sum(len(o.tokens) for o in outputs)
     assert batch.accepted <= batch.drafted
+    assert (
+        sum(batch.drafted_by.values()) == batch.drafted and sum(batch.accepted_by.values()) == batch.accepted
+    )
     assert batch.target_seconds > 0 and batch.draft_seconds > 0
     # the prefills are timed apart (the benchmark's whole-job prediction adds them back)
     assert 0 < batch.prefill_seconds < batch.target_seconds
@@ -284,7 +287,7 @@ def test_the_engine_learns_whether_rows_run_to_the_limit(case):
     assert engine.policy.runs_to_limit.value < long_rows
 
 
-@pytest.mark.parametrize("drafter", ["none", "draft_model", "prompt_lookup", "auto"])
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "prompt_lookup", "suffix", "auto"])
 @pytest.mark.parametrize("gamma_max, adaptive", [(3, False), (8, True)])
 def test_continuous_batching_admits_waiting_rows_as_others_finish(case, drafter, gamma_max, adaptive):
     """Eight prompts through three places: rows stop at different times (EOS), and each
@@ -319,3 +322,26 @@ def test_continuous_batching_admits_waiting_rows_as_others_finish(case, drafter,
     assert batch.prefill_tokens == sum(map(len, prompts))
     if drafter != "none" and not adaptive:  # adaptive: tiny models' costs may say "don't"
         assert batch.drafted > 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_earlier_outputs_feed_the_suffix_drafter_of_later_rows(case, batch_size):
+    """The engine keeps its outputs for the suffix drafter across calls (an actor's shards):
+    decoding a document again drafts its whole output from them, and stays the target's own.
+    `corpus=False` keeps a call to the rows' own text and its outputs out of the corpus."""
+    target, draft, _, prompts, eos, refs = case
+    config = EngineConfig(drafter="suffix", gamma_max=8, adaptive=False)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    first, before = engine.generate(prompts, MAX_NEW, batch_size=batch_size)
+    held = engine.suffix.corpus.tokens
+    assert held == sum(map(len, refs))  # every output went into the corpus
+    alone, own_text = engine.generate(prompts, MAX_NEW, batch_size=batch_size, corpus=False)
+    assert engine.suffix.corpus.tokens == held  # nothing more learnt
+    again, after = engine.generate(prompts, MAX_NEW, batch_size=batch_size)
+    for outputs in (first, alone, again):
+        assert [o.tokens for o in outputs] == refs
+    assert after.accepted > max(before.accepted, own_text.accepted)
+    assert after.target_passes < min(before.target_passes, own_text.target_passes)
+    assert after.drafted_by == {"suffix": after.drafted}
+    engine.forget_outputs()
+    assert engine.suffix.corpus.tokens == 0

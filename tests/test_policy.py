@@ -14,7 +14,7 @@ from decode_case import (
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.costs import AcceptanceByPosition, CostModel, RunningRate
-from pipeline.decode.drafters import DRAFT_MODEL, PROMPT_LOOKUP
+from pipeline.decode.drafters import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.decode.policy import Offer, Policy, RoundOptions
 
@@ -233,3 +233,25 @@ def test_a_draining_batch_speculates_only_where_it_brings_the_end_closer(case):
     # rows that end at EOS make the row with most tokens left a guess: throughput decides again
     policy.runs_to_limit = RunningRate(prior=0.01, weight=1e6)
     assert policy.choose(draining)[2] == [PROMPT_LOOKUP] * 8
+
+
+def test_each_row_takes_the_copy_its_source_and_depth_have_earned(case):
+    """`auto` routes each row among the draft model, prompt lookup and suffix by what each has
+    measured: a deep suffix match that proved right outweighs a 1-gram lookup copy, a shallow
+    one that proved wrong does not, and fixed gamma takes the first copy offered."""
+    costs = measured_costs({1: 0.150, 2: 0.152, 3: 0.155, 4: 0.156, 6: 0.168, 9: 0.181}, {1: 0.1})
+    policy = _policy_with_costs(case, costs, alpha=0.3)
+    policy.copy_rates[(PROMPT_LOOKUP, 1)] = AcceptanceByPosition(prior=0.3, weight=1e6)
+    policy.copy_rates[(SUFFIX, 8)] = AcceptanceByPosition(prior=0.9, weight=1e6)
+    policy.copy_rates[(SUFFIX, 2)] = AcceptanceByPosition(prior=0.05, weight=1e6)
+    deep = [[Offer(PROMPT_LOOKUP, 6, 1), Offer(SUFFIX, 6, 8)]]
+    assert policy.choose(RoundOptions(deep, True, 8, remaining=100, catch_up=0.0)) == (6, 0, [SUFFIX])
+    shallow = [[Offer(PROMPT_LOOKUP, 6, 1), Offer(SUFFIX, 6, 2)]]
+    assert policy.choose(RoundOptions(shallow, True, 8, remaining=100, catch_up=0.0))[2] == [PROMPT_LOOKUP]
+    fixed = _policy_with_costs(case, costs, alpha=0.3, adaptive=False)
+    offers = [[Offer(PROMPT_LOOKUP, 6, 1), Offer(SUFFIX, 6, 8)], [Offer(SUFFIX, 3, 2)], []]
+    assert fixed.choose(RoundOptions(offers, True, 8, remaining=100, catch_up=0.0)) == (
+        8,
+        8,
+        [PROMPT_LOOKUP, SUFFIX, DRAFT_MODEL],
+    )

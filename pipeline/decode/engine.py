@@ -2,7 +2,7 @@
 
 `generate` runs rounds until every row is done; one round (`_round`), for every unfinished row
 at once:
-  1. draft: the free drafters (prompt lookup) offer copies, the policy (`policy.py`) chooses
+  1. draft: the free drafters (prompt lookup, suffix) offer copies, the policy (`policy.py`) chooses
      each row's source and how many tokens from measured costs and acceptance, and the draft
      model drafts for the rows it serves, stopping a row early where its confidence says one
      more draft will not pay;
@@ -30,6 +30,7 @@ from pipeline.decode.costs import CostModel, alpha_from_tau
 from pipeline.decode.drafters import (
     DRAFT_MODEL,
     PROMPT_LOOKUP,
+    SUFFIX,
     Drafter,
     DraftModelDrafter,
     PromptLookupDrafter,
@@ -37,8 +38,9 @@ from pipeline.decode.drafters import (
 )
 from pipeline.decode.policy import Choice, Offer, Policy, RoundOptions
 from pipeline.decode.sampling import SamplingParams, choose, verify
+from pipeline.decode.suffix import MAX_DEPTH, SuffixCorpus, SuffixDrafter
 
-DRAFTERS = ("auto", DRAFT_MODEL, PROMPT_LOOKUP, "none")
+DRAFTERS = ("auto", DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, "none")
 
 
 class PromptError(ValueError):
@@ -54,7 +56,7 @@ class EngineConfig:
     adaptive: bool = True
     ngram_min: int = 1
     ngram_max: int = 4
-    probe_every: int = 32  # rounds without a drafter (draft model, prompt lookup) before trying it again
+    probe_every: int = 32  # rounds without a drafter (draft model, copies) before trying it again
     probe_alpha: float = 0.95  # acceptance a probe hopes for: no probe when even that cannot pay
     probe_budget: float = 0.05  # most a probe may risk on catch-up, as a share of the plain decoding left
     # The draft model proposes among token ids below this (plus prompt tokens and EOS); 0: all.
@@ -65,6 +67,11 @@ class EngineConfig:
     # A lone row's draft model checks this many tokens of a prompt-lookup copy in one pass as a
     # guess at its own next drafts (see `DraftModelDrafter.propose`); 0: one pass per draft.
     guess_tokens: int = 3
+    # The suffix drafter's corpus of this engine's earlier outputs keeps at most this many
+    # tokens, the oldest dropped first (0: only the row's own text); it proposes nothing where
+    # no suffix of at least `suffix_min_match` tokens matches.
+    suffix_max_tokens: int = 1 << 20
+    suffix_min_match: int = 2
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -75,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
         if self.guess_tokens < 0:
             raise ValueError(f"guess_tokens must be >= 0, got {self.guess_tokens}")
+        if self.suffix_max_tokens < 0:
+            raise ValueError(f"suffix_max_tokens must be >= 0, got {self.suffix_max_tokens}")
+        if not 1 <= self.suffix_min_match <= MAX_DEPTH:
+            raise ValueError(f"suffix_min_match must be in 1..{MAX_DEPTH}, got {self.suffix_min_match}")
 
 
 @dataclass
@@ -88,7 +99,8 @@ class RowStats:
     accepted: int = 0
     target_tokens: int = 0  # tokens the target chose itself: corrections, bonuses, the first
     gamma_sum: int = 0  # sum over rounds of the gamma offered to this row
-    drafted_by: dict[str, int] = field(default_factory=dict)
+    drafted_by: dict[str, int] = field(default_factory=dict)  # drafted tokens by source
+    accepted_by: dict[str, int] = field(default_factory=dict)  # accepted tokens by source
     seconds: float = 0.0  # from joining the batch (its prefill) until this row finished
 
     @property
@@ -138,6 +150,8 @@ class BatchStats:
     drafted: int = 0
     accepted: int = 0
     gamma_histogram: dict[int, int] = field(default_factory=dict)
+    drafted_by: dict[str, int] = field(default_factory=dict)  # by draft source, as in RowStats
+    accepted_by: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -163,8 +177,13 @@ class BatchStats:
             "wall_seconds",
         ):
             setattr(self, key, getattr(self, key) + getattr(other, key))
-        for gamma, count in other.gamma_histogram.items():
-            self.gamma_histogram[gamma] = self.gamma_histogram.get(gamma, 0) + count
+        for mine, theirs in (
+            (self.gamma_histogram, other.gamma_histogram),
+            (self.drafted_by, other.drafted_by),
+            (self.accepted_by, other.accepted_by),
+        ):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
 
 
 @dataclass
@@ -197,8 +216,24 @@ class _Batch:
     active: list[_Row] = field(default_factory=list)
 
 
+@dataclass
+class _Drafts:
+    """One round's drafts, per row: tokens, their distributions (sampled drafts, else None) and
+    the (source, depth) their acceptance is kept under (None: no draft)."""
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None]
+    keys: list[tuple[str, int] | None]
+    model_passes: int  # the draft model's passes this round (every row took part in them)
+
+    def add(self, tokens: list[int], probs: torch.Tensor | None, key: tuple[str, int] | None) -> None:
+        self.tokens.append(tokens)
+        self.probs.append(probs)
+        self.keys.append(key)
+
+
 class SpeculativeEngine:
-    """Speculative decoding with a target model, an optional draft model and prompt lookup.
+    """Speculative decoding with a target model, an optional draft model, prompt lookup and suffix.
 
     One engine per model pair and process: it keeps the measured costs and acceptance across
     batches, so the first batch teaches it what a pass costs on this hardware.
@@ -228,6 +263,8 @@ class SpeculativeEngine:
                 draft, pad_token_id, vocab, head_tokens=self.config.draft_vocab, always=tuple(eos_token_ids)
             )
         self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)
+        # outlives the batch: its corpus of this engine's outputs feeds the rows that come later
+        self.suffix = SuffixDrafter(self.config.suffix_max_tokens, self.config.suffix_min_match)
         self.eos = frozenset(eos_token_ids)
         self.decode_text = decode_text
         self.max_context = getattr(target.config, "max_position_embeddings", None)
@@ -244,6 +281,7 @@ class SpeculativeEngine:
         drafter: str | None = None,
         overlong: str = "error",
         batch_size: int | None = None,
+        corpus: bool = True,
     ) -> tuple[list[RowOutput], BatchStats]:
         """Decode every prompt; results keep the input order.
 
@@ -253,6 +291,9 @@ class SpeculativeEngine:
         `batch_size` rows decode at once (None: all); whenever rows finish, waiting prompts
         take their places (continuous batching), so a row that speculation finishes early
         frees its place for the next one instead of idling until the slowest row is done.
+        `corpus=False` keeps the suffix drafter to each row's own text, and these outputs out of
+        its corpus: for decoding rows again whose outputs the corpus already holds (a speedup
+        sample), which would otherwise find themselves there.
         """
         sampling = sampling or SamplingParams()
         drafter = drafter or self.config.drafter
@@ -268,7 +309,7 @@ class SpeculativeEngine:
             raise ValueError("drafter 'draft_model' needs a draft model")
 
         rows, truncated = self._prepare(prompts, max_new_tokens, overlong)
-        batch = self._start(rows, max_new_tokens, sampling, stop_strings, drafter, batch_size)
+        batch = self._start(rows, max_new_tokens, sampling, stop_strings, drafter, batch_size, corpus)
         started = time.perf_counter()
         target_seconds0, draft_seconds0 = self.target.forward_seconds, self._draft_seconds()
         self._fill(batch)
@@ -292,13 +333,14 @@ class SpeculativeEngine:
         ]
         return outputs, stats
 
-    def _start(self, rows, max_new_tokens, sampling, stop_strings, drafter, batch_size) -> _Batch:
+    def _start(self, rows, max_new_tokens, sampling, stop_strings, drafter, batch_size, corpus) -> _Batch:
         """An empty batch with every row waiting, and the drafters `drafter` asks for reset."""
         model = self.draft if drafter in ("auto", DRAFT_MODEL) else None
-        copiers = [self.lookup] if drafter in ("auto", PROMPT_LOOKUP) else []
+        suffix = self.suffix if corpus else SuffixDrafter(0, self.config.suffix_min_match)
+        copiers = [d for d in (self.lookup, suffix) if drafter in ("auto", d.name)]
         # prompt lookup follows the rows also for the draft model: a lone row's copy is a guess
         # at the draft's own next tokens (see `DraftModelDrafter.propose`)
-        drafters = [self.lookup, *([model] if model else [])]
+        drafters = [self.lookup, *([model] if model else []), *([suffix] if suffix in copiers else [])]
         self.target.reset(0)
         for d in drafters:
             d.start([])
@@ -317,13 +359,20 @@ class SpeculativeEngine:
         )
 
     def _round(self, batch: _Batch) -> None:
-        """Draft, verify, accept and evict, for every row decoding now."""
+        """One round for every row decoding now: draft, verify, accept, evict."""
         began = time.perf_counter()
+        drafts = self._draft(batch)
+        logits = self._verify(batch, drafts)
+        produced = self._accept(batch, drafts, logits)
+        self.costs.observe_round(produced, time.perf_counter() - began)
+        self._evict(batch)
+        self._fill(batch)
+
+    def _draft(self, batch: _Batch) -> _Drafts:
+        """The free drafters' copies, then the draft model for the rows the policy gives it."""
         seqs = [r.seq for r in batch.active]
         left = [batch.max_new_tokens - r.stats.new_tokens for r in batch.active]  # each row's budget
         gamma_cap = min(self.config.gamma_max, min(left))
-
-        # 1. Draft: the free drafters' copies, then the draft model for the rows it serves best.
         # A lone row's prompt-lookup copy is also a guess at the draft model's own chain.
         guessing = batch.model is not None and len(seqs) == 1 and self.config.guess_tokens > 0
         asked = batch.copiers + ([self.lookup] if guessing and self.lookup not in batch.copiers else [])
@@ -346,57 +395,59 @@ class SpeculativeEngine:
         choice = self.policy.choose(options)
         guess = copies[PROMPT_LOOKUP].tokens[0][: self.config.guess_tokens] if guessing else None
         model = self._draft_model(batch, seqs, options, choice, guess)
-        drafts, probs, keys = [], [], []
+        drafts = _Drafts([], [], [], model.model_passes)
         for i, source in enumerate(choice.sources):
             if source == DRAFT_MODEL and model.tokens[i]:
-                drafts.append(model.tokens[i])
-                probs.append(model.probs[i])
-                keys.append((DRAFT_MODEL, 0))
+                drafts.add(model.tokens[i], model.probs[i], (DRAFT_MODEL, 0))
             elif source in copies:
-                drafts.append(copies[source].tokens[i][: choice.cap])
-                probs.append(None)
-                keys.append((source, copies[source].depths[i]))
+                drafts.add(copies[source].tokens[i][: choice.cap], None, (source, copies[source].depths[i]))
             else:
-                drafts.append([])
-                probs.append(None)
-                keys.append(None)
+                drafts.add([], None, None)
+        return drafts
 
-        # 2. Verify: one target pass over each row's unfed tokens plus its drafts.
-        unfed = self.target.sync(seqs)
-        blocks = [u + d for u, d in zip(unfed, drafts)]
+    def _verify(self, batch: _Batch, drafts: _Drafts) -> list[torch.Tensor]:
+        """One target pass over each row's unfed tokens plus its drafts: the logits after each."""
+        unfed = self.target.sync([r.seq for r in batch.active])
+        blocks = [u + d for u, d in zip(unfed, drafts.tokens)]
         before = self.target.forward_seconds
-        logits = self.target.forward(blocks, [len(d) + 1 for d in drafts])
+        logits = self.target.forward(blocks, [len(d) + 1 for d in drafts.tokens])
         cost = self.target.pass_tokens([len(b) for b in blocks])
         self.costs.observe_target(cost, self.target.forward_seconds - before)
         batch.stats.target_passes += 1
-        widest = max(map(len, drafts))
+        widest = max(map(len, drafts.tokens))
         batch.stats.gamma_histogram[widest] = batch.stats.gamma_histogram.get(widest, 0) + 1
+        return logits
 
-        # 3. Accept: per row, the agreeing drafts plus one token of the target's own.
+    def _accept(self, batch: _Batch, drafts: _Drafts, logits: list[torch.Tensor]) -> int:
+        """Each row keeps the drafts the target agrees with plus one token of the target's own;
+        the counters and the policy learn how each source did. Returns the tokens produced."""
         outcomes: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
         produced = 0
-        for row, draft, draft_probs, key, row_logits in zip(batch.active, drafts, probs, keys, logits):
+        rows = zip(batch.active, drafts.tokens, drafts.probs, drafts.keys, logits)
+        for row, draft, draft_probs, key, row_logits in rows:
             accepted, token = verify(row_logits, draft, draft_probs, batch.sampling, batch.generator)
             kept = self._append(row, draft[:accepted] + [token], batch)
             produced += kept
             stats = row.stats
             stats.target_passes += 1
-            stats.draft_passes += model.model_passes
+            stats.draft_passes += drafts.model_passes
             stats.drafted += len(draft)
             stats.accepted += min(accepted, kept)
             stats.target_tokens += kept - min(accepted, kept)
             stats.gamma_sum += len(draft)
             if key:
-                stats.drafted_by[key[0]] = stats.drafted_by.get(key[0], 0) + len(draft)
+                for by, count in (
+                    (stats.drafted_by, len(draft)),
+                    (stats.accepted_by, min(accepted, kept)),
+                    (batch.stats.drafted_by, len(draft)),
+                    (batch.stats.accepted_by, accepted),
+                ):
+                    by[key[0]] = by.get(key[0], 0) + count
                 outcomes[key].append((accepted, len(draft)))
             batch.stats.drafted += len(draft)
             batch.stats.accepted += accepted
         self.policy.observe(outcomes)
-        self.costs.observe_round(produced, time.perf_counter() - began)
-
-        # 4. Evict: finished rows leave the batch and stop costing compute; waiting rows join.
-        self._evict(batch)
-        self._fill(batch)
+        return produced
 
     def _draft_model(
         self,
@@ -506,6 +557,11 @@ class SpeculativeEngine:
         # a stop string can only end in the last token; a few tokens of context cover it
         tail = self.decode_text(row.seq[max(row.prompt_len, len(row.seq) - longest - 4) :])
         return any(s in tail for s in stop_strings)
+
+    def forget_outputs(self) -> None:
+        """Empty the suffix drafter's corpus of earlier outputs: a benchmark that decodes the
+        same documents again must not find their outputs there."""
+        self.suffix.corpus = SuffixCorpus(self.config.suffix_max_tokens)
 
     def cost_ratio(self, batch: int) -> float | None:
         """Measured draft step over 1-token target pass at this batch size (None if unknown)."""
