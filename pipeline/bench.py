@@ -105,6 +105,7 @@ def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwarg
 
 
 def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str):
+    engine.forget_outputs()  # each run decodes the same documents: not from its last run's outputs
     rows, total = engine.generate(prompts, max_new, drafter=drafter, batch_size=batch)
     outputs = [r.tokens for r in rows]
     row_passes = sum(r.stats.target_passes for r in rows)
@@ -160,7 +161,7 @@ def run_benchmark(
             vocab_size=pair.vocab_size,
             config=EngineConfig(drafter=kind, draft_vocab=draft_vocab),
         )
-        for kind in ("none", "draft_model", "prompt_lookup", "auto")
+        for kind in dict.fromkeys(("none", "draft_model", "prompt_lookup", "auto", *drafters))
     }
     rows: list[Row] = []
     for task in tasks:

@@ -26,6 +26,7 @@ os.environ.update(
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from decode_case import MAX_NEW, TEXTS, reference  # noqa: E402
 from tiny_models import build_tiny_pair  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -63,3 +64,22 @@ def ray_local(s3_server):
     del os.environ["RAY_preload_python_modules"]  # read by the raylet at start; not for later Rays
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def case(tiny_models):
+    """Prompts, an EOS set that makes rows stop at different times, and reference outputs."""
+    target, draft, tokenizer = tiny_models
+    prompts = [tokenizer(t).input_ids for t in TEXTS]
+    plain = [reference(target, p, MAX_NEW, [1]) for p in prompts]
+    # Promote a token that several reference rows emit mid-way to an extra EOS, so rows
+    # finish after different numbers of tokens, some early and some at max_new_tokens.
+    counts: dict[int, int] = {}
+    for row in plain:
+        for t in set(row[3:-3]):
+            counts[t] = counts.get(t, 0) + 1
+    stopper = max(sorted(counts), key=lambda t: counts[t])
+    eos = [1, stopper]
+    refs = [reference(target, p, MAX_NEW, eos) for p in prompts]
+    assert len({len(r) for r in refs}) > 2, "rows should stop at different times"
+    return target, draft, tokenizer, prompts, eos, refs

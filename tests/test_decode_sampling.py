@@ -73,7 +73,7 @@ def sample_tokens(
         config=EngineConfig(drafter=drafter, gamma_max=2, adaptive=False, draft_vocab=draft_vocab),
     )
     if stop_early:  # rows whose first draft the draft model doubts draft no second one
-        engine._draft_length = lambda options, cap, gamma, sources: (gamma, _confident_rows)
+        engine.policy.draft_length = lambda options, cap, gamma, sources: (gamma, _confident_rows)
     outputs, batch = engine.generate([PROMPT] * SAMPLES, 3, params)
     assert 0 < batch.accepted < batch.drafted
     return torch.tensor([o.tokens for o in outputs])

@@ -15,10 +15,9 @@ The first pass of a batch (the prefill) is the costliest by far, and two things 
 without changing a bit of its result:
 - On a CPU each row's prompt is prefilled in a pass of its own, then the rows' caches are
   laid side by side. A CPU is busy with one long prompt already; padding rows to the longest
-  only adds work (8 docstring prompts of 124-396 tokens: 9.2 s one by one against 14.4 s
-  padded, Qwen2.5-Coder 1.5B in bf16). A GPU prefills the batch in one padded pass.
-- Prompts of a corpus job share a template (chat markup, system prompt, instruction: 35
-  tokens of every summarization prompt here). Once two different prompts have shown a common
+  only adds work. A GPU prefills the batch in one padded pass.
+- Prompts of a corpus job share a template (chat markup, system prompt, instruction). Once
+  two different prompts have shown a common
   start, its keys and values are kept and copied into every later row that starts the same
   way, instead of being computed again (`reusable`).
 
@@ -104,8 +103,8 @@ class BatchedLM:
         """Compute logits only for the token ids `rows` (others get -inf); None: all of them.
 
         For a draft model: its output layer over a 152k vocabulary is a large share of a small
-        model's step (33 of 85 ms on the 0.5B Qwen draft at batch 1), while its proposals come
-        from a much smaller set of likely tokens. The weight rows are gathered once here.
+        model's step, while its proposals come from a much smaller set of likely tokens. The
+        weight rows are gathered once here.
         """
         self.head_rows = rows
         self._head = None
@@ -333,9 +332,9 @@ class BatchedLM:
         """Float logits [len(wanted), vocab] at the flat positions `wanted` of the pass.
 
         Only those positions go through the output layer: a 152k-token vocabulary makes it
-        dear, and at batch 8 the logits of a padded 8 × 9 rectangle took 60 ms to convert to
-        float alone. Models whose logits are more than the output layer of the last hidden
-        states (soft-capped, scaled) run their own forward instead (see `_plain_head`).
+        dear, and even converting a padded rectangle's logits to float is not free. Models
+        whose logits are more than the output layer of the last hidden states (soft-capped,
+        scaled) run their own forward instead (see `_plain_head`).
         """
         with packing.packed(layout):
             if self.head_rows is None and not _plain_head(self.model):

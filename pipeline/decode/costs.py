@@ -1,10 +1,11 @@
-"""Measured costs and acceptance, and the choice of gamma that maximizes expected tokens/s.
+"""Measured costs and acceptance: what the policy (`policy.py`) prices its choices with.
 
 Whether speculation pays depends on the hardware and dtype: on a GPU a verify pass over 9
 tokens costs about what a 1-token pass costs; on a CPU in float32 it can cost several times
 more, and a draft model that is cheap in bf16 may not be in float32. So nothing here is
-assumed for long: the engine times every target and draft pass, keeps the acceptance rate of
-each drafter, and picks gamma per round from those numbers. Priors only cover the first rounds.
+assumed for long: the engine times every target and draft pass, the policy keeps the acceptance
+rate of each drafter, and picks gamma per round from those numbers. Priors only cover the first
+rounds.
 """
 
 from __future__ import annotations
@@ -101,10 +102,10 @@ class AcceptanceByPosition:
     """How often a row's j-th draft is accepted when the drafts before it were, per position j,
     with exponential forgetting; a position not seen yet takes the rate of the one before it.
 
-    Copied drafts are accepted in runs, not token by token: prompt lookup on license summaries
-    (γ fixed at 8, batch 1) had its first copied token accepted 29% of the time, and each next
-    one, once the copy had begun to match, 86-100%. One rate for every drafted token (24%
-    there) prices a copy of 8 at 1.3 tokens where it yields about 2.9, and keeps copies short.
+    Copied drafts are accepted in runs, not token by token: a copy's first token is often
+    rejected, and once it has begun to match the next ones are nearly always accepted. One
+    rate for every drafted token prices a long copy far below what it yields, and keeps copies
+    short (measured in docs/engine.md, "The cost model").
     """
 
     prior: float
@@ -149,10 +150,9 @@ class PassCosts:
     of a packed pass, rows × width of a padded one (see `BatchedLM.pass_tokens`).
 
     Keyed by tokens, not by (rows, width): the weights' matrix products dominate a pass and
-    cost about the same for 8 rows × 1 token as for 1 row × 8 tokens (measured on the 1.5B
-    target in float32: 1.61 s and 1.70 s), while attention over a few hundred cached tokens is
-    small beside them. One table then serves every batch size, and a batch that shrinks as its
-    rows finish does not have to re-measure anything.
+    cost about the same for 8 rows × 1 token as for 1 row × 8 tokens, while attention over a
+    few hundred cached tokens is small beside them. One table then serves every batch size,
+    and a batch that shrinks as its rows finish does not have to re-measure anything.
     """
 
     smoothing: float = 0.3
@@ -172,13 +172,11 @@ class PassCosts:
 
         A size measured only once costs no more than its neighbours say until a second
         measurement confirms it: on a shared machine one pass in a slow spell can take twice
-        its time, and a size that looks that dear is never chosen, so never measured again
-        (a 4-token pass stuck at 0.23 s beside 0.14 s for 3 tokens kept `auto` at γ 2 on
-        translations while the draft model alone ran γ 3 and faster).
+        its time, and a size that looks that dear is never chosen, so never measured again.
         """
         measured = self.points.get(tokens)
         if measured is not None and self.counts[tokens] >= 2:
-            return measured  # the common case, first: `_best` asks for many sizes every round
+            return measured  # the common case, first: `Policy.best` asks for many sizes every round
         others = {n: s for n, s in self.points.items() if n != tokens}
         estimate = _piecewise(others, tokens, prior_slope) if others else None
         if measured is None:
@@ -216,10 +214,10 @@ def _piecewise(row: dict[int, float], tokens: int, prior_slope: float) -> float:
 class CostModel:
     """Wall-time estimates: target passes, draft passes, and each model's prefill per token.
 
-    A draft model whose cache is cold (a new batch) or far behind (rows served by prompt
-    lookup) must first catch up: at batch 8 with 400-token prompts that prefill took 22 s on
-    the 0.5B draft, more than speculating saved over 24 new tokens. The engine charges that
-    one-off cost against the rounds left (`prefill_time`, `catch_up_time`).
+    A draft model whose cache is cold (a new batch) or far behind (rows served by a copying
+    drafter) must first catch up, which can cost more than speculating saves over a short
+    output. The policy charges that one-off cost against the rounds left (`prefill_time`,
+    `catch_up_time`).
     """
 
     verify_slope_prior: float = 0.03  # extra cost per extra token in a pass, relative
@@ -242,7 +240,7 @@ class CostModel:
     def seed(self, calibration: dict) -> None:
         """Start from a calibration's measured passes (`pipeline.calibrate.measure`) instead of
         priors: a fresh engine otherwise runs its first documents on guesses, and a draft
-        prior of 0.4 of a target pass against a measured 0.17 kept it from ever trying the draft.
+        prior far above the measured ratio can keep it from ever trying the draft.
 
         A pass of b rows × w tokens is a pass of b·w tokens (see `PassCosts`). The seeds count
         as confirmed measurements, and the passes a job times move them like any other.

@@ -1,12 +1,14 @@
 """Drafters: anything that proposes the next few tokens of each row for the target to check.
 
-A drafter sees the rows' full token sequences (prompt + output so far) and proposes up to
-`gamma` tokens per row. It may propose fewer (prompt lookup without a match proposes none).
+Three sources, named as the job spec names them: the draft model (a small LM, one forward pass
+per drafted token), prompt lookup (a copy of what followed the row's last n-gram earlier in its
+own text) and suffix (the most frequent continuation of the row's longest matched suffix in
+its own text and in the outputs this engine produced before, see `suffix`). The last two cost
+no model pass. All implement `Drafter`; the engine's round treats them alike, and the policy
+(`policy.py`) chooses among their proposals.
+
 Drafters that sample report the distribution each token came from, so that speculative
 sampling stays exact; deterministic drafters report None (a point mass).
-
-Adding a drafter (say layer-skip self-speculation) means writing one more class with these
-methods; the decoding loop does not change.
 """
 
 from __future__ import annotations
@@ -21,14 +23,26 @@ from transformers import PreTrainedModel
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.sampling import SamplingParams, choose, confidence
 
+DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX = "draft_model", "prompt_lookup", "suffix"
+
+# Which rows draft one more token, given each row's chance that its drafts so far are all
+# accepted and how many it has (see `DraftModelDrafter.propose`).
+KeepRule = Callable[[list[float], list[int]], list[bool]]
+
 
 @dataclass
 class Proposal:
-    """Per row: drafted tokens and, for sampled drafts, their distributions [n, V] (else None)."""
+    """Per row: drafted tokens and, for sampled drafts, their distributions [n, V] (else None).
+
+    `depths`: how specific each row's match was, for a drafter that copies (prompt lookup: the
+    matched n-gram's size; suffix: the matched suffix's length class); the policy keeps a
+    copy's acceptance per depth, since a long match is a much stronger hint than a short one.
+    """
 
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
     passes: list[PassTiming] = field(default_factory=list)  # model forward passes it ran
+    depths: list[int] = field(default_factory=list)
 
     @property
     def model_passes(self) -> int:
@@ -46,22 +60,35 @@ class PassTiming:
 
 
 class Drafter(Protocol):
-    name: str
-    costs_a_pass: bool  # does proposing run a model forward (the cost model must account for it)?
+    """What the engine asks of every draft source.
+
+    A drafter follows the batch's rows: `start` empties it, `admit` appends rows, `evict`
+    keeps the rows still decoding (the order the engine's rows are in). `propose` sees each
+    row's full sequence (prompt + output so far) every round.
+    """
+
+    name: str  # the source's name in stats and in the policy: DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 
     def start(self, prompts: list[list[int]]) -> None:
-        """A new batch of rows begins."""
-
-    def propose(
-        self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
-        """Propose up to `gamma` tokens after each sequence."""
+        """A new batch begins with these rows."""
 
     def admit(self, prompts: list[list[int]]) -> None:
         """New rows join the batch, after the running ones."""
 
-    def select(self, rows: list[int]) -> None:
-        """Keep only these rows (the others finished)."""
+    def propose(
+        self,
+        seqs: list[list[int]],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        keep: KeepRule | None = None,
+        guess: list[int] | None = None,
+    ) -> Proposal:
+        """Up to `gamma` tokens after each sequence. `keep` and `guess` are for drafters that
+        run a model (see `DraftModelDrafter.propose`); a free drafter ignores them."""
+
+    def evict(self, keep: list[int], finished: list[list[int]]) -> None:
+        """Keep only the rows `keep`; `finished` are the outputs of the rows that ended."""
 
 
 @dataclass
@@ -75,20 +102,17 @@ class PromptLookupDrafter:
 
     ngram_max: int = 4
     ngram_min: int = 1
-    name: str = "prompt_lookup"
-    costs_a_pass: bool = False
+    name: str = PROMPT_LOOKUP
     _index: list[dict[tuple[int, ...], int]] = field(default_factory=list, repr=False)
     _indexed: list[int] = field(default_factory=list, repr=False)
-    matched_ngram: list[int] = field(default_factory=list, repr=False)
 
     def start(self, prompts: list[list[int]]) -> None:
-        self._index, self._indexed, self.matched_ngram = [], [], []
+        self._index, self._indexed = [], []
         self.admit(prompts)
 
     def admit(self, prompts: list[list[int]]) -> None:
         self._index += [{} for _ in prompts]
         self._indexed += [0 for _ in prompts]
-        self.matched_ngram += [0 for _ in prompts]
 
     def _update_index(self, row: int, seq: list[int]) -> None:
         """Record n-grams that end before the last token, each mapped to where its follower is."""
@@ -100,26 +124,31 @@ class PromptLookupDrafter:
         self._indexed[row] = max(len(seq), 1)
 
     def propose(
-        self, seqs: list[list[int]], gamma: int, params: SamplingParams, generator: torch.Generator
+        self,
+        seqs: list[list[int]],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        keep: KeepRule | None = None,
+        guess: list[int] | None = None,
     ) -> Proposal:
-        tokens = []
+        tokens, depths = [], []
         for row, seq in enumerate(seqs):
             self._update_index(row, seq)
             draft: list[int] = []
-            self.matched_ngram[row] = 0
+            matched = 0
             for n in range(min(self.ngram_max, len(seq)), self.ngram_min - 1, -1):
                 follower = self._index[row].get(tuple(seq[-n:]))
                 if follower is not None:
-                    draft = seq[follower : follower + gamma]
-                    self.matched_ngram[row] = n
+                    draft, matched = seq[follower : follower + gamma], n
                     break
             tokens.append(draft if gamma else [])
-        return Proposal(tokens=tokens, probs=[None] * len(seqs))
+            depths.append(matched)
+        return Proposal(tokens=tokens, probs=[None] * len(seqs), depths=depths)
 
-    def select(self, rows: list[int]) -> None:
-        self._index = [self._index[r] for r in rows]
-        self._indexed = [self._indexed[r] for r in rows]
-        self.matched_ngram = [self.matched_ngram[r] for r in rows]
+    def evict(self, keep: list[int], finished: list[list[int]]) -> None:
+        self._index = [self._index[r] for r in keep]
+        self._indexed = [self._indexed[r] for r in keep]
 
 
 class DraftModelDrafter:
@@ -129,8 +158,7 @@ class DraftModelDrafter:
     tokens it never saw (bonus tokens, drafts from prompt lookup) are fed in the first pass.
     """
 
-    name = "draft_model"
-    costs_a_pass = True
+    name = DRAFT_MODEL
 
     def __init__(
         self,
@@ -165,7 +193,7 @@ class DraftModelDrafter:
 
     def _restrict_head(self) -> None:
         """Gather the head's rows once they changed, when a proposal needs them rather than at
-        every admission (a 33k-row gather of the 0.5B draft's head is ~60 MB of copying)."""
+        every admission (the gather copies tens of megabytes of a draft's output layer)."""
         if self.head_tokens and self._head_rare != len(self._rare):
             rows = list(range(self.head_tokens)) + sorted(self._rare)
             self.lm.restrict_head(torch.tensor(rows, dtype=torch.long))
@@ -177,7 +205,7 @@ class DraftModelDrafter:
         gamma: int,
         params: SamplingParams,
         generator: torch.Generator,
-        keep: Callable[[list[float], list[int]], list[bool]] | None = None,
+        keep: KeepRule | None = None,
         guess: list[int] | None = None,
     ) -> Proposal:
         """Up to `gamma` tokens per row, one draft pass per token (fewer with a right `guess`).
@@ -193,8 +221,8 @@ class DraftModelDrafter:
         position equals the guessed token there, the next position's logits are already
         computed, so the chain grows by several tokens in one pass. The drafts are the ones
         plain steps would make (up to rounding in the wider pass); only the number of passes
-        changes. On the 0.5B draft (bf16, 2 cores) a pass of 4 tokens cost 27 ms against 23 ms
-        for 1, and on license summaries its chain often follows the copy for several tokens.
+        changes. A draft pass of a few tokens costs little more than one of 1, and where the
+        output copies its input the draft's chain often follows the copy for several tokens.
         """
         if gamma == 0:
             return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs))
@@ -248,5 +276,5 @@ class DraftModelDrafter:
         """Whether the lone row may draft one more token within a guessed run (no rule: yes)."""
         return keep is None or keep(chances, [len(d) for d in drafts])[0]
 
-    def select(self, rows: list[int]) -> None:
-        self.lm.select(rows)
+    def evict(self, keep: list[int], finished: list[list[int]]) -> None:
+        self.lm.select(keep)

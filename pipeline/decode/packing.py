@@ -3,8 +3,7 @@
 Why: a speculative pass over a batch is ragged. At batch 8 one row may verify 5 copied tokens
 while seven rows verify 1, and the rectangle the model runs over is 8 × 5 = 40 positions of
 which 12 are real. On a GPU the padding is nearly free (the pass is bound by reading the
-weights); on a CPU it is not. Measured on Qwen2.5-Coder 1.5B in bf16 (2 cores, 400 cached
-tokens): 8 real tokens 0.18 s; 12 real in a 40-wide rectangle 0.31 s, packed 0.23 s.
+weights); on a CPU it is not (measured in docs/engine.md, "Ragged passes on a CPU").
 
 How: while a pass runs under `packed(layout)`, every dense MLP block and every other Linear
 layer of a model that went through `install` gathers the real positions of its input into a
@@ -104,9 +103,8 @@ def install(model: nn.Module) -> nn.Module:
     """Let `model`'s Linear layers run packed under `packed`; idempotent.
 
     Dense MLP blocks run packed as a whole: per Linear, the gather, the zero-filled rectangle
-    and the scatter cost a few hundred small operations per pass (at batch 8 on the 1.5B
-    target a ragged pass of 9 tokens cost 9-14% more than a rectangular one of 8 before this
-    and the one-call attention in `invariant`, 0-10% after).
+    and the scatter cost a few hundred small operations per pass, a visible share of a
+    ragged pass on a CPU.
     The Linear layers inside then see packed inputs and leave them as they are.
     The gather runs before any other pre-hook and the scatter after the other forward hooks,
     so that hooks which reshape a layer's rows (the batch-invariant 2-row trick, which

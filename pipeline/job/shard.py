@@ -267,7 +267,7 @@ class ShardProcessor:
     # -- decoding -------------------------------------------------------------------------------
 
     def _decode_sorted(
-        self, prompts: list[list[int]], drafter: str | None = None
+        self, prompts: list[list[int]], drafter: str | None = None, corpus: bool = True
     ) -> tuple[list[tuple[RowOutput, float]], BatchStats]:
         """Decode every prompt, `batch_size` rows at a time, longest first.
 
@@ -278,12 +278,14 @@ class ShardProcessor:
         """
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list = [None] * len(prompts)
-        outputs, totals = self._generate_fitting([prompts[i] for i in order], drafter)
+        outputs, totals = self._generate_fitting([prompts[i] for i in order], drafter, corpus)
         for i, out in zip(order, outputs):
             results[i] = (out, out.stats.seconds)
         return results, totals
 
-    def _generate_fitting(self, prompts: list[list[int]], drafter: str | None, size: int | None = None):
+    def _generate_fitting(
+        self, prompts: list[list[int]], drafter: str | None, corpus: bool, size: int | None = None
+    ):
         """Decode at the job's batch size; on out-of-memory, halve it and start again.
 
         Long documents make some batches much bigger than the rest; halving keeps the shard
@@ -300,6 +302,7 @@ class ShardProcessor:
                 drafter=drafter,
                 overlong="truncate",
                 batch_size=size,
+                corpus=corpus,
             )
         except torch.OutOfMemoryError:
             if size == 1:
@@ -307,7 +310,7 @@ class ShardProcessor:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self.oom_splits += 1
-            return self._generate_fitting(prompts, drafter, size // 2)
+            return self._generate_fitting(prompts, drafter, corpus, size // 2)
 
     def _speedup_sample(self, rows, prompts, decoded) -> dict:
         """Decode a sample of rows both ways on this actor to measure the real speedup.
@@ -322,8 +325,9 @@ class ShardProcessor:
         step = len(rows) / k
         picked = sorted({int(i * step) for i in range(k)})
         sample = [prompts[i].ids for i in picked]
-        spec_out, spec = self._decode_sorted(sample)
-        base_out, base = self._decode_sorted(sample, drafter="none")
+        # the suffix drafter's corpus holds these rows' outputs now: it must not draft them back
+        spec_out, spec = self._decode_sorted(sample, corpus=False)
+        base_out, base = self._decode_sorted(sample, drafter="none", corpus=False)
         identical = sum(
             b.tokens == s.tokens == decoded[i][0].tokens
             for i, (b, _), (s, _) in zip(picked, base_out, spec_out)
@@ -379,6 +383,8 @@ class ShardProcessor:
             "mean_gamma": mean_gamma,
             "drafter": self.spec.drafter.kind,
             "drafted": totals.drafted,
+            "drafted_by": totals.drafted_by,  # by draft source: draft_model, prompt_lookup, suffix
+            "accepted_by": totals.accepted_by,
             "accepted": totals.accepted,
             "target_passes": totals.target_passes,
             "draft_passes": totals.draft_passes,

@@ -34,7 +34,7 @@ def model_refs(spec: JobSpec) -> tuple[ModelRef, ModelRef | None]:
     else:
         target = ModelRef(path=models.target.path, revision=models.target.revision)
         draft = ModelRef(path=models.draft.path, revision=models.draft.revision) if models.draft else None
-    if spec.drafter.kind in ("none", "prompt_lookup"):
+    if spec.drafter.kind in ("none", "prompt_lookup", "suffix"):
         draft = None
     return target, draft
 
@@ -78,8 +78,6 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     )
     tokenizer = pair.tokenizer
     drafter = spec.drafter.kind
-    if drafter == "auto" and pair.draft is None:
-        drafter = "prompt_lookup"
     engine = SpeculativeEngine(
         pair.target,
         pair.draft,
@@ -95,6 +93,8 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
             ngram_max=spec.drafter.ngram_max,
             draft_vocab=spec.drafter.draft_vocab,
             guess_tokens=spec.drafter.guess_tokens,
+            suffix_max_tokens=spec.drafter.suffix_max_tokens,
+            suffix_min_match=spec.drafter.suffix_min_match,
         ),
     )
     info = pair.manifest()

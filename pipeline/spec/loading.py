@@ -331,7 +331,7 @@ def check_models_reachable(spec: JobSpec) -> list[str]:
     Only pairs where both models are existing local directories are checked (hub ids, missing
     directories and unknown named pairs are skipped). Loads tokenizers, not weights.
     """
-    if spec.drafter.kind in ("none", "prompt_lookup"):
+    if spec.drafter.kind in ("none", "prompt_lookup", "suffix"):
         return []
     pair = False
     if spec.models.pair is not None:

@@ -381,7 +381,7 @@ class ModelsSpec(_Section):
     draft: ModelRefSpec | None = Field(
         None,
         description="The small draft model; must share the target's tokenizer. Required unless a pair is "
-        "given or drafter.kind is prompt_lookup or none.",
+        "given or drafter.kind is prompt_lookup, suffix or none.",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
@@ -425,10 +425,12 @@ class ModelsSpec(_Section):
 class DrafterSpec(_Section):
     """How draft tokens are proposed."""
 
-    kind: Literal["auto", "draft_model", "prompt_lookup", "none"] = Field(
+    kind: Literal["auto", "draft_model", "prompt_lookup", "suffix", "none"] = Field(
         "auto",
         description="draft_model: the draft model; prompt_lookup: n-grams copied from the prompt; "
-        "auto: choose per batch by measured cost; none: target-only decoding.",
+        "suffix: the most frequent continuation of the text's longest matched suffix, in the row's own "
+        "text and in the outputs this actor produced before; auto: choose per row by measured acceptance "
+        "and cost; none: target-only decoding.",
     )
     gamma_max: int = Field(8, ge=1, le=32, description="Maximum tokens drafted per verification step.")
     adaptive: bool = Field(
@@ -450,6 +452,19 @@ class DrafterSpec(_Section):
         description="A lone row's draft model checks up to this many tokens of a prompt-lookup copy in one "
         "pass, as a guess at its own next drafts: the same drafts in fewer passes where they follow the "
         "copy (0: one pass per draft).",
+    )
+
+    suffix_max_tokens: int = Field(
+        1 << 20,
+        ge=0,
+        description="The suffix drafter keeps at most this many tokens of the actor's earlier outputs, the "
+        "oldest dropped first (0: only the row's own text). Memory grows with it: see docs/engine.md.",
+    )
+    suffix_min_match: int = Field(
+        2,
+        ge=1,
+        le=32,
+        description="The suffix drafter proposes nothing where no suffix of the text this long matches.",
     )
 
     @field_validator("ngram_min")
@@ -570,7 +585,7 @@ class JobSpec(_Section):
                 raise rule_error(
                     "models.draft",
                     f"required when drafter.kind is {v.kind!r} (give models.draft or models.pair, "
-                    "or set drafter.kind to prompt_lookup or none)",
+                    "or set drafter.kind to prompt_lookup, suffix or none)",
                 )
         return v
 

@@ -1,0 +1,284 @@
+"""What each round drafts: which source serves each row, how many tokens, and when to stop.
+
+Every round the engine offers the policy what the free drafters (prompt lookup, suffix) found
+for each row and whether the draft model could run; the policy answers with the most tokens any
+row may take from a copy (`cap`), the draft model's γ and each row's source, the choice that
+maximizes expected tokens per second by the measured costs (`CostModel`) and the measured
+acceptance of each source. It also says when the draft model should stop drafting a row early
+(`draft_length`), and re-measures, now and then, what its choices can no longer observe:
+plain decoding while it speculates, and a drafter it has stopped using.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from pipeline.decode.costs import (
+    AcceptanceByPosition,
+    CostModel,
+    RunningRate,
+    expected_drain_advance,
+    iid_survival,
+)
+from pipeline.decode.drafters import DRAFT_MODEL, PROMPT_LOOKUP, KeepRule
+
+if TYPE_CHECKING:
+    from pipeline.decode.batched_lm import BatchedLM
+    from pipeline.decode.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Tokens a free drafter proposes for a row, and how deep its match was (see `Proposal`)."""
+
+    source: str
+    tokens: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    """What one round can choose from: each row's offers and the draft model's state."""
+
+    offers: list[list[Offer]]  # per row, what each free drafter proposes (none: no match)
+    use_model: bool
+    gamma_cap: int
+    remaining: int  # new tokens the active rows may still produce
+    catch_up: float  # seconds the draft model needs before it can propose (see costs)
+    # Each row's tokens left before max_new_tokens when no prompt waits for a place (the batch
+    # only drains); None while prompts wait, when every token anywhere brings the end closer.
+    drain_budgets: list[int] | None = None
+
+    def offered(self, row: int, source: str | None) -> int:
+        """Tokens `source` offers the row (0: none, or not a free drafter)."""
+        return next((o.tokens for o in self.offers[row] if o.source == source), 0)
+
+
+class Choice(NamedTuple):
+    """A round's plan: copies of at most `cap` tokens, `gamma` draft-model passes at most, and
+    each row's source (None: the row takes the target's token only)."""
+
+    cap: int
+    gamma: int
+    sources: list[str | None]
+
+
+def copy_prior(source: str, depth: int) -> float:
+    """The acceptance a copy is assumed to have before any was verified: a longer match is a
+    stronger hint (an n-gram of n tokens for prompt lookup, a matched suffix for suffix)."""
+    if source == PROMPT_LOOKUP:
+        return min(0.2 + 0.15 * depth, 0.8)
+    return min(0.2 + 0.1 * depth.bit_length(), 0.8)
+
+
+@dataclass
+class Policy:
+    """The choice of drafts, from the engine's measured costs and its own measured acceptance.
+
+    One per engine: what it learns (acceptance per source, how often rows run to the limit)
+    carries over from batch to batch like the costs do.
+    """
+
+    config: EngineConfig
+    costs: CostModel
+    target: BatchedLM  # prices a pass by its rows' lengths (`pass_tokens`)
+    # The draft model's acceptance per drafted token.
+    model_rate: RunningRate = field(default_factory=lambda: RunningRate(prior=0.6))
+    # A copy's acceptance per source and match depth, and per position in the copy, since a
+    # copy that has begun to match tends to go on matching (`AcceptanceByPosition`).
+    copy_rates: dict[tuple[str, int], AcceptanceByPosition] = field(default_factory=dict)
+    # How often a row runs to max_new_tokens rather than ending at EOS or a stop string: a
+    # draining batch's end is set by the row with most tokens left only when rows run that far.
+    runs_to_limit: RunningRate = field(default_factory=lambda: RunningRate(prior=0.5, weight=4.0))
+    # How often a draft-model token is accepted when every draft before it in its row was:
+    # what drafting one more token is worth (see `draft_length`).
+    draft_next: RunningRate = field(default_factory=lambda: RunningRate(prior=0.6))
+    _rounds_without_model: int = 0
+    _rounds_without_copies: int = 0
+    _rounds_since_plain: int = 0
+
+    def copy_rate(self, source: str, depth: int) -> AcceptanceByPosition:
+        key = (source, depth)
+        if key not in self.copy_rates:
+            self.copy_rates[key] = AcceptanceByPosition(prior=copy_prior(source, depth))
+        return self.copy_rates[key]
+
+    def observe(self, outcomes: dict[tuple[str, int], list[tuple[int, int]]]) -> None:
+        """One round's verified drafts, (accepted, drafted) per row, by (source, depth)."""
+        for (source, depth), rows in outcomes.items():
+            if source == DRAFT_MODEL:
+                self.model_rate.observe(rows)
+                # the drafts the target tested: the accepted ones and the first miss
+                self.draft_next.observe([(a, min(a + 1, d)) for a, d in rows])
+            else:
+                self.copy_rate(source, depth).observe(rows)
+
+    def choose(self, options: RoundOptions) -> Choice:
+        """Pick the copy cap and the draft-model gamma that maximize expected tokens/s.
+
+        Each row takes up to `cap` tokens of one free drafter's offer, or `gamma` draft-model
+        tokens, or none (see `best`); expected tokens come from the running acceptance (the
+        draft model's per token; a copy's per source, depth and position), round time from the
+        measured target cost of the resulting pass plus gamma draft steps, plus the draft's
+        catch-up seconds spread over the rounds left for the remaining tokens. Gamma 0 with no
+        copy is plain target-only decoding, always a candidate. The draft model may then stop
+        short of gamma (`draft_length`).
+        """
+        rows, gamma_cap = len(options.offers), options.gamma_cap
+        plain = Choice(0, 0, [None] * rows)
+        if gamma_cap <= 0:
+            return plain
+        if not self.config.adaptive:
+            gamma = gamma_cap if options.use_model and not all(options.offers) else 0
+            first = [offers[0].source if offers else None for offers in options.offers]
+            return Choice(gamma_cap, gamma, [s or (DRAFT_MODEL if gamma else None) for s in first])
+        if not self.costs.has_target(rows):
+            # Measure plain decoding at this batch size first: every choice is compared with it.
+            return plain
+        self._rounds_since_plain += 1
+        if self._rounds_since_plain > 4 * self.config.probe_every:
+            # Re-measure plain decoding now and then: while speculating its cost is never
+            # observed, and a value inflated by one slow spell would keep speculation looking good.
+            self._rounds_since_plain = 0
+            return plain
+        cap, gamma, sources = self.best(options, self.model_rate.value)
+        if options.use_model and gamma == 0 and None in sources:
+            self._rounds_without_model += 1
+            if self._rounds_without_model >= self.config.probe_every:
+                self._rounds_without_model = 0
+                # Re-measure the draft's acceptance, unless even a very good draft would not
+                # pay here (verify passes too dear, or a catch-up the rounds left cannot repay).
+                # A probe also risks the draft's catch-up (a whole prefill when cold), which a
+                # poor acceptance found by the probe may never repay: it may risk only a share.
+                plain_left = options.remaining / rows * self.costs.target_time(rows)
+                affordable = options.catch_up <= self.config.probe_budget * plain_left
+                if affordable and self.best(options, self.config.probe_alpha).gamma:
+                    gamma, sources = 1, [s or DRAFT_MODEL for s in sources]
+        copying = any(s not in (None, DRAFT_MODEL) for s in sources)
+        if gamma == 0 and not copying and any(options.offers):
+            self._rounds_without_copies += 1
+            if self._rounds_without_copies >= self.config.probe_every:
+                self._rounds_without_copies = 0
+                # Re-measure the copies' acceptance and the cost of a 2-token verify pass at
+                # this batch size. Until measured that cost is extrapolated from other shapes
+                # (4 rows x 1 token next to 1 row x 3), which can overprice it so much that no
+                # copy is ever tried. A probe costs one slightly wider pass, no draft steps.
+                cap, sources = 1, [offers[0].source if offers else None for offers in options.offers]
+                copying = True
+        if gamma == 0 and not copying:
+            self._rounds_since_plain = 0  # this round measures plain decoding anyway
+        return Choice(cap, gamma, sources)
+
+    def draft_length(
+        self, options: RoundOptions, cap: int, gamma: int, sources: list[str | None]
+    ) -> tuple[int, KeepRule | None]:
+        """How many draft passes at most, and the rule that ends drafting earlier (see
+        `DraftModelDrafter.propose`); fixed gamma (`adaptive=False`) has no rule.
+
+        `best` prices gamma as if every draft were accepted with the same chance. The draft
+        model knows better token by token: a row whose drafts so far are all accepted with
+        chance P (the product of the draft's confidences) gains P·α more tokens from one more
+        draft, α being how often a draft is accepted after accepted ones (`draft_next`).
+        That gain is worth its seconds at the rate rounds have been making tokens; one more
+        pass costs a draft step, and each row that goes on one more verify token. So drafting
+        goes long while the draft is sure and stops at its first doubt.
+        Every token counts while prompts wait or in a lone row, and drafting may then go to
+        `gamma_cap`; a draining batch keeps the gamma its drain pricing chose as the most.
+        """
+        if not self.config.adaptive:
+            return gamma, None
+        rows = len(sources)
+        steps = options.gamma_cap if rows == 1 or options.drain_budgets is None else gamma
+        token_value = self.costs.token_seconds()
+        if steps <= 1 or token_value is None:
+            return gamma, None
+        step_seconds = self.costs.draft_time(rows) or 0.0
+        chance_next = self.draft_next.value
+        copied = [min(options.offered(i, s), cap) for i, s in enumerate(sources)]
+        model_rows = [i for i, s in enumerate(sources) if s == DRAFT_MODEL]
+
+        def keep(chances: list[float], drafted: list[int]) -> list[bool]:
+            lengths = [1 + n + (drafted[i] if sources[i] == DRAFT_MODEL else 0) for i, n in enumerate(copied)]
+            now = self.costs.target_time(self.target.pass_tokens(lengths))
+            going, net = [False] * rows, 0.0
+            for i in model_rows:
+                wider = lengths[:i] + [lengths[i] + 1] + lengths[i + 1 :]
+                verify_token = max(self.costs.target_time(self.target.pass_tokens(wider)) - now, 0.0)
+                gain = chances[i] * chance_next * token_value - verify_token
+                if gain > 0:
+                    going[i], net = True, net + gain
+            return going if net > step_seconds else [False] * rows
+
+        return steps, keep
+
+    def best(self, options: RoundOptions, a_model: float) -> Choice:
+        """The choice of `choose` with the draft model accepting at rate `a_model`.
+
+        Each row takes the source worth most to it: expected tokens, less what its extra verify
+        tokens cost at the best rate so far. In a padded pass (a GPU) the verify tokens are
+        priced at nothing, since the widest row sets the cost; in a packed one (a CPU) a row
+        pays for its own, so a weak 1-gram match is not worth verifying there.
+        While prompts wait for places every token brings the end of the job closer. A batch
+        that only drains ends when its row with most tokens left does, if rows run to
+        max_new_tokens: then a round is worth how far it takes that row's count down
+        (`expected_drain_advance`), and tokens of rows ahead of it are worth nothing. With 8
+        even rows that is the rare round where all 8 accept, so such a batch decodes plainly
+        instead of widening its passes. Rows that end at EOS make the row with most tokens
+        left a guess, so the two values are weighed by how often rows have run to the limit.
+        A lone row needs no such split: the whole round's rate below decides for it.
+        """
+        offers, gamma_cap = options.offers, options.gamma_cap
+        rows = len(offers)
+        draft_time = self.costs.draft_time(rows) or 0.0
+        plain_seconds = self.costs.target_time(rows)
+        per_token = 0.0  # seconds per extra verify token at this batch size; one row: see above
+        if self.target.pack and rows > 1:
+            per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
+        budgets = options.drain_budgets if rows > 1 else None
+        to_limit = self.runs_to_limit.value if budgets else 0.0
+        leads = [max(budgets) - b for b in budgets] if budgets else [0] * rows
+        best = Choice(0, 0, [None] * rows)
+        best_rate = rows / plain_seconds * (1 + self.config.min_gain)
+        # P(at least k tokens) by drafts verified: the draft model's i.i.d., each copy's by position
+        from_model = iid_survival(a_model, gamma_cap)
+        from_copies = [
+            [(o, self.copy_rate(o.source, o.depth).survival(min(o.tokens, gamma_cap))) for o in row_offers]
+            for row_offers in offers
+        ]
+        for cap in range(gamma_cap + 1) if any(offers) else [0]:
+            for gamma in range(gamma_cap + 1) if options.use_model else [0]:
+                model_survival = from_model[: gamma + 1]
+                model_tokens = sum(model_survival)
+                # In a drain only rows within `reach` of the one furthest behind can hold its end
+                # back this round; they share what the round is worth, the rows ahead get nothing.
+                reach = max(cap, gamma)
+                near = sum(lead < reach for lead in leads)
+                tokens, lengths, sources, drains = 0.0, [], [], []
+                for copies, lead in zip(from_copies, leads):
+                    choices = [(1.0, 0, None, [1.0])]
+                    if gamma:
+                        choices.append((model_tokens, gamma, DRAFT_MODEL, model_survival))
+                    if cap:
+                        for offer, survival in copies:
+                            copy = survival[: min(offer.tokens, cap) + 1]
+                            choices.append((sum(copy), min(offer.tokens, cap), offer.source, copy))
+                    weight = 1.0 - to_limit + (to_limit * rows / near if lead < reach else 0.0)
+                    expected, drafts, source, survival = max(
+                        choices, key=lambda c: weight * c[0] - best_rate * per_token * c[1]
+                    )
+                    tokens += expected
+                    lengths.append(drafts + 1)
+                    sources.append(source)
+                    drains.append((lead, survival))
+                if gamma and DRAFT_MODEL not in sources:
+                    continue  # the draft model would run for nobody
+                seconds = gamma * draft_time + self.costs.target_time(self.target.pass_tokens(lengths))
+                if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
+                    seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
+                worth = tokens
+                if budgets:
+                    worth = (1.0 - to_limit) * tokens + to_limit * rows * expected_drain_advance(drains)
+                if worth / seconds > best_rate * 1.0001:
+                    best, best_rate = Choice(cap, gamma, sources), worth / seconds
+        return best

@@ -1,0 +1,292 @@
+"""The suffix drafter: continuations of the row's longest matched suffix, in its own text and in
+the outputs this engine produced before.
+
+Prompt lookup copies from the row's own prompt only. A corpus job sees more: its documents share
+boilerplate, and the outputs of earlier documents hold the phrasing the target will use again
+(a recurring term in a translation, a summary's opening), which a translation never finds in its
+own, other-language, prompt. So this drafter keeps suffix automata over token ids: one per row,
+over its prompt and output so far, and a bounded corpus of the outputs already finished by this
+engine (which lives as long as its actor, across shards). Each round it matches the end of every
+row's text in them, follows the most frequent continuation, and proposes it; a draft costs no
+model pass.
+
+A suffix automaton holds every substring of its text in at most twice as many states as tokens,
+and the end of a text is matched in steps proportional to the matched length, however large the
+text. Each state counts the text's occurrences of its strings, which weighs continuations by
+frequency. An automaton cannot forget a text, so the corpus is several automata, and the oldest
+is dropped whole when the corpus would exceed its cap.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.decode.drafters import SUFFIX, KeepRule, Proposal
+from pipeline.decode.sampling import SamplingParams
+
+NO_EDGE, MANY = -1, -2
+# A continuation stops where its estimated chance of being right all along falls below this:
+# tokens past it would widen the verify pass more than they are worth to a greedy policy too.
+MIN_CHANCE = 0.1
+# The longest suffix of a row's text looked for in the corpus, and the deepest match depth the
+# policy tells apart; a longer match says little more about what follows.
+MAX_DEPTH = 32
+# The corpus is this many automata: the cap is kept within a quarter of it, oldest out first.
+CORPUS_BLOCKS = 4
+
+
+class SuffixAutomaton:
+    """Every substring of the documents added, each state with how often its strings occur.
+
+    A state's edges map a token to the state of the strings extended by it. Most states of a
+    text's automaton have a single edge, so one edge per state lives in two flat arrays and
+    only states that branch get a dict: a fraction of the memory of a dict for every state.
+    """
+
+    __slots__ = ("link", "length", "count", "edge_token", "edge_target", "branches", "last", "tokens")
+
+    def __init__(self) -> None:
+        self.link = array("i", [-1])  # suffix link: the state of the longest suffix found elsewhere
+        self.length = array("i", [0])  # the longest string of the state
+        self.count = array("i", [0])  # occurrences (end positions) of the state's strings
+        self.edge_token = array("i", [NO_EDGE])
+        self.edge_target = array("i", [0])
+        self.branches: dict[int, dict[int, int]] = {}
+        self.last = 0  # the state of the whole current document
+        self.tokens = 0
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Add a document: its substrings become states, none spanning into another document."""
+        self.last = 0
+        for token in tokens:
+            self.extend(token)
+
+    def extend(self, token: int) -> None:
+        """Append one token to the current document (the standard online construction, with
+        the check that makes it a generalized automaton over several documents)."""
+        p, length = self.last, self.length
+        q = self.step(p, token)
+        if q >= 0:  # the document so far plus this token occurred before, in another document
+            cur = q if length[p] + 1 == length[q] else self._clone(p, q, token)
+        else:
+            cur = self._new(length[p] + 1, 0, 0)
+            while p != -1 and self.step(p, token) < 0:
+                self._set(p, token, cur)
+                p = self.link[p]
+            if p != -1:
+                q = self.step(p, token)
+                self.link[cur] = q if length[p] + 1 == length[q] else self._clone(p, q, token)
+        self.last = cur
+        self.tokens += 1
+        # every suffix of the document so far occurs once more: the states on the link path
+        count, link, s = self.count, self.link, cur
+        while s > 0:
+            count[s] += 1
+            s = link[s]
+
+    def step(self, state: int, token: int) -> int:
+        """The state `token` leads to from `state`, or -1."""
+        edge = self.edge_token[state]
+        if edge == token:
+            return self.edge_target[state]
+        if edge == MANY:
+            return self.branches[state].get(token, -1)
+        return -1
+
+    def children(self, state: int) -> Iterable[tuple[int, int]]:
+        """(token, state) of every edge out of `state`."""
+        edge = self.edge_token[state]
+        if edge == MANY:
+            return self.branches[state].items()
+        return ((edge, self.edge_target[state]),) if edge != NO_EDGE else ()
+
+    def match(self, context: Sequence[int]) -> tuple[int, int]:
+        """The state of the longest suffix of `context` that occurs here, and its length."""
+        state, matched = 0, 0
+        for token in context:
+            while True:
+                nxt = self.step(state, token)
+                if nxt >= 0:
+                    state, matched = nxt, matched + 1
+                    break
+                if state == 0:
+                    matched = 0
+                    break
+                state = self.link[state]
+                matched = self.length[state]
+        return state, matched
+
+    def nbytes(self) -> int:
+        """Bytes held: the flat arrays and the dicts of branching states."""
+        flat = (self.link, self.length, self.count, self.edge_token, self.edge_target)
+        arrays = sum(a.buffer_info()[1] * a.itemsize for a in flat)
+        return arrays + sys.getsizeof(self.branches) + sum(map(sys.getsizeof, self.branches.values()))
+
+    def _new(self, length: int, link: int, count: int, like: int = -1) -> int:
+        s = len(self.length)
+        self.length.append(length)
+        self.link.append(link)
+        self.count.append(count)
+        self.edge_token.append(self.edge_token[like] if like >= 0 else NO_EDGE)
+        self.edge_target.append(self.edge_target[like] if like >= 0 else 0)
+        if like >= 0 and self.edge_token[like] == MANY:
+            self.branches[s] = dict(self.branches[like])
+        return s
+
+    def _set(self, state: int, token: int, target: int) -> None:
+        edge = self.edge_token[state]
+        if edge == NO_EDGE or edge == token:
+            self.edge_token[state], self.edge_target[state] = token, target
+        elif edge == MANY:
+            self.branches[state][token] = target
+        else:
+            self.branches[state] = {edge: self.edge_target[state], token: target}
+            self.edge_token[state] = MANY
+
+    def _clone(self, p: int, q: int, token: int) -> int:
+        """Split `q`: its strings up to length[p] + 1 now also end elsewhere."""
+        clone = self._new(self.length[p] + 1, self.link[q], self.count[q], like=q)
+        while p != -1 and self.step(p, token) == q:
+            self._set(p, token, clone)
+            p = self.link[p]
+        self.link[q] = clone
+        return clone
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A proposal from one match: its tokens, its score (the expected number of them accepted
+    if the text's frequencies hold: the sum of each prefix's estimated chance) and the match
+    length it follows."""
+
+    tokens: list[int]
+    score: float
+    depth: int
+
+
+def continuations(automaton: SuffixAutomaton, state: int, matched: int, limit: int, min_match: int):
+    """The most frequent continuation after each match at least `min_match` long: from the
+    longest match (`state`, `matched`), then each shorter one down its suffix links.
+
+    A continuation follows, token after token, the edge most occurrences took; its chance is
+    the product of each step's share of the occurrences that went on.
+    """
+    count, link, length = automaton.count, automaton.link, automaton.length
+    while state > 0 and matched >= min_match:
+        tokens, chance, score, at = [], 1.0, 0.0, state
+        while len(tokens) < limit:
+            going, best, best_count, best_state = 0, -1, 0, 0
+            for token, child in automaton.children(at):
+                going += count[child]
+                if count[child] > best_count:
+                    best, best_count, best_state = token, count[child], child
+            if not going:
+                break
+            chance *= best_count / going
+            if chance < MIN_CHANCE:
+                break
+            tokens.append(best)
+            score += chance
+            at = best_state
+        if tokens:
+            yield Continuation(tokens, score, matched)
+        state = link[state]
+        matched = length[state]
+
+
+class SuffixCorpus:
+    """Outputs this engine has finished, at most `max_tokens` of them, the oldest dropped first.
+
+    Kept in `CORPUS_BLOCKS` automata: new outputs go to the newest until it holds its share of
+    the cap, and when a new one starts past the cap the oldest goes as a whole.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.blocks: deque[SuffixAutomaton] = deque()
+
+    @property
+    def tokens(self) -> int:
+        return sum(b.tokens for b in self.blocks)
+
+    def add(self, output: Sequence[int]) -> None:
+        share = self.max_tokens // CORPUS_BLOCKS
+        if not output or len(output) > share:
+            return
+        if not self.blocks or self.blocks[-1].tokens + len(output) > share:
+            self.blocks.append(SuffixAutomaton())
+            while self.tokens + len(output) > self.max_tokens:
+                self.blocks.popleft()
+        self.blocks[-1].add(output)
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.blocks)
+
+
+def depth_class(matched: int) -> int:
+    """The match length as the policy keys a copy's acceptance: rounded down to a power of
+    two, so that a few rates, each learnt from many rows, tell short matches from long ones."""
+    return 1 << (min(matched, MAX_DEPTH).bit_length() - 1)
+
+
+class SuffixDrafter:
+    """Proposes the best-scored continuation of each row's text from its own automaton (prompt
+    and output so far) and the corpus of earlier outputs; nothing where no match reaches
+    `min_match` tokens. No model pass. The policy sets how many of its tokens a row verifies,
+    from this drafter's acceptance measured per match depth and position.
+    """
+
+    name = SUFFIX
+
+    def __init__(self, max_tokens: int = 1 << 20, min_match: int = 2):
+        self.corpus = SuffixCorpus(max_tokens)
+        self.min_match = min_match
+        self._rows: list[SuffixAutomaton] = []
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self._rows = []
+        self.admit(prompts)
+
+    def admit(self, prompts: list[list[int]]) -> None:
+        self._rows += [SuffixAutomaton() for _ in prompts]
+
+    def propose(
+        self,
+        seqs: list[list[int]],
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        keep: KeepRule | None = None,
+        guess: list[int] | None = None,
+    ) -> Proposal:
+        tokens, depths = [], []
+        for own, seq in zip(self._rows, seqs):
+            for token in seq[own.tokens :]:
+                own.extend(token)
+            found = self.lookup(own, seq, gamma)
+            tokens.append(found.tokens if found else [])
+            depths.append(depth_class(found.depth) if found else 0)
+        return Proposal(tokens=tokens, probs=[None] * len(seqs), depths=depths)
+
+    def lookup(self, own: SuffixAutomaton, seq: list[int], limit: int) -> Continuation | None:
+        """The best continuation of `seq`'s end: in its own automaton, whose last state is the
+        whole text, and in each corpus block, matched on the text's last `MAX_DEPTH` tokens.
+        A higher score wins, a deeper match on a tie."""
+        if limit <= 0:
+            return None
+        found = list(continuations(own, own.last, len(seq), limit, self.min_match))
+        context = seq[-MAX_DEPTH:]
+        for block in self.corpus.blocks:
+            found += continuations(block, *block.match(context), limit, self.min_match)
+        return max(found, key=lambda c: (c.score, c.depth), default=None)
+
+    def evict(self, keep: list[int], finished: list[list[int]]) -> None:
+        for output in finished:
+            self.corpus.add(output)
+        self._rows = [self._rows[r] for r in keep]

@@ -1,0 +1,56 @@
+"""What the decoding tests share: prompts, the target's own greedy outputs, measured costs."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.decode.costs import CostModel
+
+TEXTS = [
+    "The quick brown fox jumps",
+    "Speculative decoding drafts tokens with a small model and verifies them with a large one. "
+    "Summaries copy phrases from their input documents, translations rarely do. Summaries copy",
+    "Data",
+    "Le renard brun saute par-dessus le chien paresseux. The quick brown fox jumps over the lazy dog.",
+    "Parquet shards are read from object storage and written back with statistics. Parquet shards",
+    "Data teams run batch jobs every night on a cluster of machines. Every night",
+    "fox",
+    "The lazy dog. The lazy dog. The lazy",
+]
+MAX_NEW = 24
+
+
+def reference(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
+    """The target decoding alone: Hugging Face greedy generate, batch 1, no padding."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+# Seconds per target pass by tokens in the pass (rows × width), and per draft pass, as measured
+# on the 1.5B/0.5B pair on a 2-core CPU in float32 (the benchmark machine), and as they look on
+# a GPU (a wider pass nearly free).
+CPU_COSTS = ({1: 0.40, 2: 0.83, 5: 1.23}, 0.22)
+GPU_COSTS = ({1: 0.020, 2: 0.021, 5: 0.022}, 0.004)
+# Batch 8, 400-token prompts (tools: a per-pass timing of the engine on the benchmark machine).
+BATCH8_TARGET = {8: 1.61, 16: 1.82, 24: 2.05, 40: 2.32, 72: 2.90}
+BATCH8_DRAFT = {8: 0.50, 16: 0.64}
+PREFILL_PER_TOKEN = {"target": 72.9 / (8 * 396), "draft": 22.3 / (8 * 396)}
+
+
+def measured_costs(target: dict, draft: dict, prefill: dict | None = None) -> CostModel:
+    """A cost model that measured these tables (each size twice: confirmed, see PassCosts.time)."""
+    model = CostModel()
+    for _ in range(2):
+        for tokens, seconds in target.items():
+            model.observe_target(tokens, seconds)
+        for tokens, seconds in draft.items():
+            model.observe_draft(tokens, seconds)
+    for name, rate in (prefill or {}).items():
+        model.observe_prefill(name, 1000, rate * 1000)
+    return model

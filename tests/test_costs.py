@@ -1,0 +1,54 @@
+"""The cost model and the acceptance estimators the policy prices its choices with."""
+
+from __future__ import annotations
+
+import pytest
+from decode_case import BATCH8_DRAFT, BATCH8_TARGET, measured_costs
+
+from pipeline.decode.costs import AcceptanceByPosition, expected_drain_advance, iid_survival
+
+
+def test_pass_costs_are_keyed_by_tokens_so_every_batch_size_shares_them():
+    model = measured_costs(BATCH8_TARGET, BATCH8_DRAFT)
+    assert model.target_time(8) == 1.61  # 8 rows × 1 token, 4 × 2, or 1 × 8
+    assert model.target_time(7) == pytest.approx(1.61 - (1.82 - 1.61) / 8)  # a shrinking batch
+    assert model.target_time(32) == pytest.approx(2.05 + (2.32 - 2.05) / 2)  # 8 × 4
+    assert model.draft_time(8) == 0.50 and model.draft_time(16) == 0.64
+
+
+def test_copies_are_priced_by_how_their_acceptance_runs():
+    """Prompt lookup's copies are accepted in runs: rarely the first copied token, nearly always
+    the next ones once it matched. Counted per position, a copy of 8 is worth what it yields."""
+    runs = AcceptanceByPosition(prior=0.3, weight=1.0, decay=1.0)
+    assert runs.survival(3) == pytest.approx([1.0, 0.3, 0.09, 0.027])  # nothing seen: i.i.d. prior
+    # 10 copies of 8: 7 rejected at once, 3 accepted whole
+    runs.observe([(0, 8)] * 7 + [(8, 8)] * 3)
+    first = (3 + 0.3) / (10 + 1)
+    assert runs.survival(1) == pytest.approx([1.0, first])
+    later = (3 + first) / (3 + 1)  # each position's prior is the rate before it
+    assert runs.survival(2)[2] == pytest.approx(first * later)
+    assert sum(runs.survival(8)) > 2.0  # one rate per drafted token (24/80) would say 1.4
+    # only the drafts up to the first miss were tested: a miss at 2 says nothing of 3..8
+    runs = AcceptanceByPosition(prior=0.5, weight=1.0, decay=1.0)
+    runs.observe([(1, 8)])
+    assert runs.tried[:3] == [1, 1, 0] and runs.accepted[:3] == [1, 0, 0]
+    # forgetting: each round weighs the rounds before it less
+    runs = AcceptanceByPosition(prior=0.5, weight=1.0, decay=0.5)
+    runs.observe([(0, 1)])
+    runs.observe([(1, 1)])
+    assert runs.tried == [1.5] and runs.accepted == [1.0]
+
+
+def test_a_draining_round_is_worth_how_far_it_brings_the_last_row_in():
+    """With no prompt waiting, the batch ends when its row with most tokens left does."""
+
+    def row(lead: int, drafts: int, alpha: float) -> tuple[int, list[float]]:
+        return lead, iid_survival(alpha, drafts)
+
+    assert expected_drain_advance([row(0, 4, 0.6)]) == pytest.approx(sum(0.6**k for k in range(5)))
+    # 8 even rows: one that drafts nothing holds the advance at 1, however well the rest copy
+    assert expected_drain_advance([row(0, 0, 0.0)] + [row(0, 4, 0.95)] * 7) == 1.0
+    assert expected_drain_advance([row(0, 1, 0.6)] * 8) == pytest.approx(1 + 0.6**8)
+    # a row 5 tokens ahead cannot hold back an advance of at most 4; one 1 token ahead can
+    assert expected_drain_advance([row(0, 3, 0.9), row(5, 0, 0.0)]) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    assert expected_drain_advance([row(0, 3, 0.9), row(1, 0, 0.0)]) == pytest.approx(1.9)

@@ -1,0 +1,41 @@
+"""Drafters: what each proposes, through the one interface the engine uses."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.decode.drafters import DraftModelDrafter
+from pipeline.decode.sampling import SamplingParams
+
+
+def test_a_guess_at_the_drafts_chain_saves_passes_and_changes_no_draft(case):
+    """A lone row's draft checks guessed tokens (a prompt-lookup copy) in one pass: right
+    guesses skip passes, a wrong one costs none, the drafts are the plain steps' own, and the
+    guessed tokens left in the cache are rolled back before the next proposal."""
+    _, draft, _, prompts, _, _ = case
+    greedy, generator = SamplingParams(), torch.Generator()
+
+    def drafter():
+        d = DraftModelDrafter(draft, 0)
+        d.start([prompts[1]])
+        d.propose([prompts[1]], 1, greedy, generator)  # the prefill: a cold cache takes no guess
+        return d
+
+    plain, guessed = drafter(), drafter()
+    seq = prompts[1] + plain.propose([prompts[1]], 1, greedy, generator).tokens[0]
+    guessed.propose([prompts[1]], 1, greedy, generator)
+    chain = plain.propose([seq], 6, greedy, generator)
+    assert chain.model_passes == 6
+    right = guessed.propose([seq], 6, greedy, generator, guess=chain.tokens[0][:3])
+    assert right.tokens == chain.tokens and right.model_passes == 3  # 4 drafts in the first pass
+    wrong_token = (chain.tokens[0][1] + 1) % draft.config.vocab_size
+    wrong = guessed.propose([seq], 6, greedy, generator, guess=[chain.tokens[0][0], wrong_token])
+    assert wrong.tokens == chain.tokens and wrong.model_passes == 5
+    # a row whose rule stops it inside a guessed run stops where plain steps would
+    stop_after_two = lambda chances, drafted: [drafted[0] < 2]  # noqa: E731
+    short = guessed.propose([seq], 6, greedy, generator, stop_after_two, guess=chain.tokens[0][:3])
+    assert short.tokens == [chain.tokens[0][:2]] and short.model_passes == 1
+    # the caches agree afterwards: the next proposals are the same
+    later = seq + chain.tokens[0][:4]
+    expected = plain.propose([later], 4, greedy, generator).tokens
+    assert guessed.propose([later], 4, greedy, generator).tokens == expected

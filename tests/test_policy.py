@@ -1,0 +1,257 @@
+"""The policy: which source drafts for each row, how many tokens, and when probes re-measure."""
+
+from __future__ import annotations
+
+import pytest
+from decode_case import (
+    BATCH8_DRAFT,
+    BATCH8_TARGET,
+    CPU_COSTS,
+    GPU_COSTS,
+    PREFILL_PER_TOKEN,
+    measured_costs,
+)
+
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.costs import AcceptanceByPosition, CostModel, RunningRate
+from pipeline.decode.drafters import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.policy import Offer, Policy, RoundOptions
+
+
+def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):
+    """From the translate benchmark: one 4-token pass took 0.23 s beside 0.14 s for 3, and
+    `auto` never went that wide again. A size seen once costs no more than its neighbours say
+    until a second measurement confirms it; a confirmed one is believed."""
+    model = measured_costs({1: 0.15, 2: 0.14, 3: 0.14}, {})
+    model.observe_target(4, 0.23)
+    assert model.target_time(4) == pytest.approx(0.14)  # extrapolated from 2 and 3
+    policy = _policy_with_costs(case, model, alpha=0.8)
+    policy.costs.observe_draft(1, 0.02)
+    policy.costs.observe_draft(1, 0.02)
+    assert policy.choose(_one_row())[1] >= 3  # a 4-token verify pass is on the table
+    model.observe_target(4, 0.23)  # confirmed: the size really is that dear
+    assert model.target_time(4) == pytest.approx(0.23)
+    assert policy.choose(_one_row())[1] < 3
+
+
+def test_verify_cost_is_interpolated_piecewise_and_width_1_measured_first(tiny_models):
+    """On a CPU a 1-token pass takes a faster path: the cost jumps from width 1 to 2, then grows
+    gently. One line through the wider passes would put width 1 near 0.7 s instead of 0.4 s."""
+    model = measured_costs(CPU_COSTS[0], {})
+    assert model.target_time(1) == 0.40
+    assert model.target_time(3) == pytest.approx(0.83 + (1.23 - 0.83) / 3)
+    assert model.target_time(8) == pytest.approx(1.23 + 3 * (1.23 - 0.83) / 3)
+    # the 1-token pass is no slope anchor: from {1, 2} alone, wider passes get the prior slope
+    # (and get measured), not the 1→2 jump repeated for every token (0.40 s more per token)
+    model = measured_costs({1: 0.40, 2: 0.83}, {})
+    assert model.target_time(5) == pytest.approx(0.83 * (1 + 0.03 * 4) / (1 + 0.03))
+    # an engine that knows only wider passes measures plain decoding before any choice
+    target, draft, _ = tiny_models
+    engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0)
+    for width in (2, 5):
+        engine.costs.observe_target(width, CPU_COSTS[0][width])
+    assert engine.policy.choose(_one_row()) == (0, 0, [None])
+
+
+def _one_row(gamma_cap: int = 8) -> RoundOptions:
+    """A round of one row, no lookup match, the draft model warm, 100 tokens to go."""
+    return RoundOptions([[]], True, gamma_cap, remaining=100, catch_up=0.0)
+
+
+def _lookup(lengths: list[int], ngrams: list[int]) -> list[list[Offer]]:
+    """Each row's prompt-lookup offer: `lengths` tokens after a match of `ngrams` tokens."""
+    return [[Offer(PROMPT_LOOKUP, n, g)] if n else [] for n, g in zip(lengths, ngrams)]
+
+
+def _policy_with_costs(case, costs: CostModel, alpha: float, **config) -> Policy:
+    target = case[0]
+    policy = Policy(EngineConfig(**config), costs, BatchedLM(target, pad_token_id=0))
+    rate = policy.model_rate
+    rate.drafted = 1e6  # a long history at exactly `alpha`, outweighing the prior
+    rate.accepted = alpha * (rate.drafted + rate.weight) - rate.prior * rate.weight
+    return policy
+
+
+def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(case):
+    """The batch-8 benchmark defect: the draft model ran at 0.77x target-only on 24 new tokens.
+    Its decode rounds did gain (33 s of passes against 37 s), but the draft's prefill of the 8
+    prompts took 22 s, which no one had charged to the choice of drafting."""
+    costs = measured_costs(BATCH8_TARGET, BATCH8_DRAFT, PREFILL_PER_TOKEN)
+    policy = _policy_with_costs(case, costs, alpha=0.76)
+    cold = costs.prefill_time("draft", 8 * 396)
+    assert cold == pytest.approx(22.3, rel=0.01)
+    lookup = ([[]] * 8, True, 8)
+    assert policy.choose(RoundOptions(*lookup, 8 * 23, 0.0))[1] > 0  # warm: it pays
+    assert policy.choose(RoundOptions(*lookup, 8 * 23, cold))[1] == 0  # 24 new tokens: not
+    assert policy.choose(RoundOptions(*lookup, 8 * 500, cold))[1] > 0  # 500: it does again
+    # before the draft ever ran, its prefill is priced from the target's at the prior ratio
+    unmeasured = measured_costs(BATCH8_TARGET, {}, {"target": PREFILL_PER_TOKEN["target"]})
+    assert unmeasured.prefill_time("draft", 8 * 396) == pytest.approx(72.9 * 0.4, rel=0.01)
+    # a warm draft a few tokens behind costs only the extra width of its catch-up pass
+    assert costs.catch_up_time(8, 8 * 2) == 0.0
+    assert costs.catch_up_time(8, 8 * 3) == pytest.approx(0.64 + (0.64 - 0.50) - 0.50)  # 24 tokens
+
+
+def _calibration(widths: dict[int, float], draft_step: float) -> dict:
+    """What `pipeline.calibrate.measure` records (string keys, as read back from JSON)."""
+    return {
+        "target_pass_seconds_by_batch": {"1": {str(w): s for w, s in widths.items()}},
+        "draft_step_seconds_by_batch": {"1": {"1": draft_step}},
+        "prefill_seconds_per_token": {"target": 0.01, "draft": 0.004},
+    }
+
+
+def test_a_calibration_seeds_the_costs_a_fresh_engine_decides_with(case):
+    """An actor seeds its engine from a calibration (cached, or measured at start-up) so the
+    first rounds run on this machine's costs, not on priors: the same fresh engine at the same
+    acceptance drafts where the calibrated passes are flat in their width and not where each
+    extra token in a pass is dear."""
+    seeded = CostModel()
+    seeded.seed(_calibration({1: 0.30, 2: 0.31, 4: 0.33, 8: 0.36}, draft_step=0.02))
+    assert seeded.target_time(4) == 0.33 and seeded.target_time(8) == 0.36  # believed at once
+    assert seeded.draft_time(1) == 0.02 and seeded.prefill_time("draft", 100) == pytest.approx(0.4)
+    seeded.observe_target(4, 0.43)  # a job's own passes move them like any other measurement
+    assert 0.33 < seeded.target_time(4) < 0.43
+    options = RoundOptions([[]], True, 8, remaining=200, catch_up=0.0)
+    for widths, drafts in (
+        ({1: 0.3, 2: 0.31, 4: 0.33, 8: 0.36}, True),
+        ({1: 0.3, 2: 0.9, 4: 2.1, 8: 4.5}, False),
+    ):
+        costs = CostModel()
+        costs.seed(_calibration(widths, draft_step=0.02))
+        policy = _policy_with_costs(case, costs, alpha=0.7)
+        assert (policy.choose(options)[1] > 0) is drafts
+
+
+@pytest.mark.parametrize("left, probes", [(100, False), (500, True)])
+def test_a_probe_risks_a_cold_prefill_only_where_the_work_left_dwarfs_it(case, left, probes):
+    """The batch-4 translation benchmark: a probe hoping for α 0.95 started a cold draft whose
+    prefill took 12% of the job, and the α of 0.57 it found never repaid it. A probe may risk
+    at most 5% of the plain decoding left on the draft's catch-up."""
+    costs = measured_costs(BATCH8_TARGET, BATCH8_DRAFT, PREFILL_PER_TOKEN)
+    policy = _policy_with_costs(case, costs, alpha=0.3, probe_every=1)  # believed poor
+    cold = costs.prefill_time("draft", 8 * 396)  # 22.3 s; 100 tokens per row: 161 s plain
+    options = RoundOptions([[]] * 8, True, 8, 8 * left, cold)
+    assert policy.best(options, policy.config.probe_alpha).gamma > 0  # a hopeful α would pay
+    assert (policy.choose(options)[1] > 0) is probes
+
+
+@pytest.mark.parametrize("min_gain, gamma", [(0.05, 0), (0.0, 1)])
+def test_a_marginal_expected_gain_does_not_start_speculation(case, min_gain, gamma):
+    # alpha 0.5, free draft: gamma 1 yields 1.5 tokens per 1.456 s against 1 token per 1.0 s,
+    # 3% more, and every longer gamma less: inside the margin, so target-only.
+    costs = measured_costs({1: 1.0, 2: 1.456, 3: 1.912}, {1: 0.0})
+    policy = _policy_with_costs(case, costs, alpha=0.5, min_gain=min_gain)
+    assert policy.choose(_one_row(gamma_cap=4)) == (0, gamma, [DRAFT_MODEL if gamma else None])
+
+
+def test_drafting_goes_on_while_the_chain_is_likely_and_the_step_pays(case):
+    """One more draft is worth P·α tokens (P: the chance every draft so far is accepted, α: how
+    often a draft after accepted ones is) at the seconds a token has lately cost, against a
+    draft step plus the wider verify pass."""
+    costs = measured_costs(
+        {1: 0.135, 2: 0.135, 3: 0.137, 4: 0.143, 8: 0.152, 16: 0.195}, {1: 0.021, 2: 0.025}
+    )
+    costs.observe_round(1, 0.09)  # lately 0.09 s per token
+    policy = _policy_with_costs(case, costs, alpha=0.6)
+    policy.draft_next = RunningRate(prior=0.75, weight=1e6)
+    steps, keep = policy.draft_length(_one_row(gamma_cap=8), 0, 2, [DRAFT_MODEL])
+    assert steps == 8  # a lone row may draft to the cap; the rule ends it sooner
+    # 0.9 · 0.75 · 0.09 = 0.061 s gained against 0.021 + 0.001 s; 0.3 · 0.75 · 0.09 = 0.020 s: no
+    assert keep([0.9], [1]) == [True]
+    assert keep([0.3], [3]) == [False]
+    # two rows while prompts wait: each goes on by its own chain, the step by their sum
+    two = RoundOptions([[], []], True, 8, remaining=200, catch_up=0.0)
+    steps, keep = policy.draft_length(two, 0, 2, [DRAFT_MODEL, DRAFT_MODEL])
+    assert steps == 8
+    assert keep([0.9, 0.01], [2, 2]) == [True, False]
+    assert keep([0.2, 0.2], [2, 2]) == [False, False]  # each barely gains, together not a step
+    # a draining batch keeps the gamma its drain pricing chose as the most it drafts
+    draining = RoundOptions([[], []], True, 8, 80, 0.0, drain_budgets=[40, 40])
+    assert policy.draft_length(draining, 0, 2, [DRAFT_MODEL, DRAFT_MODEL])[0] == 2
+    # fixed gamma drafts gamma, no rule
+    fixed = _policy_with_costs(case, costs, alpha=0.6, adaptive=False)
+    assert fixed.draft_length(_one_row(), 0, 5, [DRAFT_MODEL]) == (5, None)
+
+
+def test_plain_decoding_is_re_measured_while_speculating(case):
+    costs = measured_costs(GPU_COSTS[0], {1: GPU_COSTS[1]})
+    policy = _policy_with_costs(case, costs, alpha=0.9, probe_every=1)
+    gammas = [policy.choose(_one_row())[1] for _ in range(10)]
+    assert [g == 0 for g in gammas] == [False] * 4 + [True] + [False] * 4 + [True], gammas
+
+
+def test_at_batch_8_a_row_verifies_copied_tokens_only_where_they_pay_for_themselves(case):
+    """In a packed pass each row pays for its own verify tokens (3-7% of a pass each at batch
+    8 on this CPU): a strong 4-gram match is worth verifying, a weak 1-gram match is not."""
+    costs = measured_costs({8: 0.186, 12: 0.236, 16: 0.243, 24: 0.280, 40: 0.40}, {})
+    policy = _policy_with_costs(case, costs, alpha=0.5)
+    assert policy.target.pack  # a CPU
+    policy.copy_rates[(PROMPT_LOOKUP, 4)] = AcceptanceByPosition(prior=0.95, weight=1e6)
+    policy.copy_rates[(PROMPT_LOOKUP, 1)] = AcceptanceByPosition(prior=0.15, weight=1e6)
+    offers = _lookup([6, 6] + [0] * 6, [4, 1] + [1] * 6)
+    options = RoundOptions(offers, False, 8, remaining=8 * 100, catch_up=0.0)
+    cap, gamma, sources = policy.choose(options)
+    assert gamma == 0 and cap >= 4
+    assert sources == [PROMPT_LOOKUP] + [None] * 7
+
+
+def test_a_lone_row_verifies_a_whole_copy_where_copies_run(case):
+    """License summaries at batch 1: a copy's first token accepted 29% of the time, each next
+    one nearly always. One rate per drafted token keeps copies at up to 3 tokens; priced by
+    position, the whole copy is worth its wider pass."""
+    costs = measured_costs({1: 0.150, 2: 0.152, 3: 0.155, 4: 0.156, 6: 0.168, 9: 0.181}, {1: 0.024})
+    policy = _policy_with_costs(case, costs, alpha=0.6)
+    options = RoundOptions(_lookup([8], [2]), False, 8, remaining=100, catch_up=0.0)
+    policy.copy_rates[(PROMPT_LOOKUP, 2)] = AcceptanceByPosition(prior=0.24, weight=1e6)  # i.i.d. 0.24
+    assert policy.choose(options)[0] <= 3  # short: the 4th token would add 0.3%
+    runs = AcceptanceByPosition(prior=0.24, weight=1.0)
+    for _ in range(20):
+        runs.observe([(0, 8)] * 7 + [(8, 8)] * 3)
+    policy.copy_rates[(PROMPT_LOOKUP, 2)] = runs
+    assert policy.choose(options) == (8, 0, [PROMPT_LOOKUP])
+
+
+def test_a_draining_batch_speculates_only_where_it_brings_the_end_closer(case):
+    """The batch-8 benchmark with 8 documents in 8 places: every row ran to the 64-token limit
+    and the batch made 63-64 passes whatever the drafter, so verifying copied tokens only made
+    passes wider (0.94-0.96x target-only). Priced by how far a round brings in the row with
+    most tokens left, even rows decode plainly; a row left behind alone still speculates."""
+    costs = measured_costs({8: 0.186, 12: 0.236, 16: 0.243, 24: 0.280, 40: 0.40}, {})
+    policy = _policy_with_costs(case, costs, alpha=0.5)
+    policy.copy_rates[(PROMPT_LOOKUP, 4)] = AcceptanceByPosition(prior=0.8, weight=1e6)
+    policy.runs_to_limit = RunningRate(prior=0.99, weight=1e6)  # rows have run to the limit
+    offers = _lookup([4] * 8, [4] * 8)
+    waiting = RoundOptions(offers, False, 8, remaining=8 * 40, catch_up=0.0)
+    assert policy.choose(waiting)[2] == [PROMPT_LOOKUP] * 8  # prompts wait: every token counts
+    draining = RoundOptions(offers, False, 8, 8 * 40, 0.0, drain_budgets=[40] * 8)
+    assert policy.choose(draining) == (0, 0, [None] * 8)
+    behind = RoundOptions(offers, False, 8, 7 * 16 + 40, 0.0, drain_budgets=[16] * 7 + [40])
+    cap, _, sources = policy.choose(behind)
+    assert cap == 4 and sources == [None] * 7 + [PROMPT_LOOKUP]
+    # rows that end at EOS make the row with most tokens left a guess: throughput decides again
+    policy.runs_to_limit = RunningRate(prior=0.01, weight=1e6)
+    assert policy.choose(draining)[2] == [PROMPT_LOOKUP] * 8
+
+
+def test_each_row_takes_the_copy_its_source_and_depth_have_earned(case):
+    """`auto` routes each row among the draft model, prompt lookup and suffix by what each has
+    measured: a deep suffix match that proved right outweighs a 1-gram lookup copy, a shallow
+    one that proved wrong does not, and fixed gamma takes the first copy offered."""
+    costs = measured_costs({1: 0.150, 2: 0.152, 3: 0.155, 4: 0.156, 6: 0.168, 9: 0.181}, {1: 0.1})
+    policy = _policy_with_costs(case, costs, alpha=0.3)
+    policy.copy_rates[(PROMPT_LOOKUP, 1)] = AcceptanceByPosition(prior=0.3, weight=1e6)
+    policy.copy_rates[(SUFFIX, 8)] = AcceptanceByPosition(prior=0.9, weight=1e6)
+    policy.copy_rates[(SUFFIX, 2)] = AcceptanceByPosition(prior=0.05, weight=1e6)
+    deep = [[Offer(PROMPT_LOOKUP, 6, 1), Offer(SUFFIX, 6, 8)]]
+    assert policy.choose(RoundOptions(deep, True, 8, remaining=100, catch_up=0.0)) == (6, 0, [SUFFIX])
+    shallow = [[Offer(PROMPT_LOOKUP, 6, 1), Offer(SUFFIX, 6, 2)]]
+    assert policy.choose(RoundOptions(shallow, True, 8, remaining=100, catch_up=0.0))[2] == [PROMPT_LOOKUP]
+    fixed = _policy_with_costs(case, costs, alpha=0.3, adaptive=False)
+    offers = [[Offer(PROMPT_LOOKUP, 6, 1), Offer(SUFFIX, 6, 8)], [Offer(SUFFIX, 3, 2)], []]
+    assert fixed.choose(RoundOptions(offers, True, 8, remaining=100, catch_up=0.0)) == (
+        8,
+        8,
+        [PROMPT_LOOKUP, SUFFIX, DRAFT_MODEL],
+    )

@@ -1,0 +1,145 @@
+"""The suffix drafter's structure: matches, frequency-weighted continuations, a bounded corpus."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pipeline.decode.sampling import SamplingParams
+from pipeline.decode.suffix import (
+    CORPUS_BLOCKS,
+    Continuation,
+    SuffixAutomaton,
+    SuffixCorpus,
+    SuffixDrafter,
+    continuations,
+    depth_class,
+)
+
+
+def occurrences(docs: list[list[int]], pattern: list[int]) -> int:
+    n = len(pattern)
+    return sum(doc[i : i + n] == pattern for doc in docs for i in range(len(doc) - n + 1))
+
+
+def test_every_substring_is_a_state_counted_as_often_as_it_occurs():
+    rng = random.Random(0)
+    docs = [[rng.randrange(4) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    automaton = SuffixAutomaton()
+    for doc in docs:
+        automaton.add(doc)
+    assert automaton.tokens == sum(map(len, docs))
+    assert len(automaton.length) <= 2 * automaton.tokens  # linear in the text
+    for _ in range(300):
+        doc = rng.choice(docs)
+        i = rng.randrange(len(doc))
+        pattern = doc[i : i + rng.randint(1, 8)]
+        state, matched = automaton.match(pattern)
+        assert matched == len(pattern)
+        assert automaton.count[state] == occurrences(docs, pattern), pattern
+
+
+def test_a_match_is_the_longest_suffix_that_occurs():
+    automaton = SuffixAutomaton()
+    automaton.add([1, 2, 3, 4, 5])
+    assert automaton.match([9, 9, 2, 3, 4])[1] == 3  # "2 3 4"
+    assert automaton.match([3, 4, 9])[1] == 0
+    assert automaton.match([7, 1, 2])[1] == 2
+    # documents do not run into each other: a string spanning two is no substring
+    automaton.add([6, 7])
+    assert automaton.match([5, 6])[1] == 1
+
+
+def test_the_most_frequent_continuation_wins_and_its_score_is_its_expected_acceptance():
+    automaton = SuffixAutomaton()
+    for _ in range(3):
+        automaton.add([10, 11, 12, 13, 14])
+    automaton.add([10, 11, 20, 21])
+    state, matched = automaton.match([10, 11])
+    best = next(continuations(automaton, state, matched, limit=8, min_match=2))
+    assert best.tokens == [12, 13, 14]  # 3 of the 4 occurrences went on with 12
+    assert best.score == pytest.approx(0.75 * 3) and best.depth == 2
+    assert [c.tokens for c in continuations(automaton, state, matched, limit=2, min_match=2)] == [[12, 13]]
+    # a continuation stops where its chance falls below MIN_CHANCE (0.1): here after 4, where
+    # 12 occurrences go 12 ways
+    split = SuffixAutomaton()
+    for k in range(12):
+        split.add([1, 2, 3, 4, 100 + k])
+    # ("2 3" never occurs without the 1 before it: one state, one continuation, for both)
+    chosen = list(continuations(split, *split.match([1, 2, 3]), limit=8, min_match=2))
+    assert chosen == [Continuation([4], 1.0, 3)]
+
+
+def test_a_match_shorter_than_min_match_proposes_nothing():
+    automaton = SuffixAutomaton()
+    automaton.add([1, 2, 3, 4])
+    state, matched = automaton.match([9, 2])
+    assert matched == 1
+    assert list(continuations(automaton, state, matched, limit=4, min_match=2)) == []
+    assert [c.tokens for c in continuations(automaton, state, matched, limit=4, min_match=1)] == [[3, 4]]
+
+
+def test_the_corpus_keeps_within_its_cap_and_drops_the_oldest_outputs_first():
+    corpus = SuffixCorpus(max_tokens=400)
+    outputs = [[1000 + k] + [k % 7, (k * 3) % 11] * 15 for k in range(60)]  # 31 tokens each
+    for output in outputs:
+        corpus.add(output)
+        assert corpus.tokens <= 400
+        assert len(corpus.blocks) <= CORPUS_BLOCKS + 1
+    assert corpus.tokens > 400 - 2 * 400 // CORPUS_BLOCKS  # most of the cap is in use
+    # the newest outputs are there, the oldest are gone
+    assert any(block.match([1059])[1] == 1 for block in corpus.blocks)
+    assert not any(block.match([1000])[1] for block in corpus.blocks)
+    # an output larger than a block's share is not kept; a cap of 0 keeps nothing
+    corpus.add(list(range(200)))
+    assert not any(block.match([150, 151])[1] == 2 for block in corpus.blocks)
+    empty = SuffixCorpus(max_tokens=0)
+    empty.add([1, 2, 3])
+    assert empty.tokens == 0 and not empty.blocks
+
+
+def test_a_lookup_walks_the_match_not_the_corpus():
+    """Matching steps are bounded by the context's length, whatever the corpus holds."""
+    steps = 0
+
+    class Counting(SuffixAutomaton):
+        def step(self, state, token):
+            nonlocal steps
+            steps += 1
+            return super().step(state, token)
+
+    rng = random.Random(1)
+    for size in (100, 3000):
+        automaton = Counting()
+        for _ in range(size // 50):
+            automaton.add([rng.randrange(50) for _ in range(50)])
+        steps = 0
+        automaton.match([rng.randrange(50) for _ in range(16)])
+        assert steps <= 2 * 16 + 1
+
+
+def test_the_drafter_proposes_from_the_rows_own_text_and_from_earlier_outputs():
+    drafter = SuffixDrafter(max_tokens=1 << 12, min_match=2)
+    greedy, generator = SamplingParams(), torch.Generator()
+    prompt = [5, 6, 7, 8, 9, 1, 2, 5, 6]
+    drafter.start([prompt])
+    proposal = drafter.propose([prompt], 4, greedy, generator)
+    assert proposal.tokens == [[7, 8, 9, 1]] and proposal.depths == [2]  # its own prompt
+    assert proposal.probs == [None]
+    # an output finished earlier feeds later rows: a row with no repeat in its own text
+    drafter.evict([], [[40, 41, 42, 43, 44, 45]])
+    drafter.admit([[30, 31, 40, 41]])
+    assert drafter.propose([[30, 31, 40, 41]], 3, greedy, generator).tokens == [[42, 43, 44]]
+    # no match long enough: nothing
+    drafter.start([[60, 61, 62]])
+    assert drafter.propose([[60, 61, 62]], 3, greedy, generator).tokens == [[]]
+    # rows follow the batch: evict keeps the rows asked for, in that order
+    drafter.start([[1, 2, 1], [3, 4, 3]])
+    drafter.evict([1], [])
+    assert drafter.propose([[3, 4, 3, 4]], 2, greedy, generator).tokens == [[3, 4]]
+
+
+def test_depth_classes_are_powers_of_two_up_to_the_deepest_match_told_apart():
+    assert [depth_class(n) for n in (1, 2, 3, 4, 7, 8, 31, 32, 500)] == [1, 2, 2, 4, 4, 8, 16, 32, 32]
