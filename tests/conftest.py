@@ -57,11 +57,7 @@ def ray_local(s3_server):
     """One real local Ray for the session, started after the S3 env is set so workers inherit it."""
     import ray
 
-    # Idle workers import the model stack before an actor takes them: each of the suite's many
-    # actor starts (drivers, restarts after kills) then skips ~8 s of imports.
-    os.environ["RAY_preload_python_modules"] = "torch,transformers,pipeline.job.shard,pipeline.models.loading"
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    del os.environ["RAY_preload_python_modules"]  # read by the raylet at start; not for later Rays
     yield
     ray.shutdown()
 
