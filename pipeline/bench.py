@@ -149,6 +149,12 @@ def run_benchmark(
     our loader changed their kernels (streamed Linear layers); None: HF runs the pair's. The
     "int8" assisted rows run HF's loop with our draft as the engine runs it."""
     hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
+    if pair.draft is None:  # a target-only pair: the drafters that need no model still run
+        dropped = [d for d in drafters if d == "draft_model"]
+        drafters = tuple(d for d in drafters if d != "draft_model")
+        if dropped or hf_assistant_tokens:
+            log("no draft model in this pair: the draft_model and hf assisted rows are left out")
+        hf_assistant_tokens = ()
     tok = pair.tokenizer
     eos = eos_ids(tok, pair.target)
     pad = pad_id(tok, pair.target)
@@ -161,7 +167,7 @@ def run_benchmark(
             vocab_size=pair.vocab_size,
             config=EngineConfig(drafter=kind, draft_vocab=draft_vocab),
         )
-        for kind in dict.fromkeys(("none", "draft_model", "prompt_lookup", "auto", *drafters))
+        for kind in dict.fromkeys(("none", "auto", *drafters))
     }
     rows: list[Row] = []
     for task in tasks:
@@ -452,7 +458,8 @@ def machine_table(machine: dict) -> list[str]:
     kernels = machine.get("kernels", {})
     commit = machine["git_commit"] or "unknown (not a git checkout)"
     if machine["git_commit"]:
-        commit += " (uncommitted changes)" if machine["git_dirty"] else " (clean)"
+        dirty = machine["git_dirty"]
+        commit += {True: " (uncommitted changes)", False: " (clean)", None: " (a copy without git)"}[dirty]
     rows = [
         ("CPU", machine["cpu_model"]),
         ("CPU flags", flags),

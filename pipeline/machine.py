@@ -45,7 +45,9 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 
 def git_state(directory: Path | None = None) -> tuple[str | None, bool | None]:
     """(commit, whether the work tree has uncommitted changes) of the checkout holding the
-    `pipeline` package; (None, None) for an installed package or without git."""
+    `pipeline` package. A tree copied without its .git (a container build, a remote GPU machine)
+    can name the commit it was copied from in `PIPELINE_SOURCE_COMMIT`: (that, None). Else
+    (None, None) for an installed package or without git."""
     directory = directory or Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
@@ -59,7 +61,7 @@ def git_state(directory: Path | None = None) -> tuple[str | None, bool | None]:
 
     commit = git("rev-parse", "HEAD")
     if not commit:
-        return None, None
+        return os.environ.get("PIPELINE_SOURCE_COMMIT") or None, None
     status = git("status", "--porcelain", "--untracked-files=no")
     return commit, (bool(status) if status is not None else None)
 

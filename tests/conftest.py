@@ -26,7 +26,7 @@ os.environ.update(
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from decode_case import MAX_NEW, TEXTS, reference  # noqa: E402
+from decode_case import DEVICE, MAX_NEW, TEXTS, reference  # noqa: E402
 from tiny_models import build_tiny_pair  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -44,11 +44,11 @@ def tiny_pair_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_models(tiny_pair_dirs):
-    """(target, draft, tokenizer) loaded once per session, float32 on CPU."""
+    """(target, draft, tokenizer) loaded once per session, float32, on `DEVICE` (CPU by default)."""
     target_dir, draft_dir = tiny_pair_dirs
     torch.set_num_threads(1)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().to(DEVICE)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval().to(DEVICE)
     return target, draft, AutoTokenizer.from_pretrained(target_dir)
 
 

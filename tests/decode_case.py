@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pipeline.decode.costs import CostModel
@@ -18,12 +20,15 @@ TEXTS = [
     "The lazy dog. The lazy dog. The lazy",
 ]
 MAX_NEW = 24
+# Where the decoding tests put their models: `PIPELINE_TEST_DEVICE=cuda pytest ...` runs the
+# engine's tests on a GPU (scripts/gpu-check.sh); CPU everywhere else.
+DEVICE = os.environ.get("PIPELINE_TEST_DEVICE", "cpu")
 
 
 def reference(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
     """The target decoding alone: Hugging Face greedy generate, batch 1, no padding."""
     out = model.generate(
-        torch.tensor([prompt]),
+        torch.tensor([prompt], device=model.device),
         max_new_tokens=max_new,
         do_sample=False,
         eos_token_id=eos,

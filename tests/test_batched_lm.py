@@ -33,7 +33,8 @@ def test_logits_that_are_more_than_the_output_layer_come_from_the_models_own_for
         assert model._plain_head is plain
         with torch.no_grad():
             for row, seq in enumerate(seqs):
-                want = model(input_ids=torch.tensor([seq])).logits[0, -len(got[row]) :].float()
+                ids = torch.tensor([seq], device=lm.device)
+                want = model(input_ids=ids).logits[0, -len(got[row]) :].float()
                 torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-4)
 
 

@@ -12,6 +12,7 @@ import itertools
 
 import pytest
 import torch
+from decode_case import DEVICE
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import pipeline.decode.engine as engine_module
@@ -36,7 +37,7 @@ def tiny_lm(seed: int) -> LlamaForCausalLM:
         max_position_embeddings=64,
         initializer_range=0.5,
     )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval().to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +47,16 @@ def pair():
 
 def exact_joint(target, params: SamplingParams) -> torch.Tensor:
     """P(t1, t2, t3 | PROMPT) under the transformed target distribution, shape [V, V, V]."""
-    seqs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+    seqs = torch.tensor(
+        [PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)], device=target.device
+    )
     with torch.no_grad():
         logits = target(seqs).logits
     probs = probabilities(logits, params)
     p1 = probs[0, -3]  # after PROMPT
     p2 = probs.view(VOCAB, VOCAB, -1, VOCAB)[:, 0, -2]  # after PROMPT + a
     p3 = probs.view(VOCAB, VOCAB, -1, VOCAB)[:, :, -1]  # after PROMPT + a + b
-    return p1[:, None, None] * p2[:, :, None] * p3
+    return (p1[:, None, None] * p2[:, :, None] * p3).cpu()
 
 
 def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:

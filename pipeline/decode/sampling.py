@@ -51,11 +51,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def choose(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[int, torch.Tensor | None]:
-    """Pick one token from logits [V]; also return its distribution (None when greedy)."""
+    """Pick one token from logits [V]; also return its distribution (None when greedy).
+
+    Draws happen on the CPU with the batch's CPU generator, so a seed draws alike on any device."""
     if params.greedy:
         return int(torch.argmax(logits)), None
     probs = probabilities(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator)), probs
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator)), probs
 
 
 def confidence(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
@@ -89,7 +91,8 @@ def verify(
             n += 1
         return n, predicted[n]
 
-    p = probabilities(target_logits, params)
+    p = probabilities(target_logits, params).cpu()  # CPU draws: see `choose`
+    draft_probs = None if draft_probs is None else draft_probs.cpu()
     uniforms = torch.rand(len(draft_tokens), generator=generator).tolist()
     for j, token in enumerate(draft_tokens):
         q_token = 1.0 if draft_probs is None else float(draft_probs[j, token])
