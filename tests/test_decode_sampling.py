@@ -122,7 +122,7 @@ def test_naive_always_accept_sampler_is_caught(pair, monkeypatch):
     params = SamplingParams(greedy=False, seed=21)
 
     def always_accept(target_logits, draft_tokens, draft_probs, params, generator):
-        bonus = torch.multinomial(probabilities(target_logits[-1], params), 1, generator=generator)
+        bonus = torch.multinomial(probabilities(target_logits[-1], params).cpu(), 1, generator=generator)
         return len(draft_tokens), int(bonus)
 
     monkeypatch.setattr(engine_module, "verify", always_accept)

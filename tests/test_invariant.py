@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+from decode_case import DEVICE
 from transformers import AutoModelForCausalLM
 
 from pipeline.decode.batched_lm import BatchedLM
@@ -22,6 +23,7 @@ from pipeline.models.loading import ModelRef, load_pair
 
 NUMERICS = [
     "bf16",
+    "bf16-row-blocks",  # the GPU's way, wherever the tests run
     pytest.param(
         "float32-streamed",
         marks=pytest.mark.skipif(
@@ -34,15 +36,20 @@ NUMERICS = [
 
 @pytest.fixture(scope="module", params=NUMERICS)
 def invariant_pair(request, tiny_pair_dirs):
-    """The tiny pair, the target made batch-invariant: in bf16 (2-row trick), or in float32 with
-    streamed Linear layers (the session's float32 models stay as they are)."""
+    """The tiny pair, the target made batch-invariant: in bf16 (on a CPU the 2-row trick, on a
+    GPU row blocks), in bf16 with row blocks, or in float32 with streamed Linear layers (the
+    session's float32 models stay as they are)."""
     target_dir, draft_dir = tiny_pair_dirs
     dtype = torch.bfloat16 if request.param == "bf16" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    if request.param == "float32-streamed" and DEVICE != "cpu":
+        pytest.skip("streamed Linear layers are a CPU kernel")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval().to(DEVICE)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval().to(DEVICE)
     if request.param == "float32-streamed":
         assert streamed.stream_linears(target) == 2 * 7 + 1  # every Linear, the output layer too
-    return invariant.make_batch_invariant(target), draft
+    return invariant.make_batch_invariant(
+        target, row_blocks=request.param == "bf16-row-blocks" or None
+    ), draft
 
 
 def _prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:

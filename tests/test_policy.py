@@ -66,7 +66,8 @@ def _lookup(lengths: list[int], ngrams: list[int]) -> list[list[Offer]]:
 
 def _policy_with_costs(case, costs: CostModel, alpha: float, **config) -> Policy:
     target = case[0]
-    policy = Policy(EngineConfig(**config), costs, BatchedLM(target, pad_token_id=0))
+    # priced as on the CPU that measured these costs, where ragged passes are packed
+    policy = Policy(EngineConfig(**config), costs, BatchedLM(target, pad_token_id=0, pack=True))
     rate = policy.model_rate
     rate.drafted = 1e6  # a long history at exactly `alpha`, outweighing the prior
     rate.accepted = alpha * (rate.drafted + rate.weight) - rate.prior * rate.weight

@@ -21,6 +21,12 @@ greedy output at a near-tie on one of 2 documents; with the Linear half alone, o
 with both, all outputs are identical at every batch size and drafter.
 In float32 one ulp is 65,000 times smaller and such flips are rare, while the 2-row trick
 doubles the cost of a 1-token pass on CPUs without AVX512-BF16; see `wanted`.
+
+On a GPU the 2-row trick is no cure: cuBLAS picks a kernel by the number of rows, and row
+reductions (RMSNorm) split their work by it. There every Linear and RMSNorm input goes in blocks
+of GPU_ROWS rows, the last one padded, so one kernel shape serves every pass; a memory-bound
+decode or verify pass of up to GPU_ROWS tokens costs what a 1-row one does (docs/benchmarks/,
+the GPU runs).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from pipeline.decode import packing
 
 NAME = "batch_invariant"
+# Rows per Linear or RMSNorm call on a GPU: a verify pass of batch 8 × 16 tokens in one block.
+GPU_ROWS = 128
 # Queries per float64 product in a long pass (a prefill): each block of queries reads only the
 # keys up to the last one any of them may see, which skips most of the masked causal half.
 QUERY_BLOCK = 64
@@ -133,11 +141,26 @@ def _narrow(linear: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor |
     return None
 
 
+def _in_row_blocks(forward):
+    """`forward` (row-wise over the last dimension) computed GPU_ROWS rows at a time, the last
+    block padded with zeros, so every call runs the kernels of one shape."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        n = len(rows)
+        if n % GPU_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(GPU_ROWS - n % GPU_ROWS, rows.shape[-1])])
+        out = torch.cat([forward(block) for block in rows.split(GPU_ROWS)])[:n]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return run
+
+
 def wanted(dtype: torch.dtype, device: str) -> bool:
     """The default: on for 16-bit dtypes on CPUs, where kernel rounding flips near-ties and the
-    fix is cheap. On GPUs cuBLAS picks kernels by shape in ways 2-row inputs do not pin down,
-    and float64 is slow there, so this is no cure: exactness there holds up to such ties."""
-    return device == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    fix is cheap, and for every dtype on GPUs, where even float32 kernels change with the shape
+    and a padded block costs a memory-bound pass nothing."""
+    return device.startswith("cuda") or (device == "cpu" and dtype in (torch.bfloat16, torch.float16))
 
 
 def linear_is_row_invariant(
@@ -156,12 +179,18 @@ def linear_is_row_invariant(
     return all(torch.equal(torch.nn.functional.linear(x[:n], weight)[1], reference) for n in rows)
 
 
-def make_batch_invariant(model: nn.Module) -> nn.Module:
-    """Give `model` batch-invariant numerics in place (see the module docstring); idempotent."""
+def make_batch_invariant(model: nn.Module, row_blocks: bool | None = None) -> nn.Module:
+    """Give `model` batch-invariant numerics in place (see the module docstring); idempotent.
+    `row_blocks`: Linear and RMSNorm in blocks of GPU_ROWS rows (None: on a GPU), else the
+    2-row trick."""
     if getattr(model, "_batch_invariant", False):
         return model
+    if row_blocks is None:
+        row_blocks = next(model.parameters()).device.type == "cuda"
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if row_blocks and (isinstance(module, nn.Linear) or type(module).__name__.endswith("RMSNorm")):
+            module.forward = _in_row_blocks(module.forward)
+        elif isinstance(module, nn.Linear):
             module._widened = False
             module.register_forward_pre_hook(_widen)
             module.register_forward_hook(_narrow, prepend=True)  # before a packing scatter

@@ -377,7 +377,7 @@ def load_pair(
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
 
-    `batch_invariant` (None: on for 16-bit dtypes on CPU) gives the target numerics that do not
+    `batch_invariant` (None: on for 16-bit dtypes on CPUs and on GPUs) gives the target numerics that do not
     depend on how many tokens or rows share a pass, so that speculative output is bitwise the
     target's own (see `pipeline.models.invariant`). The draft needs no such care: its
     proposals are checked. So `draft_int8` (None: on for CPU) may give its decode steps int8
