@@ -15,7 +15,7 @@ tests)
     PIPELINE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -o addopts= "$@" \
         tests/test_engine.py tests/test_decode_sampling.py tests/test_batched_lm.py \
         tests/test_policy.py tests/test_drafters.py tests/test_suffix.py tests/test_packing.py \
-        tests/test_costs.py 2>&1 | tee "$out/tests.log"
+        tests/test_costs.py tests/test_invariant.py 2>&1 | tee "$out/tests.log"
     ;;
 calibrate)
     pair=$1
