@@ -459,7 +459,7 @@ def machine_table(machine: dict) -> list[str]:
     commit = machine["git_commit"] or "unknown (not a git checkout)"
     if machine["git_commit"]:
         dirty = machine["git_dirty"]
-        commit += {True: " (uncommitted changes)", False: " (clean)", None: " (a copy without git)"}[dirty]
+        commit += {True: " (uncommitted changes)", False: " (clean)", None: " (a copied tree)"}[dirty]
     rows = [
         ("CPU", machine["cpu_model"]),
         ("CPU flags", flags),

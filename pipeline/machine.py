@@ -45,9 +45,12 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 
 def git_state(directory: Path | None = None) -> tuple[str | None, bool | None]:
     """(commit, whether the work tree has uncommitted changes) of the checkout holding the
-    `pipeline` package. A tree copied without its .git (a container build, a remote GPU machine)
-    can name the commit it was copied from in `PIPELINE_SOURCE_COMMIT`: (that, None). Else
-    (None, None) for an installed package or without git."""
+    `pipeline` package. A copied tree (a container build, a remote GPU machine) names the commit
+    it was copied from in `PIPELINE_SOURCE_COMMIT`: (that, None), whatever .git came along (a
+    GPU machine's copy once carried a stale one). Else (None, None) for an installed package or
+    without git."""
+    if os.environ.get("PIPELINE_SOURCE_COMMIT"):
+        return os.environ["PIPELINE_SOURCE_COMMIT"], None
     directory = directory or Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
@@ -61,7 +64,7 @@ def git_state(directory: Path | None = None) -> tuple[str | None, bool | None]:
 
     commit = git("rev-parse", "HEAD")
     if not commit:
-        return os.environ.get("PIPELINE_SOURCE_COMMIT") or None, None
+        return None, None
     status = git("status", "--porcelain", "--untracked-files=no")
     return commit, (bool(status) if status is not None else None)
 

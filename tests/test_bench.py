@@ -179,3 +179,15 @@ def test_the_report_records_command_machine_pair_settings_and_a_table_per_task(t
     summarize, translate = text.split("### summarize\n")[1].split("### translate\n")
     assert markdown_table(rows[:2]) in summarize and markdown_table(rows[2:]) in translate
     assert "Measured by the auto engine, seconds: target pass by tokens 1: 0.25; draft pass by tokens" in text
+
+
+def test_a_copied_tree_names_its_commit_whatever_git_says(monkeypatch):
+    """A GPU machine's copy of the checkout once carried a stale .git: the commit the tree was
+    copied from, when given, is the one a report names, and its cleanliness is unknown."""
+    from pipeline.bench import machine_table
+    from pipeline.machine import git_state
+
+    monkeypatch.setenv("PIPELINE_SOURCE_COMMIT", "0123abc")
+    assert git_state() == ("0123abc", None)
+    machine = {**describe_machine(), "dtype": "bfloat16", "device": "cuda"}
+    assert any("commit 0123abc (a copied tree)" in line for line in machine_table(machine))

@@ -148,10 +148,10 @@ def _in_row_blocks(forward):
     def run(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         n = len(rows)
-        if n % GPU_ROWS:
-            rows = torch.cat([rows, rows.new_zeros(GPU_ROWS - n % GPU_ROWS, rows.shape[-1])])
-        out = torch.cat([forward(block) for block in rows.split(GPU_ROWS)])[:n]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        rows = nn.functional.pad(rows, (0, 0, 0, -n % GPU_ROWS))
+        blocks = rows.split(GPU_ROWS)
+        out = forward(blocks[0]) if len(blocks) == 1 else torch.cat([forward(b) for b in blocks])
+        return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
     return run
 
