@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs (docs/development.md, "On a GPU"), writing logs and reports
+# What a session with a GPU runs (docs/gpu.md), writing logs and reports
 # under OUT:
 #   scripts/gpu-check.sh OUT tests                 the decoding tests, models on CUDA
 #   scripts/gpu-check.sh OUT calibrate PAIR [opts] pipeline calibrate, report OUT/calibrate-PAIR.md
