@@ -23,6 +23,7 @@ import torch
 
 from pipeline.decode.costs import predicted_speedup
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.rounds import row_tau
 from pipeline.demo_data import CORPORA
 from pipeline.job.prompts import PromptBuilder
 from pipeline.job.worker import eos_ids, pad_id
@@ -108,7 +109,6 @@ def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: 
     engine.forget_outputs()  # each run decodes the same documents: not from its last run's outputs
     rows, total = engine.generate(prompts, max_new, drafter=drafter, batch_size=batch)
     outputs = [r.tokens for r in rows]
-    row_passes = sum(r.stats.target_passes for r in rows)
     gamma = sum(r.stats.gamma_sum for r in rows)
     stats = {
         "cost_ratio": engine.cost_ratio(batch) or 0.0,  # averaged over the runs in _row
@@ -116,7 +116,7 @@ def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: 
         "drafted": total.drafted,
         "accepted": total.accepted,
         "passes": total.target_passes,
-        "row_passes": row_passes,
+        "row_passes": total.row_passes,
         "gamma": gamma,
         "tokens": total.new_tokens,
         "target_seconds": total.target_seconds,
@@ -305,7 +305,7 @@ def _row(
     tokens = sum(len(o) for o in c.outputs)
     drafted = s.get("drafted")
     wall = s.get("wall_seconds") or 0.0
-    tau = s["tokens"] / max(s["row_passes"], 1) if s else None
+    tau = row_tau(s["tokens"], s["row_passes"]) if s else None
     predicted = None
     if s:
         # Leviathan's prediction from the runs' tau, draft steps per target pass and cost ratio

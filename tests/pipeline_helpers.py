@@ -120,14 +120,23 @@ def check_output(tiny_models, spec, out: Storage, rows_in: int) -> None:
         if s["status"] == "ok":
             assert s["rows_in"] == s["rows_out"] + s["rows_error"]
             assert 0 <= s["alpha"] <= 1 and s["tau"] >= 1
-            assert s["speedup"]["identical_rows"] == s["speedup"]["sample_rows"] >= 1
-            assert s["speedup"]["measured"] > 0 and s["speedup"]["predicted"] > 0
+            speedup = s["speedup"]
+            assert speedup["identical_rows"] == speedup["sample_rows"] >= 1
+            assert speedup["measured"] > 0 and speedup["predicted"] > 0
+            assert speedup["pairs"] == len(speedup["pair_seconds"]) >= 2 and speedup["sample_tokens"] > 0
+            assert speedup["ci95"][0] <= speedup["measured"] <= speedup["ci95"][1]
+            # fixed gamma: every round drafts; τ over them is τ without the prefills' single tokens
+            assert s["undrafted_rounds"] == 0 and s["tau_drafted_rounds"] >= s["tau"]
+            assert all(0 <= a <= 1 for rates in s["acceptance_by_position"].values() for a in rates)
             assert s["tokens_per_second"] > 0
             assert 0 < s["prefill_seconds"] <= s["target_seconds"] and s["prefill_tokens"] > 0
         else:
             assert "corrupt.parquet" in s["error"]
     manifest = out.read_json("manifest.json")
     assert manifest["totals"]["rows_out"] == outputs.num_rows
+    pooled = manifest["totals"]
+    assert pooled["speedup_ci95"][0] <= pooled["speedup"] <= pooled["speedup_ci95"][1]
+    assert pooled["speedup_pairs"] == sum(s["speedup"]["pairs"] for s in stats if s["status"] == "ok")
     assert manifest["models"]["target"]["path"] == spec.models.target.path
     assert out.exists("_SUCCESS")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from decode_case import CPU_COSTS, DEVICE, GPU_COSTS, MAX_NEW, TEXTS, reference
 
+from pipeline.decode.drafters import PROMPT_LOOKUP, Proposal
 from pipeline.decode.engine import EngineConfig, PromptError, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.models.draft_int8 import quantize_draft
@@ -228,6 +229,10 @@ def test_counters_are_consistent(case):
         assert 0.0 <= s.alpha <= 1.0 and 0.0 <= s.alpha_leviathan <= 1.0
         assert sum(s.drafted_by.values()) == s.drafted and sum(s.accepted_by.values()) == s.accepted
     assert batch.new_tokens == sum(len(o.tokens) for o in outputs)
+    assert batch.row_passes == sum(o.stats.target_passes for o in outputs)
+    assert batch.tau * batch.row_passes == pytest.approx(batch.new_tokens)
+    assert batch.rounds.drafted + batch.rounds.undrafted == batch.row_passes - len(outputs)  # not prefills
+    assert batch.predicted_speedup > 0
     assert batch.accepted <= batch.drafted
     assert (
         sum(batch.drafted_by.values()) == batch.drafted and sum(batch.accepted_by.values()) == batch.accepted
@@ -348,3 +353,58 @@ def test_earlier_outputs_feed_the_suffix_drafter_of_later_rows(case, batch_size)
     assert after.drafted_by == {"suffix": after.drafted}
     engine.forget_outputs()
     assert engine.suffix.corpus.tokens == 0
+
+
+class ScriptedDrafter:
+    """Drafts each row's true continuation (the target's own output), right for a scripted
+    number of tokens and then wrong; every fifth proposal is nothing. What the target will
+    accept is known before it verifies, and recorded as (drafted, accepted, produced)."""
+
+    name = PROMPT_LOOKUP
+
+    def __init__(self, outputs: list[list[int]]):
+        self.outputs = outputs  # each row's prompt + its reference output
+        self.calls = 0
+        self.rounds: list[tuple[int, int, int]] = []
+
+    def start(self, prompts):
+        pass
+
+    admit = start
+
+    def evict(self, keep, finished):
+        pass
+
+    def propose(self, seqs, gamma, params, generator, keep=None, guess=None):
+        tokens = []
+        for row, seq in enumerate(seqs):
+            ahead = next(o for o in self.outputs if o[: len(seq)] == seq)[len(seq) :]
+            right = (self.calls + row) % 5
+            draft = ahead[:right] + [(ahead[right] + 1) % 100] if right < len(ahead) else ahead
+            draft = draft[:gamma] if right < 4 else []
+            accepted = min(right, len(draft))
+            if draft:
+                self.rounds.append((len(draft), accepted, min(accepted + 1, len(ahead))))
+            tokens.append(draft)
+        self.calls += 1
+        return Proposal(tokens, [None] * len(seqs), depths=[1] * len(seqs))
+
+
+def test_acceptance_by_position_counts_what_a_scripted_drafter_got_accepted(case):
+    target, draft, _, prompts, eos, refs = case
+    config = EngineConfig(drafter="prompt_lookup", gamma_max=4, adaptive=False)
+    engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    engine.lookup = ScriptedDrafter([p + r for p, r in zip(prompts, refs)])
+    outputs, batch = engine.generate(prompts, MAX_NEW, batch_size=3)
+    assert [o.tokens for o in outputs] == refs
+    script = engine.lookup.rounds
+    counts = batch.rounds.by_drafter[PROMPT_LOOKUP]
+    assert counts.rounds == len(script) and set(batch.rounds.by_drafter) == {PROMPT_LOOKUP}
+    for k in range(1, 5):
+        reached = [a >= k for d, a, _ in script if d >= k]
+        assert counts.by_position()[k - 1] == pytest.approx(sum(reached) / len(reached)), k
+    assert counts.accepted_lengths() == {n: c for n in range(5) if (c := [a for _, a, _ in script].count(n))}
+    assert batch.rounds.tau_drafted == pytest.approx(sum(p for *_, p in script) / len(script))
+    undrafted = batch.row_passes - len(prompts) - len(script)  # every round but the prefills'
+    assert undrafted > 0 and batch.rounds.undrafted == undrafted
+    assert batch.rounds.undrafted_share == pytest.approx(undrafted / (undrafted + len(script)))

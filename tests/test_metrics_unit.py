@@ -23,7 +23,12 @@ STATS = {
     "tau": 3.1,
     "tokens_per_second": 55.5,
     "decode_seconds": 7.6,
-    "speedup": {"measured": 1.9, "predicted": 2.1},
+    "tau_drafted_rounds": 3.4,
+    "speedup": {"measured": 1.9, "ci95": [1.7, 2.1], "predicted": 2.1},
+    "undrafted_rounds": 9,
+    "rounds_by_drafter": {
+        "draft_model": {"rounds": 80, "tokens": 270, "drafted": [80, 70], "accepted": [60, 0]}
+    },
 }
 
 
@@ -95,11 +100,27 @@ def test_record_shard(fake_metrics):
     }
     for name, value in expected_counters.items():
         assert _calls(fake_metrics, name) == [("inc", value, job)], name
+    model = {**job, "drafter": "draft_model"}
+    assert _calls(fake_metrics, "pipeline_rounds_total") == [
+        ("inc", 9, {**job, "drafter": "none"}),
+        ("inc", 80, model),
+    ]
+    assert _calls(fake_metrics, "pipeline_drafted_by_position_total") == [
+        ("inc", 80, {**model, "position": "1"}),
+        ("inc", 70, {**model, "position": "2"}),
+    ]
+    # a count of 0 is left out (Ray counters reject it): the series starts at its first increment
+    assert _calls(fake_metrics, "pipeline_accepted_by_position_total") == [
+        ("inc", 60, {**model, "position": "1"})
+    ]
     expected_gauges = {
         "pipeline_alpha": 0.8,
         "pipeline_tau": 3.1,
+        "pipeline_tau_drafted_rounds": 3.4,
         "pipeline_tokens_per_second": 55.5,
         "pipeline_speedup": 1.9,
+        "pipeline_speedup_ci95_low": 1.7,
+        "pipeline_speedup_ci95_high": 2.1,
     }
     for name, value in expected_gauges.items():
         assert _calls(fake_metrics, name) == [("set", value, shard)], name
@@ -117,6 +138,7 @@ def test_zero_missing_and_unreadable_values(fake_metrics):
     assert _calls(fake_metrics, "pipeline_alpha") == []
     assert _calls(fake_metrics, "pipeline_tau") == []
     assert _calls(fake_metrics, "pipeline_speedup") == []
+    assert _calls(fake_metrics, "pipeline_speedup_ci95_low") == []
 
     unreadable = {"shard": "bad", "status": "unreadable", "error": "x", "rows_in": 0, "rows_out": 0}
     metrics.record_shard(unreadable, "j")

@@ -20,7 +20,16 @@ from pipeline.report.quality import score
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
 
-ALL_FIGURES = ["acceptance", "speedup", "row_alpha", "throughput", "gamma", "errors", "quality"]
+ALL_FIGURES = [
+    "acceptance",
+    "acceptance_by_position",
+    "speedup",
+    "row_alpha",
+    "throughput",
+    "gamma",
+    "errors",
+    "quality",
+]
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",

@@ -4,11 +4,15 @@ does not fit in memory is halved, a shard missing a column is an unreadable shar
 
 from __future__ import annotations
 
+import math
+
 import pyarrow as pa
 import pytest
 import torch
 from pipeline_helpers import DOCS, clean_corpus, expected_text, job_dict
 
+from pipeline.decode.engine import BatchStats, RowOutput, RowStats
+from pipeline.job.shard import ShardProcessor
 from pipeline.job.worker import build_processor
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
@@ -62,3 +66,67 @@ def test_missing_column_is_a_shard_error_naming_the_columns(processor):
     assert "missing column(s) ['text']" in stats["error"] and "['id', 'body']" in stats["error"]
     errors = Storage(str(root / "out")).read_parquet("errors/renamed.parquet").to_pylist()
     assert [e["reason"] for e in errors] == ["unreadable_shard"] and "body" in errors[0]["detail"]
+
+
+class ClockedEngine:
+    """An engine on a fake clock: every row decodes to the same 8 tokens, and each call takes
+    the next scripted number of seconds. Records which drafter each call asked for."""
+
+    def __init__(self, seconds: list[float]):
+        self.seconds = list(seconds)
+        self.drafters: list[str | None] = []
+
+    def generate(self, prompts, max_new_tokens, sampling, *, drafter=None, **kwargs):
+        self.drafters.append(drafter)
+        rows = [
+            RowOutput([5] * 8, "length", len(p), 0, RowStats(new_tokens=8, target_passes=8)) for p in prompts
+        ]
+        stats = BatchStats(
+            rows=len(prompts),
+            new_tokens=8 * len(prompts),
+            row_passes=8 * len(prompts),
+            wall_seconds=self.seconds.pop(0),
+            prefill_seconds=1.0,
+            priced_seconds=5.0,
+            priced_plain_seconds=6.0,
+        )
+        return rows, stats
+
+
+@pytest.mark.parametrize(
+    "execution, pairs",
+    [
+        ({}, 3),  # the token floor: 2 pairs of 2 rows x 8 tokens make 32 < 40, a third makes 48
+        ({"speedup_sample_budget": 0.5}, 2),  # 2 pairs took 8 s, over 0.5 x 10 s: stop short of 40
+        ({"speedup_sample": 1.0, "speedup_sample_budget": 0.0}, 3),  # the row floor: 5 rows
+    ],
+)
+def test_the_speedup_sample_pairs_both_modes_and_its_interval_is_the_ratio_of_means(
+    tiny_pair_dirs, tiny_models, tmp_path, execution, pairs
+):
+    clean_corpus(Storage(str(tmp_path / "in")), shards=1, rows=5)
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), batch_size=2)
+    data["input"]["keep_columns"] = []
+    data["execution"].update(speedup_sample=0.5, speedup_sample_tokens=40, speedup_sample_budget=3.0)
+    data["execution"].update(execution)
+    # the shard decodes in 10 s; then (speculative, target-only) seconds (1, 2), (2, 3), (2, 4)
+    engine = ClockedEngine([10.0, 1.0, 2.0, 3.0, 2.0, 2.0, 4.0])
+    processor = ShardProcessor(spec_from_dict(data), engine, tiny_models[2])
+    speedup = processor.process(str(tmp_path / "in" / "part-000.parquet"), "part-000")["speedup"]
+
+    # alternating order: speculative first in even pairs, target-only first in odd ones
+    assert engine.drafters == [None, None, "none", "none", None, None, "none"][: 1 + 2 * pairs]
+    assert speedup["pairs"] == pairs and speedup["sample_rows"] == 2 * pairs
+    assert speedup["sample_tokens"] == 16 * pairs and speedup["identical_rows"] == 2 * pairs
+    assert speedup["predicted"] == pytest.approx((6.0 + 1.0) / (5.0 + 1.0))
+    if pairs == 2:  # (1, 2), (2, 3): R = 5/3; residuals 2 - R = 1/3, 3 - 2R = -1/3; t(1) = 12.706
+        half = 12.706 * math.sqrt((2 / 9) / 2) / 1.5
+        assert speedup["measured"] == pytest.approx(5 / 3)
+        assert speedup["ci95"] == pytest.approx([0.0, 5 / 3 + half], abs=1e-3)  # cut at 0
+        assert speedup["verdict"] == "no measurable difference"
+    else:  # R = 9/5 = 1.8; residuals 0.2, -0.6, 0.4; se = sqrt(0.56 / 6) / (5/3); t(2) = 4.303
+        half = 4.3027 * math.sqrt(0.56 / 6) / (5 / 3)
+        assert speedup["measured"] == pytest.approx(1.8)
+        assert speedup["ci95"] == pytest.approx([1.8 - half, 1.8 + half], abs=1e-3)
+        assert speedup["verdict"] == "faster"
+    assert speedup["pair_seconds"] == [[1.0, 2.0], [2.0, 3.0], [2.0, 4.0]][:pairs]

@@ -14,9 +14,12 @@ Labels (tag keys), chosen for bounded cardinality:
 
 * ``pipeline_job``: the job name (``spec.name``). Not ``job``: Prometheus attaches its own
   ``job`` label (the scrape job) to every target, which would rename ours to ``exported_job``.
-* ``shard``: only on the per-shard gauges (last value per shard: α, τ, tokens/s, speedup) and on
-  ``pipeline_shard_failures_total``; never on the counters or the histogram.
+* ``shard``: only on the per-shard gauges (last value per shard: α, τ, tokens/s, speedup and its
+  interval) and on ``pipeline_shard_failures_total``; never on the counters or the histogram.
 * ``status`` (``ok`` | ``unreadable``) on ``pipeline_shards_done_total``.
+* ``drafter`` (``draft_model`` | ``prompt_lookup`` | ``suffix``, and ``none`` on
+  ``pipeline_rounds_total``) and ``position`` (1..γmax, at most 64) on the round counters:
+  acceptance at position k is rate(accepted_by_position) / rate(drafted_by_position).
 * ``reason`` (a category from ``FAILURE_REASONS``, never the error text) and ``outcome``
   (``retried`` | ``failed``) on ``pipeline_shard_failures_total``.
 
@@ -47,6 +50,9 @@ COUNTERS: dict[str, str] = {
     "pipeline_drafted_tokens_total": "Tokens proposed by the drafters.",
     "pipeline_accepted_tokens_total": "Drafted tokens accepted by the target.",
     "pipeline_target_passes_total": "Target model forward passes (batched passes).",
+    "pipeline_rounds_total": "Rounds (a row's share of a verify pass), by drafter (none: drafted nothing).",
+    "pipeline_drafted_by_position_total": "Rounds that drafted at least `position` tokens, by drafter.",
+    "pipeline_accepted_by_position_total": "Rounds whose draft at `position` was accepted, by drafter.",
     "pipeline_shards_done_total": "Shards completed (stats written), by status (ok | unreadable).",
     "pipeline_shard_failures_total": "Failed shard attempts, by reason category and outcome.",
 }
@@ -54,7 +60,10 @@ GAUGES: dict[str, str] = {
     "pipeline_alpha": "Draft acceptance rate alpha of the shard (accepted / drafted).",
     "pipeline_tau": "Mean tokens per target pass per row (tau) of the shard.",
     "pipeline_tokens_per_second": "Decoding throughput of the shard (new tokens / decode second).",
+    "pipeline_tau_drafted_rounds": "Tokens per target pass over the shard's rounds that drafted.",
     "pipeline_speedup": "Measured speedup of the shard over target-only decoding.",
+    "pipeline_speedup_ci95_low": "Lower bound of the 95% interval of the shard's measured speedup.",
+    "pipeline_speedup_ci95_high": "Upper bound of the 95% interval of the shard's measured speedup.",
 }
 HISTOGRAMS: dict[str, str] = {
     "pipeline_shard_decode_seconds": "Wall seconds spent decoding one shard.",
@@ -131,6 +140,10 @@ def _create() -> dict[str, Any]:
             keys = (*job, "status")
         elif name == "pipeline_shard_failures_total":
             keys = (*job, "shard", "reason", "outcome")
+        elif name == "pipeline_rounds_total":
+            keys = (*job, "drafter")
+        elif name.endswith("_by_position_total"):
+            keys = (*job, "drafter", "position")
         else:
             keys = job
         made[name] = Counter(name, description=doc, tag_keys=keys)
@@ -197,18 +210,37 @@ def record_shard(stats: dict, job: str) -> None:
         _inc(metrics["pipeline_drafted_tokens_total"], stats.get("drafted"), job_tags)
         _inc(metrics["pipeline_accepted_tokens_total"], stats.get("accepted"), job_tags)
         _inc(metrics["pipeline_target_passes_total"], stats.get("target_passes"), job_tags)
+        _record_rounds(metrics, stats, job_tags)
         seconds = _number(stats.get("decode_seconds"))
         if seconds is not None and seconds >= 0:
             metrics["pipeline_shard_decode_seconds"].observe(seconds, tags=job_tags)
         shard_tags = {**job_tags, "shard": str(stats.get("shard", ""))}
         _set(metrics["pipeline_alpha"], stats.get("alpha"), shard_tags)
         _set(metrics["pipeline_tau"], stats.get("tau"), shard_tags)
+        _set(metrics["pipeline_tau_drafted_rounds"], stats.get("tau_drafted_rounds"), shard_tags)
         _set(metrics["pipeline_tokens_per_second"], stats.get("tokens_per_second"), shard_tags)
         speedup = stats.get("speedup")
         if isinstance(speedup, dict):
             _set(metrics["pipeline_speedup"], speedup.get("measured"), shard_tags)
+            low, high = speedup.get("ci95") or (None, None)
+            _set(metrics["pipeline_speedup_ci95_low"], low, shard_tags)
+            _set(metrics["pipeline_speedup_ci95_high"], high, shard_tags)
     except Exception as exc:
         log.warning("could not record metrics for shard %s: %s", stats.get("shard"), exc)
+
+
+def _record_rounds(metrics: dict[str, Any], stats: dict, job_tags: dict[str, str]) -> None:
+    """The shard's rounds per drafter, and per drafter and position (`pipeline.decode.rounds`)."""
+    _inc(metrics["pipeline_rounds_total"], stats.get("undrafted_rounds"), {**job_tags, "drafter": "none"})
+    for drafter, counts in (stats.get("rounds_by_drafter") or {}).items():
+        tags = {**job_tags, "drafter": str(drafter)}
+        _inc(metrics["pipeline_rounds_total"], counts.get("rounds"), tags)
+        for name, key in (
+            ("pipeline_drafted_by_position_total", "drafted"),
+            ("pipeline_accepted_by_position_total", "accepted"),
+        ):
+            for position, count in enumerate(counts.get(key) or [], start=1):
+                _inc(metrics[name], count, {**tags, "position": str(position)})
 
 
 def record_failure(job: str, shard: str, reason: str, *, final: bool = True) -> None:

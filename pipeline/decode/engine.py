@@ -37,6 +37,7 @@ from pipeline.decode.drafters import (
     Proposal,
 )
 from pipeline.decode.policy import Choice, Offer, Policy, RoundOptions
+from pipeline.decode.rounds import Rounds, row_tau
 from pipeline.decode.sampling import SamplingParams, choose, verify
 from pipeline.decode.suffix import MAX_DEPTH, SuffixCorpus, SuffixDrafter
 
@@ -111,7 +112,7 @@ class RowStats:
     @property
     def tau(self) -> float:
         """Mean tokens produced per target pass."""
-        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+        return row_tau(self.new_tokens, self.target_passes)
 
     @property
     def mean_gamma(self) -> float:
@@ -140,6 +141,7 @@ class BatchStats:
     rows: int = 0
     new_tokens: int = 0
     target_passes: int = 0
+    row_passes: int = 0  # target passes counted once per row in them (prefills included)
     draft_passes: int = 0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -152,10 +154,35 @@ class BatchStats:
     gamma_histogram: dict[int, int] = field(default_factory=dict)
     drafted_by: dict[str, int] = field(default_factory=dict)  # by draft source, as in RowStats
     accepted_by: dict[str, int] = field(default_factory=dict)
+    rounds: Rounds = field(default_factory=Rounds)  # acceptance by position, per drafter
+    # The decoding rounds priced by the cost model (target passes at their width, draft steps),
+    # and what target-only decoding would have paid for the same tokens: see predicted_speedup.
+    priced_seconds: float = 0.0
+    priced_plain_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def tau(self) -> float:
+        return row_tau(self.new_tokens, self.row_passes)
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """The speedup the measured pass costs predict for the rounds as they ran.
+
+        Each round is priced at the cost of its own verify pass (its width: the γ chosen, the
+        rows in it) plus its draft steps, and its tokens at what plain 1-token passes of that
+        many rows cost; the prefills, the same either way, are added to both as measured.
+        Leviathan's formula prices every verify pass as a 1-token one, which a CPU's wider
+        passes belie. A measured speedup well below this points at time the passes do not
+        account for (bookkeeping, drafting, a busy machine), not at acceptance or γ.
+        """
+        speculative = self.priced_seconds + self.prefill_seconds + self.draft_prefill_seconds
+        if not speculative:
+            return None
+        return (self.priced_plain_seconds + self.prefill_seconds) / speculative
 
     def add(self, other: BatchStats) -> None:
         """Accumulate another batch's counters (a shard or a benchmark is many batches)."""
@@ -164,6 +191,7 @@ class BatchStats:
             "new_tokens",
             "prefill_tokens",
             "target_passes",
+            "row_passes",
             "draft_passes",
             "drafted",
             "accepted",
@@ -175,8 +203,11 @@ class BatchStats:
             "prefill_seconds",
             "draft_prefill_seconds",
             "wall_seconds",
+            "priced_seconds",
+            "priced_plain_seconds",
         ):
             setattr(self, key, getattr(self, key) + getattr(other, key))
+        self.rounds.add(other.rounds)
         for mine, theirs in (
             (self.gamma_histogram, other.gamma_histogram),
             (self.drafted_by, other.drafted_by),
@@ -361,10 +392,13 @@ class SpeculativeEngine:
     def _round(self, batch: _Batch) -> None:
         """One round for every row decoding now: draft, verify, accept, evict."""
         began = time.perf_counter()
+        rows = len(batch.active)
         drafts = self._draft(batch)
         logits = self._verify(batch, drafts)
         produced = self._accept(batch, drafts, logits)
         self.costs.observe_round(produced, time.perf_counter() - began)
+        plain = self.costs.target_time(self.target.pass_tokens([1] * rows))
+        batch.stats.priced_plain_seconds += produced * plain / rows
         self._evict(batch)
         self._fill(batch)
 
@@ -413,6 +447,7 @@ class SpeculativeEngine:
         logits = self.target.forward(blocks, [len(d) + 1 for d in drafts.tokens])
         cost = self.target.pass_tokens([len(b) for b in blocks])
         self.costs.observe_target(cost, self.target.forward_seconds - before)
+        batch.stats.priced_seconds += self.costs.target_time(cost)
         batch.stats.target_passes += 1
         widest = max(map(len, drafts.tokens))
         batch.stats.gamma_histogram[widest] = batch.stats.gamma_histogram.get(widest, 0) + 1
@@ -446,6 +481,8 @@ class SpeculativeEngine:
                 outcomes[key].append((accepted, len(draft)))
             batch.stats.drafted += len(draft)
             batch.stats.accepted += accepted
+            batch.stats.row_passes += 1
+            batch.stats.rounds.observe(key[0] if key else None, len(draft), accepted, kept)
         self.policy.observe(outcomes)
         return produced
 
@@ -469,6 +506,7 @@ class SpeculativeEngine:
                 self.costs.observe_prefill("draft", p.tokens, p.seconds)
             else:
                 self.costs.observe_draft(p.cost_tokens, p.seconds)
+                batch.stats.priced_seconds += self.costs.draft_time(p.cost_tokens)
         return model
 
     def _fill(self, batch: _Batch) -> None:
@@ -488,6 +526,7 @@ class SpeculativeEngine:
             batch.stats.prefill_tokens += self.target.fed_tokens
             self.costs.observe_prefill("target", self.target.fed_tokens, seconds)
             batch.stats.target_passes += 1
+            batch.stats.row_passes += len(new)
             for row, row_logits in zip(new, logits):
                 token, _ = choose(row_logits[-1], batch.sampling, batch.generator)
                 self._append(row, [token], batch)

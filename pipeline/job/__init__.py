@@ -1,5 +1,6 @@
 """The job: from a spec to every shard's files. `executor` (the driver: plan, lease, the actor
 pool, manifest.json), `worker` (the Ray model actor), `shard` (one shard end to end: read, decode,
-write outputs, errors and stats), `layout` (where everything goes under the output prefix, when a
-shard or a job is complete, the totals over stats), `lease`, `fingerprint` (resume checks), `ids`
-(duplicate ids across shards), `prompts`, `progress` (the terminal)."""
+write outputs, errors and stats), `speedup` (the measured speedup's pairs and interval), `layout`
+(where everything goes under the output prefix, when a shard or a job is complete, the totals
+over stats), `lease`, `fingerprint` (resume checks), `ids` (duplicate ids across shards),
+`prompts`, `progress` (the terminal)."""

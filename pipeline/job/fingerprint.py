@@ -30,6 +30,8 @@ FINGERPRINT_FIELDS = (
     "drafter",
     "execution.batch_size",
     "execution.speedup_sample",
+    "execution.speedup_sample_tokens",
+    "execution.speedup_sample_budget",
 )
 
 

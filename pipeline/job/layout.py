@@ -1,6 +1,6 @@
 """The output layout, its one owner: where a shard's outputs, errors and stats go, when a shard
 and a job are complete, what a job owns under its output prefix (and deleting only that), its
-records read back (stats, failures, manifest.json, _SUCCESS) and the figures over them (τ, totals).
+records read back (stats, failures, manifest.json, _SUCCESS) and the totals over them.
 
     OUTPUT/outputs/<shard>.parquet   errors/<shard>.parquet   stats/<shard>.json
            failed/<shard>.json       manifest.json            _SUCCESS    _LEASE.json
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import re
 
+from pipeline.decode.rounds import Rounds, row_tau
 from pipeline.job.lease import LEASE_NAME
+from pipeline.job.speedup import paired_speedup, verdict
 from pipeline.storage import Storage
 from pipeline.storage.urls import glob_root, has_glob
 
@@ -139,19 +141,16 @@ def save_manifest(out: Storage, manifest: dict, complete: bool) -> None:
         out.write_bytes(SUCCESS, b"")
 
 
-# -- figures over stats: the one τ, the one set of totals --------------------------------------
-
-
-def row_tau(tokens: int, row_passes: int) -> float:
-    """τ, tokens per target pass per row: a batched pass counts once for each row in it."""
-    return tokens / row_passes if row_passes else 0.0
+# -- figures over stats: the one set of totals -------------------------------------------------
 
 
 def totals(stats: list[dict]) -> dict:
     """Job-wide figures over shards' stats (manifest.json, `pipeline stats`, the report).
 
-    Rates are ratios of sums (token-weighted), not means of shard rates. `rows_in` counts the
-    rows of unreadable shards too (under one error record each); `rows_in_unreadable` says how many.
+    Rates are ratios of sums (token-weighted), not means of shard rates; the speedup and its
+    interval pool every shard's pairs, and acceptance by position every shard's rounds.
+    `rows_in` counts the rows of unreadable shards too (under one error record each);
+    `rows_in_unreadable` says how many.
     """
     ok = [s for s in stats if s.get("status") == "ok"]
     unreadable = [s for s in stats if s.get("status") != "ok"]
@@ -160,9 +159,11 @@ def totals(stats: list[dict]) -> dict:
     drafted = sum(s["drafted"] for s in ok)
     row_passes = sum(s["tokens_out"] / s["tau"] for s in ok if s["tau"])
     sampled = [s["speedup"] for s in ok if s.get("speedup")]
-    base_tps = _rate(sampled, "target_only")
-    spec_tps = _rate(sampled, "speculative")
+    speedup = paired_speedup([pair for x in sampled for pair in x.get("pair_seconds", [])])
     identical = [x["identical_rows"] for x in sampled if x.get("identical_rows") is not None]
+    rounds = Rounds()
+    for s in ok:
+        rounds.add(Rounds.from_stats(s))
     return {
         "shards": len(stats),
         "shards_unreadable": len(unreadable),
@@ -173,24 +174,16 @@ def totals(stats: list[dict]) -> dict:
         "tokens_out": tokens,
         "alpha": sum(s["accepted"] for s in ok) / drafted if drafted else 0.0,
         "tau": row_tau(tokens, row_passes),
+        **rounds.to_dict(),
         "tokens_per_second": tokens / seconds if seconds else 0.0,
-        "sample_tokens_per_second": spec_tps,
-        "target_only_tokens_per_second": base_tps,
-        "speedup": spec_tps / base_tps if base_tps else None,
+        "speedup": speedup["measured"],
+        "speedup_ci95": speedup["ci95"],
+        "speedup_verdict": verdict(speedup["ci95"]),
+        "speedup_pairs": speedup["pairs"],
+        "sample_tokens": sum(x.get("sample_tokens", 0) for x in sampled),
         "sample_rows": sum(x["sample_rows"] for x in sampled),
         "sample_identical_rows": sum(identical) if identical else None,
     }
-
-
-def _rate(samples: list[dict], kind: str) -> float:
-    """Tokens/s over all speedup samples of one kind (speculative or target_only).
-
-    Samples without the counts (stats written by versions before 0.1.0's final layout) are
-    left out rather than failing the whole table or report.
-    """
-    samples = [x for x in samples if f"{kind}_seconds" in x]
-    seconds = sum(x[f"{kind}_seconds"] for x in samples)
-    return sum(x[f"{kind}_tokens"] for x in samples) / seconds if seconds else 0.0
 
 
 def output_files(out: Storage) -> list[tuple[str, str]]:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from pipeline.decode.costs import alpha_from_tau, predicted_speedup
+from pipeline.decode.costs import alpha_from_tau
 from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.job.ids import id_key
-from pipeline.job.layout import row_tau, shard_paths
+from pipeline.job.layout import shard_paths
 from pipeline.job.prompts import OverlongDocument, PromptBuilder
+from pipeline.job.speedup import pair_seconds, paired_speedup, verdict
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
 
@@ -128,7 +129,7 @@ class ShardProcessor:
             good.append(row)
 
         decoded, totals = self._decode_sorted([p.ids for p in prompts])
-        sample = self._speedup_sample(good, prompts, decoded)
+        sample = self._speedup_sample(prompts, decoded, totals)
 
         out_rows = []
         for row, prompt, (output, latency) in zip(good, prompts, decoded):
@@ -312,43 +313,70 @@ class ShardProcessor:
             self.oom_splits += 1
             return self._generate_fitting(prompts, drafter, corpus, size // 2)
 
-    def _speedup_sample(self, rows, prompts, decoded) -> dict:
-        """Decode a sample of rows both ways on this actor to measure the real speedup.
+    def _speedup_sample(self, prompts, decoded, totals: BatchStats) -> dict:
+        """Decode rows again both ways on this actor, in matched pairs, to measure the speedup.
 
-        Both runs use the same rows at the same batch size, one after the other, so the
-        ratio compares like with like. For greedy decoding the sample doubles as a
-        losslessness check: speculative, main-pass and target-only outputs must be identical.
+        Pairs are added until three floors are met: `speedup_sample` of the rows, two pairs (an
+        interval needs them), and `speedup_sample_tokens` speculative tokens, unless reaching
+        that would take more than `speedup_sample_budget` times the shard's decode time. So a
+        shard of a few short rows decodes its rows again in turn rather than trust one pair.
+        A pair is one chunk of rows, as many as the shard decoded at once, decoded speculatively
+        and target-only back to back, which goes first alternating from pair to pair, so that
+        drift in the machine's speed hits both alike (`pipeline.job.speedup`). For greedy
+        decoding the sample doubles as a losslessness check: speculative, main-pass and
+        target-only outputs must be identical.
         """
-        if not rows or self.spec.drafter.kind == "none":
+        if not prompts or self.spec.drafter.kind == "none":
             return {}
-        k = max(1, math.ceil(self.spec.execution.speedup_sample * len(rows)))
-        step = len(rows) / k
-        picked = sorted({int(i * step) for i in range(k)})
-        sample = [prompts[i].ids for i in picked]
-        # the suffix drafter's corpus holds these rows' outputs now: it must not draft them back
-        spec_out, spec = self._decode_sorted(sample, corpus=False)
-        base_out, base = self._decode_sorted(sample, drafter="none", corpus=False)
-        identical = sum(
-            b.tokens == s.tokens == decoded[i][0].tokens
-            for i, (b, _), (s, _) in zip(picked, base_out, spec_out)
-        )
-        row_passes = sum(out.stats.target_passes for out, _ in spec_out)
-        tau = row_tau(spec.new_tokens, row_passes)
-        # c: the measured cost of a draft step over a 1-token target pass
-        c = self.engine.cost_ratio(min(len(sample), self.spec.execution.batch_size)) or 0.0
-        per_pass = spec.draft_passes / spec.target_passes if spec.target_passes else 0.0
-        base_tps, spec_tps = base.tokens_per_second, spec.tokens_per_second
+        execution = self.spec.execution
+        floor = max(1, math.ceil(execution.speedup_sample * len(prompts)))
+        step = len(prompts) / floor
+        picked = sorted({int(i * step) for i in range(floor)})  # spread over the shard
+        order = picked + sorted(set(range(len(prompts))) - set(picked))
+        size = min(execution.batch_size, len(prompts))
+        budget = execution.speedup_sample_budget * totals.wall_seconds
+        spec, base = BatchStats(), BatchStats()
+        pairs: list[list[float]] = []
+        rows = identical = 0
+        while (
+            rows < floor
+            or len(pairs) < 2
+            or (
+                spec.new_tokens < execution.speedup_sample_tokens
+                and spec.wall_seconds + base.wall_seconds < budget
+            )
+        ):
+            chunk = [order[(rows + j) % len(order)] for j in range(size)]
+            sample = [prompts[i].ids for i in chunk]
+            # the suffix drafter's corpus holds these rows' outputs now: it must not draft them back
+            modes = (None, "none") if len(pairs) % 2 == 0 else ("none", None)
+            runs = {mode: self._decode_sorted(sample, drafter=mode, corpus=False) for mode in modes}
+            (spec_out, spec_pair), (base_out, base_pair) = runs[None], runs["none"]
+            pairs.append(
+                pair_seconds(
+                    (spec_pair.new_tokens, spec_pair.wall_seconds),
+                    (base_pair.new_tokens, base_pair.wall_seconds),
+                )
+            )
+            spec.add(spec_pair)
+            base.add(base_pair)
+            identical += sum(
+                b.tokens == s.tokens == decoded[i][0].tokens
+                for i, (b, _), (s, _) in zip(chunk, base_out, spec_out)
+            )
+            rows += size
+        measured = paired_speedup(pairs)
         return {
-            "sample_rows": len(picked),
-            "target_only_seconds": base.wall_seconds,
-            "target_only_tokens": base.new_tokens,
-            "target_only_tokens_per_second": base_tps,
+            **measured,
+            "verdict": verdict(measured["ci95"]),
+            "predicted": totals.predicted_speedup,
+            "sample_rows": rows,
+            "sample_tokens": spec.new_tokens,
+            "pair_seconds": pairs,
             "speculative_seconds": spec.wall_seconds,
-            "speculative_tokens": spec.new_tokens,
-            "speculative_tokens_per_second": spec_tps,
-            "measured": spec_tps / base_tps if base_tps else None,
-            "cost_ratio": c,
-            "predicted": predicted_speedup(tau, per_pass, c),
+            "speculative_tokens_per_second": spec.tokens_per_second,
+            "target_only_seconds": base.wall_seconds,
+            "target_only_tokens_per_second": base.tokens_per_second,
             "identical_rows": identical if self.sampling.greedy else None,
         }
 
@@ -357,11 +385,9 @@ class ShardProcessor:
     def _stats(
         self, shard_url, name, rows, errors, decoded, totals: BatchStats, truncated, tokens_in, sample
     ) -> dict:
-        """Per-shard statistics. Row-level tau counts a batched pass once per row in it."""
+        """Per-shard statistics (each figure is explained in docs/stats.md)."""
         outs = [o for o, _ in decoded]
-        row_passes = sum(o.stats.target_passes for o in outs)
-        tau = row_tau(totals.new_tokens, row_passes)
-        mean_gamma = sum(o.stats.gamma_sum for o in outs) / max(row_passes - len(outs), 1)
+        mean_gamma = sum(o.stats.gamma_sum for o in outs) / max(totals.row_passes - len(outs), 1)
         reasons = Counter(e["reason"] for e in errors)
         return {
             "shard": name,
@@ -377,8 +403,9 @@ class ShardProcessor:
             "tokens_in": tokens_in,
             "tokens_out": totals.new_tokens,
             "alpha": totals.accepted / totals.drafted if totals.drafted else 0.0,
-            "alpha_leviathan": alpha_from_tau(tau, mean_gamma),
-            "tau": tau,
+            "alpha_leviathan": alpha_from_tau(totals.tau, mean_gamma),
+            "tau": totals.tau,
+            **totals.rounds.to_dict(),
             "gamma_max": self.spec.drafter.gamma_max,
             "mean_gamma": mean_gamma,
             "drafter": self.spec.drafter.kind,

@@ -80,7 +80,8 @@ def shard_acceptance(run: RunData) -> Figure | None:
 
 
 def speedup(run: RunData) -> Figure | None:
-    """Measured speedup beside the speedup Leviathan et al.'s formula predicts from α, γ, cost."""
+    """Measured speedup with its 95% interval beside the speedup the measured pass costs predict;
+    the job's pooled figure and interval as a band across all shards."""
     sampled = [s for s in _ok(run) if (s.get("speedup") or {}).get("measured")]
     if not sampled:
         return None
@@ -88,21 +89,65 @@ def speedup(run: RunData) -> Figure | None:
     names = [s["shard"] for s in sampled]
     xs = _shard_axis(ax, names)
     width = 0.4
-    ax.bar([x - width / 2 for x in xs], [s["speedup"]["measured"] for s in sampled], width, label="measured")
+    measured = [s["speedup"]["measured"] for s in sampled]
+    intervals = [s["speedup"].get("ci95") or [m, m] for s, m in zip(sampled, measured)]
+    errors = [
+        [m - low for m, (low, _) in zip(measured, intervals)],
+        [high - m for m, (_, high) in zip(measured, intervals)],
+    ]
+    ax.bar(
+        [x - width / 2 for x in xs], measured, width, yerr=errors, capsize=3, label="measured (95% interval)"
+    )
     ax.bar(
         [x + width / 2 for x in xs],
         [s["speedup"].get("predicted") or 0.0 for s in sampled],
         width,
-        label="predicted (Leviathan)",
+        label="predicted (measured pass costs)",
     )
+    t = run.totals
+    if t["speedup_ci95"]:
+        ax.axhspan(*t["speedup_ci95"], color="tab:blue", alpha=0.12, label="job, pooled (95% interval)")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_ylabel("speedup over target-only")
     ax.legend()
     return Figure(
         "speedup",
         "Speedup: measured vs predicted",
-        "Measured: speculative vs target-only tokens/s on the same sampled rows. Predicted: "
-        "τ / (γ·c + 1) from the measured α, mean γ and draft/target cost ratio c.",
+        "Measured: target-only over speculative seconds in matched pairs of the same rows on the "
+        "same actor, with its 95% interval; a bar whose interval holds 1.0 is no measurable "
+        "difference. Predicted: the shard's rounds as they ran, priced with the measured cost of "
+        "each verify pass at its width and of each draft step. See docs/stats.md.",
+        _png(fig),
+    )
+
+
+def acceptance_by_position(run: RunData) -> Figure | None:
+    """Per drafter, how often the k-th draft was accepted; per shard, the rounds that drafted
+    nothing (where τ over all passes and τ over drafted rounds part)."""
+    t = run.totals
+    if not t["acceptance_by_position"]:
+        return None
+    fig, (left, right) = _subplots(1, 2, 9, 3.5)
+    for drafter, rates in t["acceptance_by_position"].items():
+        rounds = t["rounds_by_drafter"][drafter]["rounds"]
+        left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{drafter} ({rounds} rounds)")
+    left.set_xlabel("draft position k")
+    left.xaxis.get_major_locator().set_params(integer=True)
+    left.set_ylabel("k-th draft accepted")
+    left.set_ylim(-0.03, 1.03)
+    left.legend()
+    ok = _ok(run)
+    xs = _shard_axis(right, [s["shard"] for s in ok])
+    right.bar(xs, [s.get("undrafted_share", 0.0) for s in ok], color="tab:gray")
+    right.set_ylabel("rounds that drafted nothing")
+    right.set_ylim(0, 1)
+    return Figure(
+        "acceptance_by_position",
+        "Acceptance by position",
+        "Left: of the rounds that drafted at least k tokens, the share whose k-th draft was "
+        f"accepted, per drafter (all shards). Right: rounds that drafted nothing, per shard "
+        f"({t['undrafted_share']:.0%} of the job's). Tokens per target pass: {t['tau']:.2f} over "
+        f"all passes, {t['tau_drafted_rounds']:.2f} over rounds that drafted.",
         _png(fig),
     )
 
@@ -222,6 +267,7 @@ def quality(scores: QualityScores | None) -> Figure | None:
 
 RUN_FIGURES: tuple[Callable[[RunData], Figure | None], ...] = (
     shard_acceptance,
+    acceptance_by_position,
     speedup,
     row_alpha,
     throughput,

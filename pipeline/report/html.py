@@ -13,7 +13,8 @@ import datetime as dt
 
 import jinja2
 
-from pipeline.job.layout import REPORT_DIR, totals
+from pipeline.job.layout import REPORT_DIR
+from pipeline.job.speedup import verdict
 from pipeline.report.figures import RUN_FIGURES, Figure, error_counts
 from pipeline.report.figures import quality as quality_figure
 from pipeline.report.quality import QualityScores, score
@@ -86,13 +87,14 @@ def write_report(
             complete=run.complete,
             started=_when(manifest.get("started")),
             finished=_when(manifest.get("finished")),
-            totals=totals(run.stats),
+            totals=run.totals,
             stats=run.stats,
             figures=figures,
             errors=sorted(error_counts(run).items(), key=lambda kv: -kv[1]),
             failed=manifest.get("failed") or [],
             scores=scores,
             quality_note=quality_note,
+            verdict=verdict,
         )
     )
     return out.write_bytes("report.html", page.encode()), figures

@@ -4,11 +4,13 @@ paths, the stats files and the totals over them are `pipeline.job.layout`'s)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import click
 import pyarrow as pa
 
 from pipeline.job.layout import is_job_complete, output_files, read_manifest, read_stats, totals
+from pipeline.job.speedup import verdict
 from pipeline.storage import Storage
 
 # the per-row columns the report plots; `generated` and the reference only when scoring quality.
@@ -31,6 +33,11 @@ class RunData:
     rows: pa.Table  # per-row records of every shard plus a `shard` column
     reference_column: str | None  # the column the report compares `generated` with, if present
     complete: bool  # _SUCCESS is there: every shard done
+
+    @cached_property
+    def totals(self) -> dict:
+        """The job's figures over every shard (`pipeline.job.layout.totals`)."""
+        return totals(self.stats)
 
     @property
     def task_kind(self) -> str | None:
@@ -61,15 +68,20 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _interval(ci95: list[float] | None) -> str:
+    return f"[{ci95[0]:.2f}, {ci95[1]:.2f}]" if ci95 else "-"
+
+
 def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bool:
     """Print one line per shard (failed ones too, with their reason) and a totals line; False when
-    there is nothing to show yet."""
+    there is nothing to show yet. A speedup is printed with its 95% interval and what the
+    interval says: faster, slower, or no measurable difference where it holds 1.0."""
     failed = failed or []
     if not stats and not failed:
         return False
     click.echo(
         f"{'shard':<24} {'rows':>5} {'err':>4} {'tokens':>7} {'alpha':>6} {'tau':>5} {'tok/s':>7} "
-        f"{'speedup':>8} {'predicted':>9}"
+        f"{'speedup':>8}  {'95% interval':<13} {'predicted':>9}"
     )
     for s in sorted([*stats, *({**f, "status": "failed"} for f in failed)], key=lambda s: s["shard"]):
         if s.get("status") == "failed":
@@ -81,16 +93,24 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
             click.echo(f"{s['shard']:<24} {'':>5} {'':>4} unreadable: {s.get('error', '')[:80]}")
             continue
         sp = s.get("speedup") or {}
+        ci95 = sp.get("ci95")
         click.echo(
             f"{s['shard']:<24} {s['rows_out']:>5} {s['rows_error']:>4} {s['tokens_out']:>7} "
             f"{s['alpha']:>6.2f} {s['tau']:>5.2f} {s['tokens_per_second']:>7.2f} "
-            f"{_fmt(sp.get('measured')):>7}x {_fmt(sp.get('predicted')):>8}x"
+            f"{_fmt(sp.get('measured')):>7}x  {_interval(ci95):<13} {_fmt(sp.get('predicted')):>8}x "
+            f"{verdict(ci95) or ''}".rstrip()
         )
     t = totals(stats)
     click.echo(
         f"{'TOTAL':<24} {t['rows_out']:>5} {t['rows_error']:>4} {t['tokens_out']:>7} "
-        f"{t['alpha']:>6.2f} {t['tau']:>5.2f} {t['tokens_per_second']:>7.2f} {_fmt(t['speedup']):>7}x"
+        f"{t['alpha']:>6.2f} {t['tau']:>5.2f} {t['tokens_per_second']:>7.2f} {_fmt(t['speedup']):>7}x "
+        f" {_interval(t['speedup_ci95']):<13} {'':>9} {t['speedup_verdict'] or ''}".rstrip()
     )
+    if t["undrafted_rounds"] or t["rounds_by_drafter"]:
+        click.echo(
+            f"rounds that drafted nothing: {t['undrafted_share']:.0%}; tokens per target pass "
+            f"{t['tau']:.2f} over all passes, {t['tau_drafted_rounds']:.2f} over rounds that drafted"
+        )
     if t["sample_identical_rows"] is not None:
         click.echo(
             f"target-only check: {t['sample_identical_rows']}/{t['sample_rows']} sampled rows identical "
