@@ -79,6 +79,16 @@ def main() -> None:
     """
 
 
+lease_timeout_option = click.option(
+    "--lease-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_TIMEOUT_MINUTES,
+    show_default=True,
+    metavar="MINUTES",
+    help="Take over the output's lease from a driver with no heartbeat for this long.",
+)
+
+
 @main.command()
 @with_spec_options
 @click.option("--address", help="Ray cluster address (ray://... or auto); default: an embedded local Ray.")
@@ -88,14 +98,7 @@ def main() -> None:
     default=None,
     help="A progress bar, or one line per finished shard (default: the bar on a terminal only).",
 )
-@click.option(
-    "--lease-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=DEFAULT_TIMEOUT_MINUTES,
-    show_default=True,
-    metavar="MINUTES",
-    help="Take over the output's lease from a driver with no heartbeat for this long.",
-)
+@lease_timeout_option
 @click.option("-v", "--verbose", is_flag=True, help="Also show the model actors' own logs.")
 def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeout, verbose):
     """Run SPEC now and wait for it.
@@ -154,7 +157,8 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeo
 @click.option("--wait", is_flag=True, help="Follow the job's logs until it ends; exit with its status.")
 @click.option("--overwrite", is_flag=True, help="Redo shards that are already complete.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
-def submit(spec_path, run_id, date, sets, address, wait, overwrite, progress):
+@lease_timeout_option
+def submit(spec_path, run_id, date, sets, address, wait, overwrite, progress, lease_timeout):
     """Submit SPEC to a Ray cluster through the Ray Jobs API (or run it locally).
 
     The current directory (the project: package, jobs/, configs/) travels as the job's
@@ -177,11 +181,12 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite, progress):
             address=None,
             overwrite=overwrite,
             progress=progress,
+            lease_timeout=lease_timeout,
         )
         return
     from pipeline.cluster.jobs_api import follow, submit_job
 
-    job_id = submit_job(address, spec, SPEC_ENV, overwrite)
+    job_id = submit_job(address, spec, SPEC_ENV, overwrite, lease_timeout)
     click.echo(job_id)
     click.echo(
         f"run {spec.run_id} -> {spec.output.url}; follow with: pipeline status {job_id} --address {address}",

@@ -102,10 +102,15 @@ def test_submit_to_a_ray_head_and_wait(tiny_pair_dirs, tmp_path, ray_head, monke
     spec_path.write_text(json.dumps(spec))
     monkeypatch.chdir(REPO)  # the project directory travels as the job's working_dir
     result = CliRunner().invoke(
-        main, ["submit", str(spec_path), "--address", ray_head, "--run-id", "sub1", "--wait", "--progress"]
+        main,
+        ["submit", str(spec_path), "--address", ray_head, "--run-id", "sub1", "--wait", "--progress"]
+        + ["--lease-timeout", "7.5"],
     )
     assert result.exit_code == 0, result.output
     job_id = re.search(r"^(raysubmit_\w+)$", result.stdout, re.M).group(1)
+    from pipeline.cluster.jobs_api import _client
+
+    assert "--lease-timeout 7.5" in _client(ray_head).get_job_info(job_id).entrypoint
     out = Storage(str(tmp_path / "out" / "sub1"))
     assert out.exists("_SUCCESS")
     assert out.read_json("stats/part-0.json")["rows_out"] == 2

@@ -49,7 +49,9 @@ _retry_until_agent_ready = retry(
 )
 
 
-def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> str:
+def submit_job(
+    address: str, spec: JobSpec, spec_env: str, overwrite: bool, lease_timeout: float | None = None
+) -> str:
     """Submit `pipeline run` for this (rendered) spec; return the job id.
 
     The spec travels in an environment variable, already validated, with its URLs rendered and
@@ -70,6 +72,8 @@ def submit_job(address: str, spec: JobSpec, spec_env: str, overwrite: bool) -> s
     ]
     if overwrite:
         entrypoint.append("--overwrite")
+    if lease_timeout is not None:
+        entrypoint += ["--lease-timeout", repr(float(lease_timeout))]
     client = _client(address)
     return _retry_until_agent_ready(client.submit_job)(
         entrypoint=" ".join(shlex.quote(p) for p in entrypoint),
