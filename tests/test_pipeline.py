@@ -111,3 +111,36 @@ def test_cli_run_stats_and_validate(tiny_pair_dirs, tmp_path, ray_local):
     assert bad.exit_code == 2 and "generation.max_new_tokens" in bad.output
     bad_run = runner.invoke(main, ["run", str(broken)])
     assert bad_run.exit_code == 2 and "generation.max_new_tokens" in bad_run.output
+
+
+def test_the_suffix_drafter_starts_warm_from_an_earlier_runs_outputs(
+    tiny_models, tiny_pair_dirs, tmp_path, ray_local
+):
+    """The nightly case: tonight's job drafts from last night's outputs. Here the same documents
+    again, so the warm run finds its whole outputs in the corpus (the bench measures the honest
+    case, other documents of the same kind); outputs stay the target's own either way."""
+    rows_in = write_corpus(Storage(str(tmp_path / "in")))
+
+    def run(name: str, **drafter):
+        data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / name))
+        data["drafter"].update(kind="suffix", **drafter)
+        spec = spec_from_dict(data)
+        result = run_job(spec, progress=False)
+        assert result.ok
+        out = Storage(str(tmp_path / name))
+        check_output(tiny_models, spec, out, rows_in)
+        stats = [out.read_json(n) for n in out.list("stats", suffix=".json")]
+        accepted = sum(s["accepted_by"].get("suffix", 0) for s in stats)
+        return accepted, [s["models"].get("suffix_warm_start") for s in stats]
+
+    cold, starts = run("cold")
+    assert starts == [None] * 4
+    warm, starts = run("warm", suffix_warm_start=str(tmp_path / "cold"))
+    produced = sum(
+        1 for t in pq.read_table(tmp_path / "cold" / "outputs").column("generated").to_pylist() if t
+    )
+    assert starts[0]["outputs"] == produced and starts[0]["tokens"] > 0
+    assert warm > cold
+    # an unreadable warm start: the job runs cold and its stats say why
+    _, starts = run("lost", suffix_warm_start=str(tmp_path / "nowhere"))
+    assert "no Parquet file" in starts[0]["error"]

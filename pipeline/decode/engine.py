@@ -597,6 +597,14 @@ class SpeculativeEngine:
         tail = self.decode_text(row.seq[max(row.prompt_len, len(row.seq) - longest - 4) :])
         return any(s in tail for s in stop_strings)
 
+    def remember_outputs(self, outputs: list[list[int]]) -> int:
+        """Give the suffix drafter's corpus earlier outputs (token ids), as if this engine had
+        produced them, e.g. an earlier run's; return how many it kept (over-long ones are not)."""
+        before = self.suffix.corpus.outputs
+        for output in outputs:
+            self.suffix.corpus.add(output)
+        return self.suffix.corpus.outputs - before
+
     def forget_outputs(self) -> None:
         """Empty the suffix drafter's corpus of earlier outputs: a benchmark that decodes the
         same documents again must not find their outputs there."""

@@ -210,6 +210,7 @@ class SuffixCorpus:
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.blocks: deque[SuffixAutomaton] = deque()
+        self.outputs = 0  # ever added (dropped ones included)
 
     @property
     def tokens(self) -> int:
@@ -224,6 +225,7 @@ class SuffixCorpus:
             while self.tokens + len(output) > self.max_tokens:
                 self.blocks.popleft()
         self.blocks[-1].add(output)
+        self.outputs += 1
 
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.blocks)

@@ -7,6 +7,7 @@ network hop inside the decoding loop.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ if TYPE_CHECKING:  # the driver imports this module for ModelWorker: torch loads
     from pipeline.decode.engine import SpeculativeEngine
     from pipeline.job.shard import ShardProcessor
     from pipeline.models.pairs import ModelRef
+
+log = logging.getLogger(__name__)
 
 # The start-up calibration: passes of 1 to 16 tokens over a few hundred cached ones (a few
 # seconds for the 1.5B target on 2 cores); wider passes are learned as the job runs.
@@ -99,9 +102,44 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     )
     info = pair.manifest()
     info["load_seconds"] = pair.load_seconds
+    if spec.drafter.suffix_warm_start and drafter in ("auto", "suffix"):
+        info["suffix_warm_start"] = warm_suffix(
+            engine, tokenizer, spec.drafter.suffix_warm_start, spec.output.storage_options
+        )
     if drafter != "none":
         info["calibration"] = seed_costs(engine, pair, spec.drafter.draft_vocab)
     return ShardProcessor(spec, engine, tokenizer, info)
+
+
+def warm_suffix(engine, tokenizer, url: str, storage_options: dict) -> dict:
+    """Read the `generated` texts under `url` (an earlier run's output, or a directory of Parquet
+    files) into the engine's suffix corpus. A nightly job's outputs recur from night to night
+    (terms, phrasing), so drafting from them pays from the first shard. Unreadable: a log line,
+    the reason in the stats, and the job goes on cold, since drafts never change outputs."""
+    from pipeline.storage import Storage, StorageError
+
+    began = time.perf_counter()
+    try:
+        storage = Storage(url, storage_options)
+        if storage.exists("outputs"):
+            storage = storage.child("outputs")
+        texts = []
+        for name in storage.list(suffix=".parquet"):
+            table = storage.read_parquet(name)
+            if "generated" in table.column_names:
+                texts += [t for t in table.column("generated").to_pylist() if t]
+        if not texts:
+            raise ValueError("no Parquet file there has a non-empty `generated` column")
+    except (StorageError, OSError, ValueError) as exc:
+        log.warning("suffix warm start from %s failed, starting cold: %s", url, exc)
+        return {"url": url, "error": str(exc)}
+    kept = engine.remember_outputs(tokenizer(texts, add_special_tokens=False).input_ids)
+    return {
+        "url": url,
+        "outputs": kept,
+        "tokens": engine.suffix.corpus.tokens,
+        "seconds": round(time.perf_counter() - began, 3),
+    }
 
 
 def seed_costs(engine: SpeculativeEngine, pair, draft_vocab: int) -> dict:

@@ -467,6 +467,13 @@ class DrafterSpec(_Section):
         le=32,
         description="The suffix drafter proposes nothing where no suffix of the text this long matches.",
     )
+    suffix_warm_start: str | None = Field(
+        None,
+        description="URL of an earlier run's output (its outputs/ Parquet files, or any directory of "
+        "Parquet files with a `generated` column), read with output.storage_options: each actor's "
+        "suffix drafter starts from those outputs, e.g. last night's translations, instead of empty "
+        "(up to suffix_max_tokens). If it cannot be read, the job runs cold and its stats say why.",
+    )
 
     @field_validator("ngram_min")
     @classmethod
