@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
@@ -105,8 +106,12 @@ def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwarg
     return outputs, {}
 
 
-def ours(engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str):
+def ours(
+    engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str, warm: list | None = None
+):
+    """Our engine over `prompts`; `warm`: earlier outputs its suffix drafter starts from."""
     engine.forget_outputs()  # each run decodes the same documents: not from its last run's outputs
+    engine.remember_outputs(warm or [])
     rows, total = engine.generate(prompts, max_new, drafter=drafter, batch_size=batch)
     outputs = [r.tokens for r in rows]
     gamma = sum(r.stats.gamma_sum for r in rows)
@@ -142,12 +147,16 @@ def run_benchmark(
     hf_lookup_tokens: tuple[int, ...] = (3, 10),
     drafters: tuple[str, ...] = ("draft_model", "prompt_lookup", "auto"),
     draft_vocab: int = EngineConfig.draft_vocab,
+    warm_docs: int = 0,
     hf_models: tuple | None = None,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
     """`hf_models`: the target and draft as `transformers` loads them, for the HF rows, where
     our loader changed their kernels (streamed Linear layers); None: HF runs the pair's. The
-    "int8" assisted rows run HF's loop with our draft as the engine runs it."""
+    "int8" assisted rows run HF's loop with our draft as the engine runs it. `warm_docs`: the
+    drafters that draft from earlier outputs (suffix, auto) also run warm, their corpus holding
+    our target-only outputs of that many *other* documents of the task, as a nightly job given
+    last night's outputs (`drafter.suffix_warm_start`)."""
     hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
     if pair.draft is None:  # a target-only pair: the drafters that need no model still run
         dropped = [d for d in drafters if d == "draft_model"]
@@ -175,6 +184,10 @@ def run_benchmark(
         # warm-up: first calls pay for allocations and (for our engine) cost calibration
         for kind, engine in engines.items():
             engine.generate(prompts[:1], 8, drafter=kind)
+        warm = None
+        if warm_docs:  # the documents after the measured ones; decoded once, not timed
+            others = task_prompts(tok, task, docs + warm_docs, max_input_tokens, corpus)[docs:]
+            warm = [r.tokens for r in engines["none"].generate(others, max_new_tokens, drafter="none")[0]]
         bench = _TaskBench(task)
         # the first configuration is also the reference every output is compared with
         bench.add("hf target-only", 1, lambda p=prompts: hf_generate(hf_target, p, max_new_tokens, eos, pad))
@@ -207,12 +220,14 @@ def run_benchmark(
                 lambda b=batch, p=prompts: ours(engines["none"], p, max_new_tokens, b, "none"),
             )
             for kind in drafters:
-                bench.add(
-                    f"ours {kind}",
-                    batch,
-                    lambda b=batch, k=kind, p=prompts: ours(engines[k], p, max_new_tokens, b, k),
-                    base="ours target-only",
-                )
+                # the drafters that draft from earlier outputs run cold, and warm where asked
+                for earlier in (None, warm) if warm and kind in ("suffix", "auto") else (None,):
+                    bench.add(
+                        f"ours {kind}" + (" warm" if earlier else ""),
+                        batch,
+                        partial(ours, engines[kind], prompts, max_new_tokens, batch, kind, earlier),
+                        base="ours target-only",
+                    )
         rows += bench.run(runs, log)
     return Benchmark(rows, {kind: engine.costs.profile() for kind, engine in engines.items()})
 
@@ -443,6 +458,7 @@ SETTINGS = (
     "runs",
     "drafters",
     "draft_vocab",
+    "warm_docs",
     "hf_assistant_tokens",
     "hf_lookup_tokens",
 )

@@ -410,6 +410,13 @@ def demo_data(out, shards, rows):
     help="Our draft model proposes among ids below this plus prompt tokens (0: all; drafter.draft_vocab).",
 )
 @click.option(
+    "--warm-docs",
+    default=0,
+    show_default=True,
+    help="Also run suffix and auto warm: their corpus holds our outputs of this many other documents "
+    "of the task (drafter.suffix_warm_start).",
+)
+@click.option(
     "--out",
     "out_path",
     help="Where to write the JSON (default: beside --report as NAME.json, else bench.json).",
@@ -437,6 +444,7 @@ def bench(
     hf_lookup_tokens,
     drafters,
     draft_vocab,
+    warm_docs,
     out_path,
     report_path,
 ):
@@ -493,6 +501,7 @@ def bench(
         hf_lookup_tokens=_ints(hf_lookup_tokens),
         drafters=tuple(d for d in drafters.split(",") if d),
         draft_vocab=draft_vocab,
+        warm_docs=warm_docs,
         hf_models=hf_models,
         log=click.echo,
     )
@@ -510,6 +519,7 @@ def bench(
         "runs": runs,
         "drafters": [d for d in drafters.split(",") if d],
         "draft_vocab": draft_vocab,
+        "warm_docs": warm_docs,
         "hf_assistant_tokens": list(_ints(hf_assistant_tokens)),
         "hf_lookup_tokens": list(_ints(hf_lookup_tokens)),
     }

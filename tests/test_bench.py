@@ -34,7 +34,7 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
     markdown = tmp_path / "docs" / "benchmarks" / "tiny-run.md"
     args = ["bench", "--pair", "tiny", "--docs", "2", "--batches", "1,2", "--runs", "2"]
     args += ["--max-new-tokens", "6", "--hf-assistant-tokens", "2", "--hf-lookup-tokens", "2"]
-    args += ["--threads", "1", "--report", str(markdown)]
+    args += ["--threads", "1", "--warm-docs", "2", "--report", str(markdown)]
     monkeypatch.setattr("sys.argv", ["/venv/bin/pipeline", *args])
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -49,7 +49,8 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
     assert report["meta"]["machine"]["threads"] == 1 and report["meta"]["machine"]["dtype"] == "float32"
     assert report["meta"]["runs"] == 2 and report["meta"]["docs"] == 2
     rows = report["rows"]
-    ours = ["ours target-only", "ours draft_model", "ours prompt_lookup", "ours auto"]
+    # auto also runs warm: its suffix corpus holds our outputs of 2 other documents
+    ours = ["ours target-only", "ours draft_model", "ours prompt_lookup", "ours auto", "ours auto warm"]
     # on CPU the draft's steps run on int8 weights; HF's assisted generation runs with the draft
     # as loaded and with those
     hf = ["hf target-only", "hf assisted k=2", "hf assisted k=2 int8", "hf prompt lookup k=2"]
