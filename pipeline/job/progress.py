@@ -43,7 +43,7 @@ class ShardProgress:
             return
         status = stats.get("status", "ok")
         what = "" if status == "ok" else f" ({status})"
-        line = f"[{self.finished}/{self.total}] shard {stats.get('shard')}{what}: {figures}"
+        line = f"[{self.finished}/{self.total}] shard {stats.get('shard')} done{what}; job so far: {figures}"
         print(line, file=sys.stderr, flush=True)
 
     def shard_failed(self, line: str) -> None:
@@ -59,7 +59,7 @@ class ShardProgress:
         alpha = f"{self.accepted / self.drafted:.2f}" if self.drafted else "-"
         return (
             f"rows {self.rows} (+{self.errors} err), tokens {self.tokens}, "
-            f"{self.tokens / elapsed if elapsed > 0 else 0:.1f} tok/s, α {alpha}"
+            f"{self.tokens / elapsed if elapsed > 0 else 0:.1f} tok/s since start, α {alpha}"
         )
 
     def close(self) -> None:
