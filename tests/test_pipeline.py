@@ -130,11 +130,12 @@ def test_the_suffix_drafter_starts_warm_from_an_earlier_runs_outputs(
         out = Storage(str(tmp_path / name))
         check_output(tiny_models, spec, out, rows_in)
         stats = [out.read_json(n) for n in out.list("stats", suffix=".json")]
+        stats = [s for s in stats if s["status"] == "ok"]  # (not the unreadable shard)
         accepted = sum(s["accepted_by"].get("suffix", 0) for s in stats)
         return accepted, [s["models"].get("suffix_warm_start") for s in stats]
 
     cold, starts = run("cold")
-    assert starts == [None] * 4
+    assert starts == [None] * 3
     warm, starts = run("warm", suffix_warm_start=str(tmp_path / "cold"))
     produced = sum(
         1 for t in pq.read_table(tmp_path / "cold" / "outputs").column("generated").to_pylist() if t
