@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from decode_case import BATCH8_DRAFT, BATCH8_TARGET, measured_costs
 
-from pipeline.decode.costs import AcceptanceByPosition, expected_drain_advance, iid_survival
+from pipeline.decode.costs import AcceptanceByPosition, PassCosts, expected_drain_advance, iid_survival
 
 
 def test_pass_costs_are_keyed_by_tokens_so_every_batch_size_shares_them():
@@ -14,6 +14,16 @@ def test_pass_costs_are_keyed_by_tokens_so_every_batch_size_shares_them():
     assert model.target_time(7) == pytest.approx(1.61 - (1.82 - 1.61) / 8)  # a shrinking batch
     assert model.target_time(32) == pytest.approx(2.05 + (2.32 - 2.05) / 2)  # 8 × 4
     assert model.draft_time(8) == 0.50 and model.draft_time(16) == 0.64
+
+
+def test_a_first_pass_that_paid_for_warming_up_is_replaced_by_a_faster_second():
+    """Seen on an H200: a 2-token pass first took 0.24 s, then 0.05 s like its neighbours."""
+    costs = PassCosts()
+    for tokens, seconds in ((1, 0.05), (1, 0.05), (2, 0.24), (2, 0.05), (3, 0.05)):
+        costs.observe(tokens, seconds)
+    assert costs.time(2, 0.0) == 0.05
+    costs.observe(3, 0.08)  # a slower second pass is a measurement like any other
+    assert costs.time(3, 0.0) == pytest.approx(0.05 + 0.3 * 0.03)
 
 
 def test_copies_are_priced_by_how_their_acceptance_runs():

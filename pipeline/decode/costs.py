@@ -160,7 +160,12 @@ class PassCosts:
     counts: dict[int, int] = field(default_factory=dict)  # measurements behind each point
 
     def observe(self, tokens: int, seconds: float) -> None:
-        self.points[tokens] = _ema(self.points.get(tokens), seconds, self.smoothing)
+        """A size's first pass may pay one-time costs (kernel choice, allocations; on an H200 a
+        2-token pass once took 0.24 s against 0.05 s for its neighbours, docs/gpu.md), never a
+        saving: a faster second measurement replaces it rather than being averaged with it."""
+        first = self.counts.get(tokens) == 1
+        old = min(self.points[tokens], seconds) if first else self.points.get(tokens)
+        self.points[tokens] = _ema(old, seconds, self.smoothing)
         self.counts[tokens] = self.counts.get(tokens, 0) + 1
 
     def has(self, tokens: int) -> bool:
