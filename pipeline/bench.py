@@ -106,6 +106,17 @@ def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwarg
     return outputs, {}
 
 
+def engine_config(kind: str, draft_vocab: int) -> EngineConfig:
+    """The engine for a bench drafter: a drafter's name, or `auto:A+B` for `auto` choosing
+    among drafters A and B only (`auto:draft_model+prompt_lookup` is auto without suffix)."""
+    drafter, _, sources = kind.partition(":")
+    if not sources:
+        return EngineConfig(drafter=drafter, draft_vocab=draft_vocab)
+    if drafter != "auto":
+        raise ValueError(f"only auto takes a list of drafters, got {kind!r}")
+    return EngineConfig(drafter="auto", draft_vocab=draft_vocab, auto_sources=tuple(sources.split("+")))
+
+
 def ours(
     engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str, warm: list | None = None
 ):
@@ -174,7 +185,7 @@ def run_benchmark(
             eos_token_ids=eos,
             pad_token_id=pad,
             vocab_size=pair.vocab_size,
-            config=EngineConfig(drafter=kind, draft_vocab=draft_vocab),
+            config=engine_config(kind, draft_vocab),
         )
         for kind in dict.fromkeys(("none", "auto", *drafters))
     }
@@ -182,8 +193,8 @@ def run_benchmark(
     for task in tasks:
         prompts = task_prompts(tok, task, docs, max_input_tokens, corpus)
         # warm-up: first calls pay for allocations and (for our engine) cost calibration
-        for kind, engine in engines.items():
-            engine.generate(prompts[:1], 8, drafter=kind)
+        for engine in engines.values():
+            engine.generate(prompts[:1], 8, drafter=engine.config.drafter)
         warm = None
         if warm_docs:  # the documents after the measured ones; decoded once, not timed
             others = task_prompts(tok, task, docs + warm_docs, max_input_tokens, corpus)[docs:]
@@ -220,12 +231,14 @@ def run_benchmark(
                 lambda b=batch, p=prompts: ours(engines["none"], p, max_new_tokens, b, "none"),
             )
             for kind in drafters:
+                engine = engines[kind]
                 # the drafters that draft from earlier outputs run cold, and warm where asked
-                for earlier in (None, warm) if warm and kind in ("suffix", "auto") else (None,):
+                suffix = "suffix" in engine.sources(engine.config.drafter)
+                for earlier in (None, warm) if warm and suffix else (None,):
                     bench.add(
                         f"ours {kind}" + (" warm" if earlier else ""),
                         batch,
-                        partial(ours, engines[kind], prompts, max_new_tokens, batch, kind, earlier),
+                        partial(ours, engine, prompts, max_new_tokens, batch, engine.config.drafter, earlier),
                         base="ours target-only",
                     )
         rows += bench.run(runs, log)

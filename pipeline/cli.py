@@ -401,7 +401,8 @@ def demo_data(out, shards, rows):
     "--drafters",
     default="draft_model,prompt_lookup,auto",
     show_default=True,
-    help="Our drafters to run at every batch size (target-only always runs).",
+    help="Our drafters to run at every batch size (target-only always runs); `auto:A+B` is auto "
+    "choosing among A and B only (drafter.auto_sources), e.g. auto:draft_model+prompt_lookup.",
 )
 @click.option(
     "--draft-vocab",

@@ -35,6 +35,7 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
     args = ["bench", "--pair", "tiny", "--docs", "2", "--batches", "1,2", "--runs", "2"]
     args += ["--max-new-tokens", "6", "--hf-assistant-tokens", "2", "--hf-lookup-tokens", "2"]
     args += ["--threads", "1", "--warm-docs", "2", "--report", str(markdown)]
+    args += ["--drafters", "draft_model,prompt_lookup,auto,auto:draft_model+prompt_lookup"]
     monkeypatch.setattr("sys.argv", ["/venv/bin/pipeline", *args])
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -49,8 +50,10 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
     assert report["meta"]["machine"]["threads"] == 1 and report["meta"]["machine"]["dtype"] == "float32"
     assert report["meta"]["runs"] == 2 and report["meta"]["docs"] == 2
     rows = report["rows"]
-    # auto also runs warm: its suffix corpus holds our outputs of 2 other documents
+    # auto also runs warm: its suffix corpus holds our outputs of 2 other documents; auto
+    # without suffix does not
     ours = ["ours target-only", "ours draft_model", "ours prompt_lookup", "ours auto", "ours auto warm"]
+    ours += ["ours auto:draft_model+prompt_lookup"]
     # on CPU the draft's steps run on int8 weights; HF's assisted generation runs with the draft
     # as loaded and with those
     hf = ["hf target-only", "hf assisted k=2", "hf assisted k=2 int8", "hf prompt lookup k=2"]
@@ -82,7 +85,7 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
     # the measured costs behind the engine's choices come with the table: 1-token target
     # passes at batch 1 and 2 (1 and 2 tokens processed) and the target's prefill rate
     costs = report["costs"]
-    assert set(costs) == {"none", "draft_model", "prompt_lookup", "auto"}
+    assert set(costs) == {"none", "draft_model", "prompt_lookup", "auto", "auto:draft_model+prompt_lookup"}
     for profile in costs.values():
         assert {"1", "2"} <= set(profile["target_pass_seconds"])
         assert profile["prefill_seconds_per_token"]["target"] > 0

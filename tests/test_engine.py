@@ -355,6 +355,30 @@ def test_earlier_outputs_feed_the_suffix_drafter_of_later_rows(case, batch_size)
     assert engine.suffix.corpus.tokens == 0
 
 
+def test_auto_drafts_only_from_its_sources(case):
+    """`auto_sources` leaves drafters out of auto (how the bench measures what suffix adds):
+    with the same outputs in the corpus, auto without suffix never drafts from it."""
+    target, draft, _, prompts, eos, refs = case
+    drafted = {}
+    for sources in (
+        ("draft_model", "prompt_lookup", "suffix"),
+        ("prompt_lookup", "suffix"),
+        ("draft_model",),
+    ):
+        config = EngineConfig(gamma_max=4, adaptive=False, auto_sources=sources)
+        engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+        engine.remember_outputs(refs)
+        outputs, batch = engine.generate(prompts, MAX_NEW, batch_size=3)
+        assert [o.tokens for o in outputs] == refs
+        assert set(batch.drafted_by) <= set(sources) and batch.drafted > 0
+        if "draft_model" not in sources:
+            assert batch.draft_passes == 0
+        drafted[sources] = batch.drafted_by
+    assert drafted[("prompt_lookup", "suffix")].get("suffix", 0) > 0
+    with pytest.raises(ValueError, match="auto_sources"):
+        EngineConfig(auto_sources=("suffix", "beam"))
+
+
 class ScriptedDrafter:
     """Drafts each row's true continuation (the target's own output), right for a scripted
     number of tokens and then wrong; every fifth proposal is nothing. What the target will

@@ -108,6 +108,13 @@ def test_defaults(tmp_path: Path):
     assert spec.output.overwrite is False
 
 
+def test_auto_without_the_draft_model_needs_no_draft(tmp_path: Path):
+    text = VALID.replace("  pair: tiny", "  target: org/big")
+    text += "drafter: {auto_sources: [prompt_lookup, suffix]}\n"
+    spec = load_spec(write(tmp_path, text))
+    assert spec.models.draft is None and spec.drafter.auto_sources == ["prompt_lookup", "suffix"]
+
+
 def test_overrides(tmp_path: Path):
     spec = load_spec(
         write(tmp_path, VALID),
@@ -241,6 +248,12 @@ BROKEN = [
         ["generation.top_p: expected a number > 0 and <= 1"],
     ),
     ("bad-literal", VALID + "drafter:\n  kind: magic\n", ["drafter.kind: expected one of 'auto'"]),
+    (
+        "bad-auto-source",
+        VALID + "drafter:\n  auto_sources: [suffix, beam]\n",
+        ["drafter.auto_sources[1]: expected one of 'draft_model', 'prompt_lookup' or 'suffix', got 'beam'"],
+    ),
+    ("no-auto-source", VALID + "drafter:\n  auto_sources: []\n", ["drafter.auto_sources: "]),
     ("section-not-mapping", VALID + "execution: 3\n", ["execution: expected a mapping, got 3"]),
     ("missing-required-name", VALID.replace("name: t1\n", ""), ["name: required field is missing"]),
     (
@@ -278,6 +291,11 @@ BROKEN = [
     (
         "missing-draft",
         VALID.replace("  pair: tiny", "  target: org/big"),
+        ["models.draft: required when drafter.kind is 'auto'"],
+    ),
+    (
+        "missing-draft-auto-with-draft-model",
+        VALID.replace("  pair: tiny", "  target: org/big") + "drafter: {auto_sources: [draft_model]}\n",
         ["models.draft: required when drafter.kind is 'auto'"],
     ),
     (

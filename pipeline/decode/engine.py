@@ -42,6 +42,7 @@ from pipeline.decode.sampling import SamplingParams, choose, verify
 from pipeline.decode.suffix import MAX_DEPTH, SuffixCorpus, SuffixDrafter
 
 DRAFTERS = ("auto", DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, "none")
+AUTO_SOURCES = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX)
 
 
 class PromptError(ValueError):
@@ -73,6 +74,8 @@ class EngineConfig:
     # no suffix of at least `suffix_min_match` tokens matches.
     suffix_max_tokens: int = 1 << 20
     suffix_min_match: int = 2
+    # The drafters `auto` chooses among: leaving one out measures what it adds to the others.
+    auto_sources: tuple[str, ...] = AUTO_SOURCES
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -87,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"suffix_max_tokens must be >= 0, got {self.suffix_max_tokens}")
         if not 1 <= self.suffix_min_match <= MAX_DEPTH:
             raise ValueError(f"suffix_min_match must be in 1..{MAX_DEPTH}, got {self.suffix_min_match}")
+        if not self.auto_sources or not set(self.auto_sources) <= set(AUTO_SOURCES):
+            raise ValueError(f"auto_sources must be a non-empty part of {AUTO_SOURCES}: {self.auto_sources}")
 
 
 @dataclass
@@ -364,11 +369,16 @@ class SpeculativeEngine:
         ]
         return outputs, stats
 
+    def sources(self, drafter: str) -> set[str]:
+        """The drafters a run with `drafter` drafts from (`auto`: those it chooses among)."""
+        return set(self.config.auto_sources) if drafter == "auto" else {drafter} - {"none"}
+
     def _start(self, rows, max_new_tokens, sampling, stop_strings, drafter, batch_size, corpus) -> _Batch:
         """An empty batch with every row waiting, and the drafters `drafter` asks for reset."""
-        model = self.draft if drafter in ("auto", DRAFT_MODEL) else None
+        uses = self.sources(drafter)
+        model = self.draft if DRAFT_MODEL in uses else None
         suffix = self.suffix if corpus else SuffixDrafter(0, self.config.suffix_min_match)
-        copiers = [d for d in (self.lookup, suffix) if drafter in ("auto", d.name)]
+        copiers = [d for d in (self.lookup, suffix) if d.name in uses]
         # prompt lookup follows the rows also for the draft model: a lone row's copy is a guess
         # at the draft's own next tokens (see `DraftModelDrafter.propose`)
         drafters = [self.lookup, *([model] if model else []), *([suffix] if suffix in copiers else [])]

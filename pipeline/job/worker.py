@@ -98,11 +98,12 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
             guess_tokens=spec.drafter.guess_tokens,
             suffix_max_tokens=spec.drafter.suffix_max_tokens,
             suffix_min_match=spec.drafter.suffix_min_match,
+            auto_sources=tuple(spec.drafter.auto_sources),
         ),
     )
     info = pair.manifest()
     info["load_seconds"] = pair.load_seconds
-    if spec.drafter.suffix_warm_start and drafter in ("auto", "suffix"):
+    if spec.drafter.suffix_warm_start and "suffix" in engine.sources(drafter):
         info["suffix_warm_start"] = warm_suffix(
             engine, tokenizer, spec.drafter.suffix_warm_start, spec.output.storage_options
         )

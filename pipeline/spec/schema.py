@@ -467,6 +467,11 @@ class DrafterSpec(_Section):
         le=32,
         description="The suffix drafter proposes nothing where no suffix of the text this long matches.",
     )
+    auto_sources: list[Literal["draft_model", "prompt_lookup", "suffix"]] = Field(
+        ["draft_model", "prompt_lookup", "suffix"],
+        min_length=1,
+        description="The drafters `auto` chooses among per row (leave one out to measure what it adds).",
+    )
     suffix_warm_start: str | None = Field(
         None,
         description="URL of an earlier run's output (its outputs/ Parquet files, or any directory of "
@@ -602,11 +607,12 @@ class JobSpec(_Section):
     def _drafter_needs_draft(cls, v: DrafterSpec, info: ValidationInfo) -> DrafterSpec:
         models = info.data.get("models")
         if models is not None and models.pair is None and models.draft is None:
-            if v.kind in ("auto", "draft_model"):
+            if v.kind == "draft_model" or (v.kind == "auto" and "draft_model" in v.auto_sources):
                 raise rule_error(
                     "models.draft",
                     f"required when drafter.kind is {v.kind!r} (give models.draft or models.pair, "
-                    "or set drafter.kind to prompt_lookup, suffix or none)",
+                    "set drafter.kind to prompt_lookup, suffix or none, or leave draft_model out of "
+                    "drafter.auto_sources)",
                 )
         return v
 
