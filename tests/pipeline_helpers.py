@@ -167,28 +167,33 @@ def assert_exactly_once(out: Storage, expected: set[str]) -> None:
 
 
 class ActorKiller(threading.Thread):
-    """SIGKILLs model actor processes while they decode a shard (up to `kills` times).
+    """SIGKILLs model actor processes while they decode a shard (up to `kills` times), each
+    `delays[i]` seconds (default 0.2) after it was seen in a shard.
 
     Ray titles an actor process `ray::ModelWorker.process` while that method runs, so the kill
-    lands mid-shard, never while the actor is idle or loading.
+    lands mid-shard, never while the actor is idle or loading. Only this process's descendants
+    are candidates: under pytest-xdist another worker's Ray runs actors that are not ours.
     """
 
-    def __init__(self, kills: int):
+    def __init__(self, kills: int, delays: list[float] | None = None):
         super().__init__(daemon=True)
-        self.kills = kills
+        self.delays = delays or [0.2] * kills
         self.killed: list[int] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
-        while not self.stop.is_set() and len(self.killed) < self.kills:
-            for proc in psutil.process_iter(["pid", "cmdline"]):
-                cmdline = " ".join(proc.info["cmdline"] or [])
-                if "ray::ModelWorker.process" in cmdline and proc.pid not in self.killed:
-                    time.sleep(0.2)  # let it get into the shard
+        while not self.stop.is_set() and len(self.killed) < len(self.delays):
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    decoding = "ray::ModelWorker.process" in " ".join(proc.cmdline())
+                except psutil.Error:  # gone since it was listed
+                    continue
+                if decoding and proc.pid not in self.killed:
+                    time.sleep(self.delays[len(self.killed)])  # let it get into the shard
                     try:
                         os.kill(proc.pid, signal.SIGKILL)
                     except ProcessLookupError:
                         continue
                     self.killed.append(proc.pid)
                     break
-            time.sleep(0.05)
+            self.stop.wait(0.05)

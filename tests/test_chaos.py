@@ -8,47 +8,20 @@ three seeds) is `pytest -m chaos`.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
-from pipeline_helpers import assert_exactly_once, clean_corpus, ids_in, job_dict
+from pipeline_helpers import ActorKiller, assert_exactly_once, clean_corpus, ids_in, job_dict
 
 from pipeline.storage import Storage
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class SeededActorKiller(threading.Thread):
-    """SIGKILLs a model actor in the middle of a shard, `kills` times, each after a seeded
-    delay once the actor is in a shard (Ray titles it `ray::ModelWorker.process` meanwhile)."""
-
-    def __init__(self, rng: random.Random, kills: int):
-        super().__init__(daemon=True)
-        self.delays = [rng.uniform(0.05, 0.6) for _ in range(kills)]
-        self.killed: list[int] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set() and len(self.killed) < len(self.delays):
-            for proc in psutil.process_iter(["pid", "cmdline"]):
-                if "ray::ModelWorker.process" in " ".join(proc.info["cmdline"] or []):
-                    time.sleep(self.delays[len(self.killed)])
-                    try:
-                        os.kill(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        break
-                    self.killed.append(proc.pid)
-                    break
-            self.stop.wait(0.05)
 
 
 def run_chaos(seed, shards, driver_kills, actor_kills, faulty_s3, tiny_pair_dirs, tmp_path) -> dict:
@@ -71,7 +44,7 @@ def run_chaos(seed, shards, driver_kills, actor_kills, faulty_s3, tiny_pair_dirs
 
     faulty_s3.reseed(seed)
     faulty_s3.set_fault_rate(0.05)
-    killer = SeededActorKiller(rng, actor_kills)
+    killer = ActorKiller(actor_kills, delays=[rng.uniform(0.05, 0.6) for _ in range(actor_kills)])
     killer.start()
     figures = {"drivers": 0, "drivers_killed": 0, "began": time.monotonic()}
     try:

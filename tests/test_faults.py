@@ -116,7 +116,8 @@ def test_credentials_never_written_or_logged(tiny_pair_dirs, s3_server, ray_loca
     assert "manifest.json" in written and len(written) >= 12 and out.exists("_SUCCESS")
     logs = {
         str(p): p.read_bytes()
-        for p in Path("/tmp/ray/session_latest/logs").rglob("*")
+        # this session's Ray (not /tmp/ray/session_latest: under pytest-xdist, maybe another's)
+        for p in Path(ray._private.worker._global_node.get_logs_dir_path()).rglob("*")
         if p.is_file() and p.stat().st_size < 50_000_000
     }
     assert logs, "no Ray logs found to check"
@@ -134,8 +135,11 @@ def test_a_driver_that_loses_its_storage_stops_with_a_summary(tiny_pair_dirs, fa
     upstream = Storage(f"s3://{bucket}", faulty_s3.upstream.storage_options)
     expected = clean_corpus(upstream.child("in"), shards=6, rows=3)
     data = job_dict(tiny_pair_dirs, f"s3://{bucket}/in/", f"s3://{bucket}/out", max_retries=0)
-    data["input"].update(keep_columns=[], storage_options=dict(faulty_s3.storage_options))
-    data["output"] = {"url": f"s3://{bucket}/out", "storage_options": dict(faulty_s3.storage_options)}
+    # botocore's own retries off (its waits start at 1 s): the pipeline's retries are the ones
+    # under test, and the driver notices the outage sooner
+    options = {**faulty_s3.storage_options, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+    data["input"].update(keep_columns=[], storage_options=options)
+    data["output"] = {"url": f"s3://{bucket}/out", "storage_options": options}
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(json.dumps(data))
     command = [sys.executable, "-m", "pipeline.cli", "run", str(spec_path), "--run-id", "lost-1"]
