@@ -666,7 +666,7 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
     type=click.Path(dir_okay=False),
     metavar="PATH.md",
     help="Also write a Markdown record (command, machine, loss curve, evaluation), e.g. "
-    "docs/benchmarks/distill-DATE.md.",
+    "docs/benchmarks/distill-DATE.md, with distill.json's copy beside it (PATH.json).",
 )
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 @storage_option
@@ -737,8 +737,8 @@ def distill(
         click.echo(f"pipeline distill: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     if report_path:
-        write_report(report_path, result)
-        click.echo(f"wrote {report_path}", err=True)
+        json_path = write_report(report_path, result)
+        click.echo(f"wrote {report_path} and {json_path}", err=True)
     if as_json:
         click.echo(json.dumps(result, indent=2))
 

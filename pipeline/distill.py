@@ -22,7 +22,9 @@ are a labelled data set of exactly what the target says about documents like tom
 5. `evaluate`: one interleaved bench run (`pipeline.bench.TaskBench`) over the held-out prompts:
    target-only, then the old and the new draft each under the run's own `draft_model` and `auto`
    settings, at batch 1, greedy; α, acceptance by position, τ, predicted and measured speedup,
-   and every output checked equal to target-only.
+   and every output checked equal to target-only. Beside it, `top1_agreement`: how often the
+   draft's top token is the target's on the held-out completions, a draft's α measured
+   directly, also where the engine's cost model declines to draft with it on this machine.
 """
 
 from __future__ import annotations
@@ -255,19 +257,38 @@ def _batch(examples: list[Example], pad: int, device: str) -> dict[str, torch.Te
     }
 
 
-def completion_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean cross-entropy of the completion tokens: the logits at the position before each."""
-    keep = batch["labels"].shape[1]
-    logits = model(
+def _completion_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The logits that predict each label: those at the position before it."""
+    return model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
-        logits_to_keep=keep + 1,
+        logits_to_keep=batch["labels"].shape[1] + 1,
     ).logits[:, :-1]
+
+
+def completion_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean cross-entropy of the completion tokens."""
+    logits = _completion_logits(model, batch)
     return torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100
     )
+
+
+@torch.no_grad()
+def top1_agreement(model, examples: list[Example], device: str) -> float:
+    """The share of completion tokens that are the model's top token, given the target's tokens
+    before them: for a greedy run, the α of greedy speculation with this draft (Leviathan's,
+    token by token), whether or not the engine's cost model would draft with it here. One
+    forward pass of the draft per document; no target pass, the completions are its output."""
+    hits = total = 0
+    for example in examples:
+        batch = _batch([example], 0, device)
+        predicted = _completion_logits(model, batch).argmax(-1)
+        hits += int((predicted == batch["labels"]).sum())
+        total += len(example.completion)
+    return hits / total if total else 0.0
 
 
 def fine_tune(
@@ -523,6 +544,8 @@ def distill(
         seed=settings.seed,
         device=device,
     )
+    held_examples = [e for e in examples if e.id in held]
+    agreement = {"before": top1_agreement(draft, held_examples, device)}
     tuned = fine_tune(
         draft,
         train,
@@ -535,9 +558,11 @@ def distill(
     )
     if not training.steps:
         raise DistillError(f"no training step ran within --max-seconds {settings.max_seconds}")
+    agreement["after"] = top1_agreement(tuned, held_examples, device)
     log(
         f"trained {training.steps} steps ({training.epochs} epochs) in {training.seconds:.0f} s, "
-        f"stopped by {training.stopped_by}; loss {training.loss[0]:.3f} -> {training.loss[-1]:.3f}"
+        f"stopped by {training.stopped_by}; loss {training.loss[0]:.3f} -> {training.loss[-1]:.3f}; "
+        f"held-out top-1 agreement {agreement['before']:.3f} -> {agreement['after']:.3f}"
     )
     staged = staging_dir(out)
     tuned.save_pretrained(staged / "draft")
@@ -566,6 +591,8 @@ def distill(
             "completion_tokens": sum(len(e.completion) for e in train),
         },
         "training": asdict(training),
+        # on the held-out documents: the draft's top token equal to the target's, teacher-forced
+        "top1_agreement": agreement,
         "evaluation": None,
     }
     (staged / DISTILL_FILE).write_text(json.dumps(result, indent=2) + "\n")
@@ -625,11 +652,15 @@ def alpha_gains(measured: list[Measured]) -> dict[str, float | None]:
     return gains
 
 
-def write_report(path: str, result: dict) -> None:
+def write_report(path: str, result: dict) -> str:
     """A Markdown record of one distill run for docs/benchmarks/: the command, the machine, the
-    source run, the training (its loss curve) and the held-out evaluation, as the tool measured them."""
+    source run, the training (its loss curve) and the held-out evaluation, as the tool measured
+    them; `distill.json`'s copy beside it (PATH.json), whose path is returned."""
     from pipeline.bench import machine_table
 
+    json_path = Path(path).with_suffix(".json")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
     training, data, evaluation = result["training"], result["data"], result["evaluation"]
     loss = training["loss"]
     every = max(1, math.ceil(len(loss) / 40))  # at most ~40 points of the curve
@@ -639,8 +670,8 @@ def write_report(path: str, result: dict) -> None:
     lines = [
         f"# Distill: {result['source_pair']} -> {result['pair']}",
         "",
-        f"Run {result['date']}. Provenance and measurements: `distill.json` beside the pair "
-        f"(`pipeline models list` shows where).",
+        f"Run {result['date']}. Provenance and measurements: [{json_path.name}]({json_path.name}), "
+        "a copy of `distill.json` beside the pair (`pipeline models list` shows where).",
         "",
         "```bash",
         result["command"],
@@ -674,6 +705,9 @@ def write_report(path: str, result: dict) -> None:
         "",
         "## Held-out evaluation",
         "",
+        f"Top-1 agreement with the target's tokens (teacher-forced, every completion token): "
+        f"{result['top1_agreement']['before']:.3f} before, {result['top1_agreement']['after']:.3f} after.",
+        "",
         f"{len(evaluation['documents'])} held-out documents, batch {evaluation['batch']}, greedy, "
         f"max_new_tokens {evaluation['max_new_tokens']}, {evaluation['runs']} interleaved run(s); "
         "speedups over target-only in the same run; `same`: every output equals target-only.",
@@ -690,5 +724,5 @@ def write_report(path: str, result: dict) -> None:
         )
         + ".",
     ]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")
+    return str(json_path)

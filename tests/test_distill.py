@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import textwrap
 import time
 from itertools import permutations
 
@@ -18,7 +17,7 @@ import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
-from pipeline_helpers import job_dict
+from pipeline_helpers import job_dict, write_models_config
 from tiny_models import CORPUS, build_tokenizer, tiny_config
 from transformers import LlamaForCausalLM
 
@@ -63,28 +62,15 @@ def setting(tiny_pair_dirs, tmp_path_factory):
     """A model home of its own, a config naming the tiny pair (and one whose draft has another
     tokenizer), and a finished run of the tiny target."""
     root = tmp_path_factory.mktemp("distill")
-    target_dir, draft_dir = tiny_pair_dirs
+    target_dir = tiny_pair_dirs[0]
     odd = root / "odd-draft"  # the tiny draft's shape, another tokenizer's vocabulary
     tokenizer = build_tokenizer(vocab_size=300)
     LlamaForCausalLM(tiny_config(len(tokenizer))).save_pretrained(odd)
     tokenizer.save_pretrained(odd)
-    (root / "cfg").mkdir()
-    (root / "cfg" / "models.yaml").write_text(
-        textwrap.dedent(
-            f"""
-            pairs:
-              tiny:
-                target: {target_dir}
-                draft: {draft_dir}
-              odd:
-                target: {target_dir}
-                draft: {odd}
-            """
-        )
-    )
+    config = write_models_config(root / "cfg", tiny=tiny_pair_dirs, odd=(target_dir, odd))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PIPELINE_HOME", str(root / "home"))
-        mp.setenv("PIPELINE_CONFIG_DIR", str(root / "cfg"))
+        mp.setenv("PIPELINE_CONFIG_DIR", config)
         yield {"root": root, "run": make_run(tiny_pair_dirs, root / "run", DOCUMENTS)}
 
 
@@ -114,6 +100,8 @@ def test_distilling_raises_held_out_acceptance_losslessly(distilled):
         after["alpha"] - before["alpha"]
     )
     assert after["tau"] > before["tau"]
+    agreement = result["top1_agreement"]
+    assert agreement["after"] >= agreement["before"] + 0.1, agreement
     for row in result["evaluation"]["rows"]:
         assert row["identical"], row  # every configuration decodes what target-only does
         if row["drafter"] != "none":
@@ -150,6 +138,7 @@ def test_provenance_is_written_beside_the_pair_and_in_the_report(distilled, sett
     assert training["mode"] == "lora" and training["lora_rank"] == 8 and training["lr"] == 3e-3
     assert training["stopped_by"] == "epochs" and training["epochs"] >= 2 and training["seconds"] > 0
     assert written["machine"]["git_commit"] and written["command"].startswith("pipeline distill")
+    assert json.loads(report.with_suffix(".json").read_text()) == result
     text = report.read_text()
     assert "# Distill: tiny -> tiny-tuned" in text and "Loss (completion tokens' cross-entropy)" in text
     assert "draft_model  after" in text
