@@ -29,6 +29,7 @@ are a labelled data set of exactly what the target says about documents like tom
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -568,6 +569,7 @@ def distill(
     tuned.save_pretrained(staged / "draft")
     _copy_tokenizer(draft_ref, tokenizer, staged / "draft")
     del tuned, draft
+    gc.collect()  # the training copy's memory back (adapters hold cycles) before the pair loads
     result: dict[str, Any] = {
         "format": DISTILL_FORMAT,
         "pair": out,
