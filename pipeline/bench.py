@@ -24,7 +24,7 @@ import torch
 
 from pipeline.decode.costs import predicted_speedup
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.decode.rounds import row_tau
+from pipeline.decode.rounds import Rounds, row_tau
 from pipeline.demo_data import CORPORA
 from pipeline.job.prompts import PromptBuilder
 from pipeline.job.worker import eos_ids, pad_id
@@ -56,6 +56,9 @@ class Row:
     other_share: float | None  # everything else: lookup, cache bookkeeping, sampling, Python
     tokens: int
     peak_rss_mb: float
+    # our engine's rows: by drafter, the share of rounds drafting at least k tokens whose k-th
+    # was accepted (`DrafterRounds.by_position`), over all runs
+    acceptance_by_position: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,7 +109,7 @@ def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwarg
     return outputs, {}
 
 
-def engine_config(kind: str, draft_vocab: int) -> EngineConfig:
+def bench_config(kind: str, draft_vocab: int) -> EngineConfig:
     """The engine for a bench drafter: a drafter's name, or `auto:A+B` for `auto` choosing
     among drafters A and B only (`auto:draft_model+prompt_lookup` is auto without suffix)."""
     drafter, _, sources = kind.partition(":")
@@ -140,6 +143,7 @@ def ours(
         "prefill_seconds": total.prefill_seconds,
         "draft_prefill_seconds": total.draft_prefill_seconds,
         "wall_seconds": total.wall_seconds,
+        "rounds": total.rounds,
     }
     return outputs, stats
 
@@ -185,7 +189,7 @@ def run_benchmark(
             eos_token_ids=eos,
             pad_token_id=pad,
             vocab_size=pair.vocab_size,
-            config=engine_config(kind, draft_vocab),
+            config=bench_config(kind, draft_vocab),
         )
         for kind in dict.fromkeys(("none", "auto", *drafters))
     }
@@ -199,7 +203,7 @@ def run_benchmark(
         if warm_docs:  # the documents after the measured ones; decoded once, not timed
             others = task_prompts(tok, task, docs + warm_docs, max_input_tokens, corpus)[docs:]
             warm = [r.tokens for r in engines["none"].generate(others, max_new_tokens, drafter="none")[0]]
-        bench = _TaskBench(task)
+        bench = TaskBench(task)
         # the first configuration is also the reference every output is compared with
         bench.add("hf target-only", 1, lambda p=prompts: hf_generate(hf_target, p, max_new_tokens, eos, pad))
         # HF's assisted generation as its users run it: the draft as loaded; and, where our
@@ -274,7 +278,7 @@ class _Config:
 
 
 @dataclass
-class _TaskBench:
+class TaskBench:
     """Times every configuration of one task in interleaved rounds.
 
     Round r runs each configuration once, in order, before round r+1 starts: a slow spell of
@@ -294,7 +298,7 @@ class _TaskBench:
                 began = time.perf_counter()
                 c.outputs, stats = c.fn()
                 c.times.append(time.perf_counter() - began)
-                c.stats = {k: c.stats.get(k, 0) + v for k, v in stats.items()}
+                c.stats = _summed(c.stats, stats)
         reference = self.configs[0].outputs
         medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
         stats = {(c.method, c.batch): c.stats for c in self.configs}
@@ -309,6 +313,17 @@ class _TaskBench:
             rows.append(_row(self.task, c, seconds, base, base_stats, same))
             log(_format_row(rows[-1]))
         return rows
+
+
+def _summed(total: dict, more: dict) -> dict:
+    """One more run's counters added to those of the runs before (its rounds pooled)."""
+    summed = dict(total)
+    for key, value in more.items():
+        if isinstance(value, Rounds):
+            summed.setdefault(key, Rounds()).add(value)
+        else:
+            summed[key] = summed.get(key, 0) + value
+    return summed
 
 
 def job_prediction(spec: dict, base: dict, decode_speedup: float | None) -> float | None:
@@ -365,6 +380,9 @@ def _row(
         other_share=(1 - (s["target_seconds"] + s["draft_seconds"]) / wall) if wall else None,
         tokens=tokens,
         peak_rss_mb=_peak_rss_mb(),
+        acceptance_by_position=(
+            {name: d.by_position() for name, d in sorted(s["rounds"].by_drafter.items())} if s else {}
+        ),
     )
 
 

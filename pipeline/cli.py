@@ -620,6 +620,130 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
     click.echo(f"cached as {cached}{wrote}", err=True)
 
 
+@main.command()
+@click.argument("run_output_url")
+@click.option(
+    "--pair",
+    default="qwen2.5-coder",
+    show_default=True,
+    help="The pair whose draft to fine-tune; its target must be the one the run decoded with.",
+)
+@click.option("--out", "out_name", required=True, help="Name of the new local pair (models.pair, --pair).")
+@click.option(
+    "--holdout",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=0.1,
+    show_default=True,
+    help="Share of documents held out (by a hash of their id, at least one) for the evaluation.",
+)
+@click.option("--steps", type=click.IntRange(min=1), help="Optimizer steps (instead of --epochs).")
+@click.option(
+    "--epochs",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Passes over the training documents (default 1 when --steps is not given).",
+)
+@click.option("--lora-rank", default=16, show_default=True, type=click.IntRange(min=1), help="LoRA rank.")
+@click.option("--full", is_flag=True, help="Fine-tune every weight instead of LoRA adapters.")
+@click.option(
+    "--lr", type=click.FloatRange(min=0, min_open=True), help="AdamW learning rate [2e-4 LoRA, 2e-5 full]."
+)
+@click.option(
+    "--batch-size", default=4, show_default=True, type=click.IntRange(min=1), help="Documents per step."
+)
+@click.option(
+    "--max-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Stop training after this long (the evaluation comes after).",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of the adapters' start and the shuffling.")
+@click.option(
+    "--runs", default=1, show_default=True, type=click.IntRange(min=1), help="Evaluation runs (median time)."
+)
+@click.option("--force", is_flag=True, help="Replace a local pair of the same name.")
+@click.option("--json", "as_json", is_flag=True, help="Print the provenance and evaluation as JSON.")
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    metavar="PATH.md",
+    help="Also write a Markdown record (command, machine, loss curve, evaluation), e.g. "
+    "docs/benchmarks/distill-DATE.md, with distill.json's copy beside it (PATH.json).",
+)
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+@storage_option
+def distill(
+    run_output_url,
+    pair,
+    out_name,
+    holdout,
+    steps,
+    epochs,
+    lora_rank,
+    full,
+    lr,
+    batch_size,
+    max_seconds,
+    seed,
+    runs,
+    force,
+    as_json,
+    report_path,
+    progress,
+    storage_options,
+):
+    """Fine-tune PAIR's draft on the run at RUN_OUTPUT_URL and install it as the local pair OUT.
+
+    Prompts are rebuilt with the run's own task and template; the completions are the target's
+    outputs. LoRA adapters (merged at the end) or all weights learn them; then the old and the
+    new draft are compared on the held-out documents under the run's `draft_model` and `auto`
+    settings at batch 1: α, acceptance by position, predicted and measured speedup, and every
+    output checked equal to target-only. `distill.json` beside the new pair records it all.
+
+    \b
+    Example:
+      pipeline distill ./out/licenses/RUN --pair qwen2.5-coder --out coder-licenses \\
+          --epochs 2 --max-seconds 2400 --report docs/benchmarks/distill-2026-11-26.md
+    """
+    import shlex
+
+    from pipeline.distill import Settings, write_report
+    from pipeline.distill import distill as run_distill
+    from pipeline.models.loading import ModelError
+
+    settings = Settings(
+        holdout=holdout,
+        steps=steps,
+        epochs=epochs,
+        lora_rank=lora_rank,
+        full=full,
+        lr=lr,
+        batch_size=batch_size,
+        max_seconds=max_seconds,
+        seed=seed,
+        runs=runs,
+        force=force,
+        progress=sys.stderr.isatty() if progress is None else progress,
+    )
+    try:
+        result = run_distill(
+            run_output_url,
+            pair,
+            out_name,
+            settings,
+            storage_options=_parse_storage_options(storage_options),
+            command=shlex.join(["pipeline", *sys.argv[1:]]),
+            log=lambda line: click.echo(line, err=as_json),
+        )
+    except (ModelError, StorageError) as exc:
+        click.echo(f"pipeline distill: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    if report_path:
+        json_path = write_report(report_path, result)
+        click.echo(f"wrote {report_path} and {json_path}", err=True)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 

@@ -61,6 +61,15 @@ def job_dict(tiny_pair_dirs, input_url: str, output_url: str, **execution) -> di
     }
 
 
+def write_models_config(directory, **pairs: tuple) -> str:
+    """A configs/ directory whose models.yaml names each pair (target dir, draft dir); its path,
+    for PIPELINE_CONFIG_DIR."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entries = "".join(f"  {name}:\n    target: {t}\n    draft: {d}\n" for name, (t, d) in pairs.items())
+    (directory / "models.yaml").write_text("pairs:\n" + entries)
+    return str(directory)
+
+
 def write_corpus(store: Storage) -> int:
     rows = 0
     for name, table in corpus_shards().items():

@@ -7,9 +7,9 @@ Timings of tiny models mean nothing; this proves the harness, not a speedup.
 from __future__ import annotations
 
 import json
-import textwrap
 
 from click.testing import CliRunner
+from pipeline_helpers import write_models_config
 
 from pipeline.bench import HEADER, Benchmark, Row, job_prediction, markdown_table, write_report
 from pipeline.cli import main
@@ -17,20 +17,8 @@ from pipeline.machine import describe_machine
 
 
 def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_path, monkeypatch):
-    target_dir, draft_dir = tiny_pair_dirs
-    config = tmp_path / "cfg"
-    config.mkdir()
-    (config / "models.yaml").write_text(
-        textwrap.dedent(
-            f"""
-            pairs:
-              tiny:
-                target: {target_dir}
-                draft: {draft_dir}
-            """
-        )
-    )
-    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(config))
+    config = write_models_config(tmp_path / "cfg", tiny=tiny_pair_dirs)
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", config)
     markdown = tmp_path / "docs" / "benchmarks" / "tiny-run.md"
     args = ["bench", "--pair", "tiny", "--docs", "2", "--batches", "1,2", "--runs", "2"]
     args += ["--max-new-tokens", "6", "--hf-assistant-tokens", "2", "--hf-lookup-tokens", "2"]

