@@ -64,8 +64,9 @@ def load_run(
     return RunData(output_url, stats, manifest, rows, reference, is_job_complete(store))
 
 
-def _fmt(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
+def _ratio(value) -> str:
+    """A speedup as `1.05x`, or `-` where none was measured (target-only runs)."""
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _interval(ci95: list[float] | None) -> str:
@@ -97,13 +98,13 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
         click.echo(
             f"{s['shard']:<24} {s['rows_out']:>5} {s['rows_error']:>4} {s['tokens_out']:>7} "
             f"{s['alpha']:>6.2f} {s['tau']:>5.2f} {s['tokens_per_second']:>7.2f} "
-            f"{_fmt(sp.get('measured')):>7}x  {_interval(ci95):<13} {_fmt(sp.get('predicted')):>8}x "
+            f"{_ratio(sp.get('measured')):>8}  {_interval(ci95):<13} {_ratio(sp.get('predicted')):>9} "
             f"{verdict(ci95) or ''}".rstrip()
         )
     t = totals(stats)
     click.echo(
         f"{'TOTAL':<24} {t['rows_out']:>5} {t['rows_error']:>4} {t['tokens_out']:>7} "
-        f"{t['alpha']:>6.2f} {t['tau']:>5.2f} {t['tokens_per_second']:>7.2f} {_fmt(t['speedup']):>7}x "
+        f"{t['alpha']:>6.2f} {t['tau']:>5.2f} {t['tokens_per_second']:>7.2f} {_ratio(t['speedup']):>8} "
         f" {_interval(t['speedup_ci95']):<13} {'':>9} {t['speedup_verdict'] or ''}".rstrip()
     )
     if t["undrafted_rounds"] or t["rounds_by_drafter"]:
