@@ -702,7 +702,7 @@ def distill(
     \b
     Example:
       pipeline distill ./out/licenses/RUN --pair qwen2.5-coder --out coder-licenses \\
-          --epochs 2 --max-seconds 2400 --report docs/benchmarks/distill-2026-11-26.md
+          --max-seconds 2400 --report docs/benchmarks/distill-2026-11-26.md
     """
     import shlex
 
