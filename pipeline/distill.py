@@ -373,11 +373,18 @@ class Measured:
 
 
 def evaluate(
-    loaded, drafts: dict[str, Any], prompts: list[list[int]], spec, runs: int, log: Callable[[str], None]
+    loaded,
+    drafts: dict[str, Any],
+    prompts: list[list[int]],
+    spec,
+    max_new: int,
+    runs: int,
+    log: Callable[[str], None],
 ) -> list[Measured]:
     """Target-only and every draft in `drafts` (label -> model, loaded beside `loaded.target`)
-    under each of DRAFTERS with the run's engine settings, at batch 1, in one interleaved bench
-    run of `runs` rounds over `prompts`; speedups over target-only, outputs checked equal to it."""
+    under each of DRAFTERS with the run's engine settings, at batch 1, `max_new` tokens per
+    document, in one interleaved bench run of `runs` rounds over `prompts`; speedups over
+    target-only, outputs checked equal to it."""
     from pipeline.bench import TaskBench, ours
     from pipeline.decode.engine import SpeculativeEngine
     from pipeline.job.worker import engine_config, eos_ids, pad_id
@@ -392,7 +399,6 @@ def evaluate(
             config=engine_config(spec, kind),
         )
 
-    max_new = spec.generation.max_new_tokens
     engines = {("none", "-"): engine(None, "none")}
     engines |= {(kind, label): engine(draft, kind) for label, draft in drafts.items() for kind in DRAFTERS}
     for (kind, _), eng in engines.items():  # first calls pay for allocations and cost calibration
@@ -463,6 +469,7 @@ class Settings:
     max_seconds: float | None = None
     seed: int = 0
     runs: int = 1
+    eval_max_new_tokens: int | None = None  # None: the run's max_new_tokens
     force: bool = False
     progress: bool = True
 
@@ -624,18 +631,19 @@ def distill(
     )
     builder_prompts = {e.id: e.prompt for e in examples}
     prompts = [builder_prompts[i] for i in holdout_ids]
+    max_new = settings.eval_max_new_tokens or run.spec.generation.max_new_tokens
     log(
         f"held-out evaluation: {len(prompts)} documents, batch 1, greedy, "
-        f"max_new_tokens {run.spec.generation.max_new_tokens}, {settings.runs} run(s)"
+        f"max_new_tokens {max_new}, {settings.runs} run(s)"
     )
     log(EVAL_HEADER)
     drafts = {"before": loaded.draft, "after": after}
-    measured = evaluate(loaded, drafts, prompts, run.spec, settings.runs, log)
+    measured = evaluate(loaded, drafts, prompts, run.spec, max_new, settings.runs, log)
     result["evaluation"] = {
         "documents": holdout_ids,
         "batch": 1,
         "runs": settings.runs,
-        "max_new_tokens": run.spec.generation.max_new_tokens,
+        "max_new_tokens": max_new,
         "rows": [asdict(m) for m in measured],
         "alpha_gain": alpha_gains(measured),
     }

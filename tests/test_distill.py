@@ -76,10 +76,12 @@ def setting(tiny_pair_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def distilled(setting):
-    """`pipeline distill` of the run into the pair `tiny-tuned`, with --json and --report."""
+    """`pipeline distill` of the run into the pair `tiny-tuned`, with --json and --report, and an
+    evaluation longer than the run's 24 tokens."""
     report = setting["root"] / "docs" / "distill-tiny.md"
     args = ["distill", setting["run"], "--pair", "tiny", "--out", "tiny-tuned", "--holdout", "0.1"]
     args += ["--epochs", "2", "--lora-rank", "8", "--lr", "3e-3", "--json", "--report", str(report)]
+    args += ["--eval-max-new-tokens", "32"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("sys.argv", ["/venv/bin/pipeline", *args])
         result = CliRunner().invoke(main, args)
@@ -118,6 +120,7 @@ def test_the_evaluation_never_sees_a_training_document(distilled):
     assert not set(data["train_ids"]) & set(data["holdout_ids"])
     assert len(data["train_ids"]) + len(data["holdout_ids"]) == data["documents"] == len(DOCUMENTS)
     assert result["evaluation"]["documents"] == data["holdout_ids"] and len(data["holdout_ids"]) == 12
+    assert result["evaluation"]["max_new_tokens"] == 32  # --eval-max-new-tokens, not the run's 24
     # the split is by id alone: the same documents are held out again
     assert split_holdout(data["train_ids"] + data["holdout_ids"], 0.1) == (
         data["train_ids"],
