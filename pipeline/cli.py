@@ -489,6 +489,7 @@ def bench(
         hf_models = tuple(
             load_model(r, dtype=loaded.dtype, device=loaded.device) if r else None for r in (target, draft)
         )
+    machine = describe_machine(loaded)  # now: the commit that runs, whatever the tree becomes during the run
     click.echo(HEADER)
     result = run_benchmark(
         loaded,
@@ -509,7 +510,7 @@ def bench(
     meta = {
         "pair": pair,
         "models": loaded.manifest(),
-        "machine": describe_machine(loaded),
+        "machine": machine,
         "command": command,
         "date": date,
         "tasks": tasks.split(","),

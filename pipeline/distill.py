@@ -499,7 +499,7 @@ def distill(
     evaluate both drafts on the held-out documents; return the provenance and evaluation that
     is also written as `distill.json` beside the new pair."""
     from pipeline.job.worker import pad_id
-    from pipeline.machine import describe_machine
+    from pipeline.machine import describe_machine, git_state
     from pipeline.models.install import check_local_pair_name, install_local_pair, staging_dir
     from pipeline.models.loading import (
         ModelLoadError,
@@ -513,6 +513,7 @@ def distill(
 
     if settings.steps is not None and settings.epochs is not None:
         raise DistillError("give --steps or --epochs, not both")
+    commit, dirty = git_state()  # the code that runs, whatever the tree becomes in the next hour
     check_local_pair_name(out, settings.force)  # before minutes of training, not after
     target_ref, draft_ref = resolve_pair(pair)
     if draft_ref is None:
@@ -647,7 +648,7 @@ def distill(
         "rows": [asdict(m) for m in measured],
         "alpha_gain": alpha_gains(measured),
     }
-    result["machine"] = describe_machine(loaded)
+    result["machine"] = describe_machine(loaded) | {"git_commit": commit, "git_dirty": dirty}
     (path / DISTILL_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
