@@ -6,7 +6,16 @@ import copy
 
 import pytest
 import torch
-from decode_case import CPU_COSTS, DEVICE, GPU_COSTS, MAX_NEW, TEXTS, reference
+from decode_case import (
+    CPU_COSTS,
+    DEVICE,
+    GPU_COSTS,
+    GPU_PREFILL_PER_TOKEN,
+    MAX_NEW,
+    PREFILL_PER_TOKEN,
+    TEXTS,
+    reference,
+)
 
 from pipeline.decode.drafters import PROMPT_LOOKUP, Proposal
 from pipeline.decode.engine import EngineConfig, PromptError, SpeculativeEngine
@@ -105,8 +114,11 @@ def test_adaptive_gamma_is_lossless_and_reuses_costs(case):
     assert sum(batch.gamma_histogram.values()) == batch.target_passes - 1
 
 
-@pytest.mark.parametrize("costs, probes", [(CPU_COSTS, False), (GPU_COSTS, True)])
-def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
+@pytest.mark.parametrize(
+    "costs, prefill, probes",
+    [(CPU_COSTS, PREFILL_PER_TOKEN, False), (GPU_COSTS, GPU_PREFILL_PER_TOKEN, True)],
+)
+def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, prefill, probes):
     """Going target-only, the engine re-tries the draft now and then to re-measure α, unless
     the measured costs say that no acceptance would make the draft pay."""
     target, draft, _, prompts, eos, refs = case
@@ -119,9 +131,12 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, probes):
     for tokens in range(1, len(prompts) * 9 + 1):
         engine.costs.observe_target(tokens, w1 + (w2 - w1) * (tokens - 1) if probes else w1 * tokens)
         engine.costs.observe_draft(tokens, draft_seconds)
+    # and prefill rates to match: a probe must afford the cold draft's prefill, which a slow
+    # or busy machine's timing of the tiny model (mixed with these costs) can make look dear
+    engine.costs.prefill.update(prefill)
     # keep these costs: the tiny model's own passes take milliseconds, and mixing them in would
     # make (say) 3 rows × 2 tokens look as cheap as the measured 6 rows × 1 token
-    engine.costs.target.smoothing = engine.costs.draft.smoothing = 0.0
+    engine.costs.target.smoothing = engine.costs.draft.smoothing = engine.costs.smoothing = 0.0
     engine.policy.model_rate.drafted = 1e6  # a draft that is never accepted: target-only
     outputs, batch = engine.generate(prompts, MAX_NEW, drafter="draft_model")
     assert [o.tokens for o in outputs] == refs
