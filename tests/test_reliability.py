@@ -17,6 +17,7 @@ from pipeline_helpers import DOCS, job_dict
 
 from pipeline.cli import main
 from pipeline.job.executor import JobResult, plan, run_job, write_manifest
+from pipeline.job.fingerprint import check_resume, fingerprint
 from pipeline.job.worker import build_processor
 from pipeline.spec import SpecError, spec_from_dict
 from pipeline.storage import Storage
@@ -264,6 +265,35 @@ def test_resume_with_another_spec_is_refused_unless_overwritten(tiny_pair_dirs, 
     assert again.exit_code == 0, again.output
     assert out.read_json("manifest.json")["fingerprint"]["fields"]["generation.max_new_tokens"] == 6
     assert out.read_parquet("outputs/part-000.parquet").column("new_tokens").to_pylist()[0] <= 6
+
+
+def test_a_resume_across_an_upgrade_that_added_a_field_goes_on_at_its_default(tiny_pair_dirs, tmp_path):
+    """An older version's manifest lacks the fields added since: at their defaults they are
+    what that run decoded with, so the resume goes on; set otherwise, it is refused."""
+    spec = spec_from_dict(job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out")))
+    old_fields = fingerprint(spec)["fields"]
+    added = ["drafter.suffix_max_tokens", "drafter.suffix_warm_start", "execution.speedup_sample_tokens"]
+    for key in added:
+        del old_fields[key]
+    manifest = {"run_id": "r1", "fingerprint": {"fields": old_fields}}
+    check_resume(spec, manifest)  # no error
+
+    changed = spec_from_dict(
+        {
+            **job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out")),
+            "drafter": {"kind": "auto", "gamma_max": 4, "adaptive": False, "suffix_max_tokens": 1000},
+        }
+    )
+    with pytest.raises(SpecError) as refused:
+        check_resume(changed, manifest)
+    assert "drafter.suffix_max_tokens: (absent) -> 1000" in str(refused.value)
+    assert "suffix_warm_start" not in str(refused.value)
+    # a manifest from before fingerprints existed is compared through its spec, the same way
+    old_spec = spec.to_dict()
+    del old_spec["drafter"]["suffix_max_tokens"], old_spec["execution"]["speedup_sample_tokens"]
+    check_resume(spec, {"run_id": "r0", "spec": old_spec})
+    with pytest.raises(SpecError):
+        check_resume(changed, {"run_id": "r0", "spec": old_spec})
 
 
 # -- item 2: ids unique per job ------------------------------------------------------------------

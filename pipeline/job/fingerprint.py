@@ -8,13 +8,21 @@ killed run is checked too), and a resume whose fields differ is refused unless i
 
 Storage options, the output location and the execution fields that only place and retry work
 (actors, CPUs, GPUs, threads, retries) are left out: changing them changes no output.
+
+A field that a newer version added is absent from an older run's manifest. Left at its
+default it is what that run decoded with (fields are added with the old behaviour as their
+default), so a resume across the upgrade goes on; set to anything else, it differs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from pipeline.spec import JobSpec, SpecError
 
@@ -35,6 +43,9 @@ FINGERPRINT_FIELDS = (
 )
 
 
+_ABSENT = object()  # a field the spec does not have, unlike one set to null
+
+
 def _leaves(value: Any, prefix: str) -> dict[str, Any]:
     if isinstance(value, dict):
         found: dict[str, Any] = {}
@@ -50,9 +61,34 @@ def fingerprint_fields(spec_dict: dict) -> dict[str, Any]:
     for dotted in FINGERPRINT_FIELDS:
         value: Any = spec_dict
         for part in dotted.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        fields.update(_leaves(value, dotted))
+            value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
+        if value is not _ABSENT:
+            fields.update(_leaves(value, dotted))
     return fields
+
+
+def schema_default(dotted: str) -> Any:
+    """The JSON value of a spec field (a leaf as `fingerprint_fields` names it) that a spec
+    leaves out, or _ABSENT when the field is required or unknown."""
+    model: type[BaseModel] | None = JobSpec
+    value: Any = _ABSENT
+    for part in dotted.split("."):
+        if value is not _ABSENT:  # inside a default: a section's or a mapping's
+            value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
+        elif model is not None and part in model.model_fields:
+            info = model.model_fields[part]
+            annotation = info.annotation
+            sections = [a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type)]
+            section = next((a for a in sections if issubclass(a, BaseModel)), None)
+            if section is not None:  # a section, or an optional one: its fields' own defaults
+                model = section
+                continue
+            default = info.get_default(call_default_factory=True)
+            value = _ABSENT if default is PydanticUndefined else to_jsonable_python(default)
+            model = None
+        else:
+            return _ABSENT
+    return value
 
 
 def fingerprint(spec: JobSpec) -> dict[str, Any]:
@@ -65,14 +101,19 @@ def fingerprint(spec: JobSpec) -> dict[str, Any]:
 def check_resume(spec: JobSpec, manifest: dict) -> None:
     """Raise SpecError naming every differing field when `manifest` was written by another spec.
 
-    Manifests written before fingerprints existed are compared through their `spec`.
+    Manifests written before fingerprints existed are compared through their `spec`. A field
+    the old run's version did not have counts as its schema default.
     """
     old = (manifest.get("fingerprint") or {}).get("fields") or fingerprint_fields(manifest.get("spec") or {})
     new = fingerprint(spec)["fields"]
+
+    def shown(fields: dict[str, Any], key: str) -> str:
+        return json.dumps(fields[key]) if key in fields else "(absent)"
+
     differing = [
-        f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
+        f"{key}: {shown(old, key)} -> {shown(new, key)}"
         for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key)
+        if old.get(key, schema_default(key)) != new.get(key, _ABSENT)
     ]
     if differing:
         raise SpecError(
