@@ -241,7 +241,10 @@ def test_counters_are_consistent(case):
         assert s.accepted <= s.drafted
         assert s.new_tokens == len(out.tokens) == s.accepted + s.target_tokens
         assert s.tau * s.target_passes == pytest.approx(s.new_tokens)
-        assert 0.0 <= s.alpha <= 1.0 and 0.0 <= s.alpha_leviathan <= 1.0
+        if s.drafted:
+            assert 0.0 <= s.alpha <= 1.0 and 0.0 <= s.alpha_leviathan <= 1.0
+        else:  # nothing drafted: nothing accepted or rejected either
+            assert s.alpha is None and s.alpha_leviathan is None
         assert sum(s.drafted_by.values()) == s.drafted and sum(s.accepted_by.values()) == s.accepted
     assert batch.new_tokens == sum(len(o.tokens) for o in outputs)
     assert batch.row_passes == sum(o.stats.target_passes for o in outputs)

@@ -9,9 +9,12 @@ import math
 import pyarrow as pa
 import pytest
 import torch
+from click.testing import CliRunner
 from pipeline_helpers import DOCS, clean_corpus, expected_text, job_dict
 
+from pipeline.cli import main
 from pipeline.decode.engine import BatchStats, RowOutput, RowStats
+from pipeline.job.layout import totals
 from pipeline.job.shard import ShardProcessor
 from pipeline.job.worker import build_processor
 from pipeline.spec import spec_from_dict
@@ -130,3 +133,23 @@ def test_the_speedup_sample_pairs_both_modes_and_its_interval_is_the_ratio_of_me
         assert speedup["ci95"] == pytest.approx([1.8 - half, 1.8 + half], abs=1e-3)
         assert speedup["verdict"] == "faster"
     assert speedup["pair_seconds"] == [[1.0, 2.0], [2.0, 3.0], [2.0, 4.0]][:pairs]
+
+
+def test_a_shard_that_drafted_nothing_records_no_acceptance_rate(tiny_pair_dirs, tmp_path):
+    """α is accepted / drafted: with nothing drafted it is null, not 0 (which reads as every draft
+    rejected), in the rows, the shard's stats, the job's totals and the printed table."""
+    clean_corpus(Storage(str(tmp_path / "in")), shards=1, rows=2)
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+    data["input"]["keep_columns"], data["drafter"] = [], {"kind": "none"}
+    stats = build_processor(spec_from_dict(data).with_absolute_paths()).process(
+        str(tmp_path / "in" / "part-000.parquet"), "part-000"
+    )
+    assert stats["drafted"] == 0 and stats["alpha"] is None and stats["alpha_leviathan"] is None
+    rows = Storage(str(tmp_path / "out")).read_parquet("outputs/part-000.parquet")
+    assert rows.column("alpha").to_pylist() == [None, None]
+    assert totals([stats])["alpha"] is None
+    printed = CliRunner().invoke(main, ["stats", str(tmp_path / "out")])
+    assert printed.exit_code == 1 and "incomplete" in printed.output  # (no _SUCCESS: no job ran)
+    assert "no round drafted" in printed.output
+    total = next(line for line in printed.output.splitlines() if line.startswith("TOTAL")).split()
+    assert total[4] == "-", printed.output  # TOTAL rows err tokens alpha

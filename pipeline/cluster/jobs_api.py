@@ -134,7 +134,7 @@ def _update_bar(bar, info: dict) -> None:
     bar.set_postfix(
         failed=info.get("shards_failed", 0),
         tok_s=info.get("tokens_per_second", 0),
-        alpha=info.get("alpha", 0),
+        alpha="-" if info.get("alpha") is None else info["alpha"],
         refresh=False,
     )
     bar.refresh()
@@ -176,7 +176,7 @@ def job_status(address: str, job_id: str) -> dict:
         remaining = result.get("shards_remaining")
         if remaining and done:
             result["eta_seconds"] = round(elapsed / done * remaining)
-    result["alpha"] = round(t["alpha"], 3)
+    result["alpha"] = None if t["alpha"] is None else round(t["alpha"], 3)
     result["tau"] = round(t["tau"], 3)
     result["rows_error"] = t["rows_error"]
     return result

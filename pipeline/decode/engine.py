@@ -110,9 +110,9 @@ class RowStats:
     seconds: float = 0.0  # from joining the batch (its prefill) until this row finished
 
     @property
-    def alpha(self) -> float:
-        """Acceptance rate per drafted token."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def alpha(self) -> float | None:
+        """Acceptance rate per drafted token; None (not 0) when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def tau(self) -> float:
@@ -125,9 +125,9 @@ class RowStats:
         return self.gamma_sum / rounds if rounds > 0 else 0.0
 
     @property
-    def alpha_leviathan(self) -> float:
+    def alpha_leviathan(self) -> float | None:
         """The i.i.d. acceptance rate that explains the measured tau at the mean gamma."""
-        return alpha_from_tau(self.tau, self.mean_gamma)
+        return alpha_from_tau(self.tau, self.mean_gamma) if self.drafted else None
 
 
 @dataclass

@@ -172,7 +172,7 @@ def totals(stats: list[dict]) -> dict:
         "rows_out": sum(s.get("rows_out", 0) for s in stats),
         "rows_error": sum(s.get("rows_error", 0) for s in stats),
         "tokens_out": tokens,
-        "alpha": sum(s["accepted"] for s in ok) / drafted if drafted else 0.0,
+        "alpha": sum(s["accepted"] for s in ok) / drafted if drafted else None,
         "tau": row_tau(tokens, row_passes),
         **rounds.to_dict(),
         "tokens_per_second": tokens / seconds if seconds else 0.0,

@@ -406,8 +406,9 @@ class ShardProcessor:
             "oom_splits": self.oom_splits,
             "tokens_in": tokens_in,
             "tokens_out": totals.new_tokens,
-            "alpha": totals.accepted / totals.drafted if totals.drafted else 0.0,
-            "alpha_leviathan": alpha_from_tau(totals.tau, mean_gamma),
+            # null, not 0, when nothing was drafted: nothing was rejected either
+            "alpha": totals.accepted / totals.drafted if totals.drafted else None,
+            "alpha_leviathan": alpha_from_tau(totals.tau, mean_gamma) if totals.drafted else None,
             "tau": totals.tau,
             **totals.rounds.to_dict(),
             "gamma_max": self.spec.drafter.gamma_max,

@@ -63,7 +63,7 @@ def shard_acceptance(run: RunData) -> Figure | None:
     fig, (top, bottom) = _subplots(2, 1, 9, 6, sharex=True)
     names = [s["shard"] for s in ok]
     xs = list(range(len(names)))
-    top.bar(xs, [s["alpha"] for s in ok], color="tab:blue")
+    top.bar(xs, [s["alpha"] if s["alpha"] is not None else float("nan") for s in ok], color="tab:blue")
     top.set_ylabel("α (accepted / drafted)")
     top.set_ylim(0, 1)
     bottom.bar(xs, [s["tau"] for s in ok], color="tab:green")

@@ -69,6 +69,11 @@ def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _share(value) -> str:
+    """An acceptance rate as `0.42`, or `-` where nothing was drafted."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _interval(ci95: list[float] | None) -> str:
     return f"[{ci95[0]:.2f}, {ci95[1]:.2f}]" if ci95 else "-"
 
@@ -97,21 +102,23 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
         ci95 = sp.get("ci95")
         click.echo(
             f"{s['shard']:<24} {s['rows_out']:>5} {s['rows_error']:>4} {s['tokens_out']:>7} "
-            f"{s['alpha']:>6.2f} {s['tau']:>5.2f} {s['tokens_per_second']:>7.2f} "
+            f"{_share(s['alpha']):>6} {s['tau']:>5.2f} {s['tokens_per_second']:>7.2f} "
             f"{_ratio(sp.get('measured')):>8}  {_interval(ci95):<13} {_ratio(sp.get('predicted')):>9} "
             f"{verdict(ci95) or ''}".rstrip()
         )
     t = totals(stats)
     click.echo(
         f"{'TOTAL':<24} {t['rows_out']:>5} {t['rows_error']:>4} {t['tokens_out']:>7} "
-        f"{t['alpha']:>6.2f} {t['tau']:>5.2f} {t['tokens_per_second']:>7.2f} {_ratio(t['speedup']):>8} "
+        f"{_share(t['alpha']):>6} {t['tau']:>5.2f} {t['tokens_per_second']:>7.2f} {_ratio(t['speedup']):>8} "
         f" {_interval(t['speedup_ci95']):<13} {'':>9} {t['speedup_verdict'] or ''}".rstrip()
     )
-    if t["undrafted_rounds"] or t["rounds_by_drafter"]:
+    if t["rounds_by_drafter"]:
         click.echo(
             f"rounds that drafted nothing: {t['undrafted_share']:.0%}; tokens per target pass "
             f"{t['tau']:.2f} over all passes, {t['tau_drafted_rounds']:.2f} over rounds that drafted"
         )
+    elif t["undrafted_rounds"]:
+        click.echo("no round drafted: target-only decoding throughout")
     if t["sample_identical_rows"] is not None:
         click.echo(
             f"target-only check: {t['sample_identical_rows']}/{t['sample_rows']} sampled rows identical "
