@@ -259,7 +259,14 @@ def test_resume_with_another_spec_is_refused_unless_overwritten(tiny_pair_dirs, 
     assert out.read_json("manifest.json") == manifest  # still describes the outputs
 
     # the same spec resumes (nothing to do), and --overwrite redoes the run under the new spec
-    assert runner.invoke(main, ["run", first, "--run-id", "r1", "--no-progress"]).exit_code == 0
+    same = runner.invoke(main, ["run", first, "--run-id", "r1", "--no-progress"])
+    assert same.exit_code == 0, same.output
+    # outputs written by a version with other columns (here: before generated_ids) are refused
+    written = out.read_parquet("outputs/part-000.parquet")
+    out.write_parquet("outputs/part-000.parquet", written.drop_columns(["generated_ids"]))
+    older = runner.invoke(main, ["run", first, "--run-id", "r1", "--no-progress"])
+    assert older.exit_code == 2 and "other columns than this version's" in older.output, older.output
+    assert "generated_ids" in older.output.splitlines()[-2] and "Traceback" not in older.output
     overwrite = ["run", first, "--run-id", "r1", "--no-progress", "--overwrite", *changed[:2]]
     again = runner.invoke(main, overwrite)
     assert again.exit_code == 0, again.output

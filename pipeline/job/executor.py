@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 import pipeline
 from pipeline.cluster import metrics
-from pipeline.job.fingerprint import check_resume, fingerprint
+from pipeline.job.fingerprint import check_resume, check_resume_outputs, fingerprint
 from pipeline.job.ids import clear_duplicates, map_ids, partitions, read_duplicates, reduce_ids
 from pipeline.job.layout import (
     clear_failed,
@@ -92,6 +92,7 @@ def plan(spec: JobSpec, overwrite: bool) -> tuple[list[tuple[str, str]], list[tu
     manifest = None if overwrite else read_manifest(out)
     if manifest is not None:
         check_resume(spec, manifest)
+        check_resume_outputs(spec, out, manifest)
     if overwrite:
         foreign = foreign_files(out)
         if foreign:

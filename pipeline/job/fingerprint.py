@@ -6,6 +6,10 @@ keep the old spec's outputs next to new ones, and manifest.json would describe n
 manifest.json records these fields and their hash, written before the first shard runs (a
 killed run is checked too), and a resume whose fields differ is refused unless it overwrites.
 
+The outputs' columns are this version's, not the spec's: a resume also reads the columns of one
+complete shard's outputs and refuses a version that would write others beside them, since
+reading the run's outputs/ as one data set then drops or nulls columns.
+
 Storage options, the output location and the execution fields that only place and retry work
 (actors, CPUs, GPUs, threads, retries) are left out: changing them changes no output.
 
@@ -24,7 +28,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
+from pipeline.job.layout import shard_paths
+from pipeline.job.shard import GENERATED_FIELDS
 from pipeline.spec import JobSpec, SpecError
+from pipeline.storage import Storage, open_shard
 
 # Dotted spec fields whose every leaf is part of the fingerprint.
 FINGERPRINT_FIELDS = (
@@ -126,3 +133,31 @@ def check_resume(spec: JobSpec, manifest: dict) -> None:
             ],
             spec.source,
         )
+
+
+def check_resume_outputs(spec: JobSpec, out: Storage, manifest: dict) -> None:
+    """Raise SpecError when the run's complete shards hold other generated columns than this
+    version writes (GENERATED_FIELDS), naming them and the version that wrote them."""
+    for stats in out.list("stats", suffix=".json"):
+        outputs = shard_paths(stats.removeprefix("stats/").removesuffix(".json"))["outputs"]
+        if out.exists(outputs):
+            break
+    else:
+        return  # nothing complete yet: nothing to mix with
+    carried = 1 + len(spec.input.keep_columns)
+    schema = open_shard(out.url_for(outputs), out.storage_options).schema_arrow
+    written = [(f.name, f.type) for f in schema][carried:]
+    if written == GENERATED_FIELDS:  # (types compare as types: a list's item name aside)
+        return
+    version = manifest.get("package_version", "an unknown version")
+    raise SpecError(
+        [
+            f"output.url: resume refused: run {manifest.get('run_id')!r} under {spec.output.url} was "
+            f"written by spec-pipeline {version}, whose outputs have other columns than this version's; "
+            "resumed, the run's outputs/ would mix two schemas.",
+            f"  {outputs}: {', '.join(f'{n} ({t})' for n, t in written)}",
+            f"  this version: {', '.join(f'{n} ({t})' for n, t in GENERATED_FIELDS)}",
+            "Use another --run-id, or --overwrite to redo every shard.",
+        ],
+        spec.source,
+    )
