@@ -120,7 +120,7 @@ def check_resume(spec: JobSpec, manifest: dict) -> None:
     differing = [
         f"{key}: {shown(old, key)} -> {shown(new, key)}"
         for key in sorted(old.keys() | new.keys())
-        if old.get(key, schema_default(key)) != new.get(key, _ABSENT)
+        if (old[key] if key in old else schema_default(key)) != new.get(key, _ABSENT)
     ]
     if differing:
         raise SpecError(
