@@ -127,9 +127,12 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, prefill, pro
     )
     widths, draft_seconds = costs
     # every pass size the batch can produce, each as dear as its tokens say (CPU) or not (GPU)
+    # twice each: a size's second measurement confirms it, and with smoothing 0 no later pass
+    # moves it (a size seen once is replaced by a faster pass: the tiny model's real one)
     w1, w2 = widths[1], widths[2]
-    for tokens in range(1, len(prompts) * 9 + 1):
-        engine.costs.observe_target(tokens, w1 + (w2 - w1) * (tokens - 1) if probes else w1 * tokens)
+    seeded = {t: w1 + (w2 - w1) * (t - 1) if probes else w1 * t for t in range(1, len(prompts) * 9 + 1)}
+    for tokens, seconds in [*seeded.items()] * 2:
+        engine.costs.observe_target(tokens, seconds)
         engine.costs.observe_draft(tokens, draft_seconds)
     # and prefill rates to match: a probe must afford the cold draft's prefill, which a slow
     # or busy machine's timing of the tiny model (mixed with these costs) can make look dear
@@ -140,6 +143,7 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, prefill, pro
     engine.policy.model_rate.drafted = 1e6  # a draft that is never accepted: target-only
     outputs, batch = engine.generate(prompts, MAX_NEW, drafter="draft_model")
     assert [o.tokens for o in outputs] == refs
+    assert engine.costs.target.points == seeded, "the test's costs held, whatever this machine's"
     assert (batch.draft_passes > 0) is probes
 
 
