@@ -62,14 +62,15 @@ def test_the_most_frequent_continuation_wins_and_its_score_is_its_expected_accep
     assert best.tokens == [12, 13, 14]  # 3 of the 4 occurrences went on with 12
     assert best.score == pytest.approx(0.75 * 3) and best.depth == 2
     assert [c.tokens for c in continuations(automaton, state, matched, limit=2, min_match=2)] == [[12, 13]]
-    # a continuation stops where its chance falls below MIN_CHANCE (0.1): here after 4, where
-    # 12 occurrences go 12 ways
+    # tokens past the point where the chance falls below MIN_CHANCE (0.1) are proposed, for the
+    # policy to verify as their measured acceptance pays, but add nothing to the score: here
+    # after 4, where 12 occurrences go 12 ways
     split = SuffixAutomaton()
     for k in range(12):
         split.add([1, 2, 3, 4, 100 + k])
     # ("2 3" never occurs without the 1 before it: one state, one continuation, for both)
     chosen = list(continuations(split, *split.match([1, 2, 3]), limit=8, min_match=2))
-    assert chosen == [Continuation([4], 1.0, 3)]
+    assert chosen == [Continuation([4, 100], 1.0, 3)]
 
 
 def test_a_match_shorter_than_min_match_proposes_nothing():
@@ -143,3 +144,17 @@ def test_the_drafter_proposes_from_the_rows_own_text_and_from_earlier_outputs():
 
 def test_depth_classes_are_powers_of_two_up_to_the_deepest_match_told_apart():
     assert [depth_class(n) for n in (1, 2, 3, 4, 7, 8, 31, 32, 500)] == [1, 2, 2, 4, 4, 8, 16, 32, 32]
+
+
+def test_the_rows_own_text_wins_over_a_corpus_match_that_is_no_deeper():
+    """A phrase seen once in an earlier output scores as a certainty; the row's own text, where
+    the same phrase went on two ways, scores less. The own text is what prompt lookup copies
+    and what the target follows most often: an earlier output counts only where it matched more."""
+    greedy, generator = SamplingParams(), torch.Generator()
+    row = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 3, 3, 5, 6]  # "5 6" went on with 7 twice, 3 once
+    for output, expected in [([1, 5, 6, 20, 21, 22], 7), ([3, 3, 5, 6, 20, 21, 22], 20)]:
+        drafter = SuffixDrafter(max_tokens=1 << 12, min_match=2)
+        drafter.evict([], [output])
+        drafter.start([row])
+        proposal = drafter.propose([row], 3, greedy, generator)
+        assert proposal.tokens[0][0] == expected

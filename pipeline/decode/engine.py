@@ -73,7 +73,7 @@ class EngineConfig:
     # tokens, the oldest dropped first (0: only the row's own text); it proposes nothing where
     # no suffix of at least `suffix_min_match` tokens matches.
     suffix_max_tokens: int = 1 << 20
-    suffix_min_match: int = 2
+    suffix_min_match: int = 1
     # The drafters `auto` chooses among: leaving one out measures what it adds to the others.
     auto_sources: tuple[str, ...] = AUTO_SOURCES
 

@@ -21,7 +21,7 @@ from pipeline.decode.costs import (
     expected_drain_advance,
     iid_survival,
 )
-from pipeline.decode.drafters import DRAFT_MODEL, PROMPT_LOOKUP, KeepRule
+from pipeline.decode.drafters import DRAFT_MODEL, KeepRule
 
 if TYPE_CHECKING:
     from pipeline.decode.batched_lm import BatchedLM
@@ -64,12 +64,11 @@ class Choice(NamedTuple):
     sources: list[str | None]
 
 
-def copy_prior(source: str, depth: int) -> float:
+def copy_prior(depth: int) -> float:
     """The acceptance a copy is assumed to have before any was verified: a longer match is a
-    stronger hint (an n-gram of n tokens for prompt lookup, a matched suffix for suffix)."""
-    if source == PROMPT_LOOKUP:
-        return min(0.2 + 0.15 * depth, 0.8)
-    return min(0.2 + 0.1 * depth.bit_length(), 0.8)
+    stronger hint, alike for both copying drafters (an n-gram of n tokens for prompt lookup, a
+    matched suffix of `depth` tokens or more for suffix)."""
+    return min(0.2 + 0.15 * depth, 0.8)
 
 
 @dataclass
@@ -101,7 +100,7 @@ class Policy:
     def copy_rate(self, source: str, depth: int) -> AcceptanceByPosition:
         key = (source, depth)
         if key not in self.copy_rates:
-            self.copy_rates[key] = AcceptanceByPosition(prior=copy_prior(source, depth))
+            self.copy_rates[key] = AcceptanceByPosition(prior=copy_prior(depth))
         return self.copy_rates[key]
 
     def observe(self, outcomes: dict[tuple[str, int], list[tuple[int, int]]]) -> None:

@@ -31,8 +31,9 @@ from pipeline.decode.drafters import SUFFIX, KeepRule, Proposal
 from pipeline.decode.sampling import SamplingParams
 
 NO_EDGE, MANY = -1, -2
-# A continuation stops where its estimated chance of being right all along falls below this:
-# tokens past it would widen the verify pass more than they are worth to a greedy policy too.
+# A continuation's tokens count towards its score while its estimated chance of being right all
+# along stays at or above this; it goes on to the limit regardless, and the policy verifies as
+# many of its tokens as their measured acceptance by position pays for.
 MIN_CHANCE = 0.1
 # The longest suffix of a row's text looked for in the corpus, and the deepest match depth the
 # policy tells apart; a longer match says little more about what follows.
@@ -189,10 +190,8 @@ def continuations(automaton: SuffixAutomaton, state: int, matched: int, limit: i
             if not going:
                 break
             chance *= best_count / going
-            if chance < MIN_CHANCE:
-                break
             tokens.append(best)
-            score += chance
+            score += chance if chance >= MIN_CHANCE else 0.0
             at = best_state
         if tokens:
             yield Continuation(tokens, score, matched)
@@ -246,7 +245,7 @@ class SuffixDrafter:
 
     name = SUFFIX
 
-    def __init__(self, max_tokens: int = 1 << 20, min_match: int = 2):
+    def __init__(self, max_tokens: int = 1 << 20, min_match: int = 1):
         self.corpus = SuffixCorpus(max_tokens)
         self.min_match = min_match
         self._rows: list[SuffixAutomaton] = []
@@ -283,9 +282,14 @@ class SuffixDrafter:
         if limit <= 0:
             return None
         found = list(continuations(own, own.last, len(seq), limit, self.min_match))
+        deepest_own = max((c.depth for c in found), default=0)
         context = seq[-MAX_DEPTH:]
         for block in self.corpus.blocks:
-            found += continuations(block, *block.match(context), limit, self.min_match)
+            found += (
+                c
+                for c in continuations(block, *block.match(context), limit, self.min_match)
+                if c.depth > deepest_own
+            )
         return max(found, key=lambda c: (c.score, c.depth), default=None)
 
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:

@@ -462,10 +462,11 @@ class DrafterSpec(_Section):
         "oldest dropped first (0: only the row's own text). Memory grows with it: see docs/engine.md.",
     )
     suffix_min_match: int = Field(
-        2,
+        1,
         ge=1,
         le=32,
-        description="The suffix drafter proposes nothing where no suffix of the text this long matches.",
+        description="The suffix drafter proposes nothing where no suffix of the text this long matches "
+        "(1, as prompt lookup: a short match's acceptance is measured apart and prices its drafts).",
     )
     auto_sources: list[Literal["draft_model", "prompt_lookup", "suffix"]] = Field(
         ["draft_model", "prompt_lookup", "suffix"],
