@@ -14,6 +14,7 @@ from pipeline_helpers import write_models_config
 from pipeline.bench import HEADER, Benchmark, Row, job_prediction, markdown_table, write_report
 from pipeline.cli import main
 from pipeline.machine import describe_machine
+from pipeline.models.loading import resolve_dtype
 
 
 def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_path, monkeypatch):
@@ -35,7 +36,9 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
     assert "[tiny-run.json](tiny-run.json)" in text
     assert "```bash\npipeline bench --pair tiny --docs 2 --batches 1,2 --runs 2 --max-new-tokens 6" in text
     assert text.count("| ours auto | 2 | ") == 2  # a table per task, every configuration in it
-    assert report["meta"]["machine"]["threads"] == 1 and report["meta"]["machine"]["dtype"] == "float32"
+    # --dtype auto: float32 on an AVX2 CPU, bfloat16 where the CPU has bf16 instructions
+    auto_dtype = str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    assert report["meta"]["machine"]["threads"] == 1 and report["meta"]["machine"]["dtype"] == auto_dtype
     assert report["meta"]["runs"] == 2 and report["meta"]["docs"] == 2
     rows = report["rows"]
     # auto also runs warm: its suffix corpus holds our outputs of 2 other documents; auto
