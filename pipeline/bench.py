@@ -188,6 +188,8 @@ def run_benchmark(
             pair.draft,
             eos_token_ids=eos,
             pad_token_id=pad,
+            decode_text=tok.decode,
+            encode_text=partial(tok.encode, add_special_tokens=False),
             vocab_size=pair.vocab_size,
             config=bench_config(kind, draft_vocab),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from pipeline.models.draft_int8 import quantize_draft
 @pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "suffix", "auto"])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_greedy_matches_target_for_every_gamma(case, drafter, batch_size):
-    target, draft, _, prompts, eos, refs = case
+    target, draft, tokenizer, prompts, eos, refs = case
     totals = {"accepted": 0, "drafted": 0}
     for gamma in range(1, 9):
         engine = SpeculativeEngine(
@@ -35,7 +36,11 @@ def test_greedy_matches_target_for_every_gamma(case, drafter, batch_size):
             eos_token_ids=eos,
             pad_token_id=0,
             config=EngineConfig(drafter=drafter, gamma_max=gamma, adaptive=False),
+            # as jobs run it: the suffix drafter also matches each prompt reflowed
+            decode_text=tokenizer.decode,
+            encode_text=functools.partial(tokenizer.encode, add_special_tokens=False),
         )
+        assert engine.reflow is not None
         for start in range(0, len(prompts), batch_size):
             outputs, batch = engine.generate(prompts[start : start + batch_size], MAX_NEW)
             for k, out in enumerate(outputs):

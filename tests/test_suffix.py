@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
+from tiny_models import build_tokenizer
 
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.suffix import (
     CORPUS_BLOCKS,
     Continuation,
+    Reflow,
     SuffixAutomaton,
     SuffixCorpus,
     SuffixDrafter,
@@ -158,3 +161,30 @@ def test_the_rows_own_text_wins_over_a_corpus_match_that_is_no_deeper():
         drafter.start([row])
         proposal = drafter.propose([row], 3, greedy, generator)
         assert proposal.tokens[0][0] == expected
+
+
+def test_a_quote_of_a_hard_wrapped_prompt_is_drafted_across_its_line_breaks():
+    """A summary quotes a line-wrapped document with spaces where its lines broke: its tokens
+    there are not the prompt's, and a copy of the prompt as it stands proposes the line break.
+    The prompt reflowed proposes what the quote goes on with."""
+    tokenizer = build_tokenizer()
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    prompt = encode(
+        "Summarize: The licensor grants you a\nworld-wide, royalty-free\n  license to use the\nwork.\n"
+    )
+    row = prompt + encode("It grants a world-wide, royalty-free")
+    quote = " license to use the work."
+    greedy, generator = SamplingParams(), torch.Generator()
+
+    as_it_stands = SuffixDrafter(max_tokens=0)
+    as_it_stands.start([prompt])
+    drafted = tokenizer.decode(as_it_stands.propose([row], 8, greedy, generator).tokens[0])
+    assert drafted.startswith("\n")  # the line break, which the quote does not have
+
+    reflowed = SuffixDrafter(max_tokens=0, reflow=Reflow(encode, tokenizer.decode))
+    reflowed.start([prompt])
+    proposal = reflowed.propose([row], 8, greedy, generator)
+    assert quote.startswith(tokenizer.decode(proposal.tokens[0])) and len(proposal.tokens[0]) >= 4
+    # the row's text grows from where the last round left it, apart from the reflowed prompt
+    row += proposal.tokens[0][:2]
+    assert reflowed.propose([row], 8, greedy, generator).tokens[0][:6] == proposal.tokens[0][2:8]

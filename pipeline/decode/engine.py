@@ -39,7 +39,7 @@ from pipeline.decode.drafters import (
 from pipeline.decode.policy import Choice, Offer, Policy, RoundOptions
 from pipeline.decode.rounds import Rounds, row_tau
 from pipeline.decode.sampling import SamplingParams, choose, verify
-from pipeline.decode.suffix import MAX_DEPTH, SuffixCorpus, SuffixDrafter
+from pipeline.decode.suffix import MAX_DEPTH, Reflow, SuffixCorpus, SuffixDrafter
 
 DRAFTERS = ("auto", DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, "none")
 AUTO_SOURCES = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX)
@@ -284,6 +284,7 @@ class SpeculativeEngine:
         pad_token_id: int,
         config: EngineConfig | None = None,
         decode_text: Callable[[list[int]], str] | None = None,
+        encode_text: Callable[[str], list[int]] | None = None,
         vocab_size: int | None = None,
     ):
         self.config = config or EngineConfig()
@@ -299,8 +300,10 @@ class SpeculativeEngine:
                 draft, pad_token_id, vocab, head_tokens=self.config.draft_vocab, always=tuple(eos_token_ids)
             )
         self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)
+        # given the tokenizer both ways, the suffix drafter also matches each prompt reflowed
+        self.reflow = Reflow(encode_text, decode_text) if encode_text and decode_text else None
         # outlives the batch: its corpus of this engine's outputs feeds the rows that come later
-        self.suffix = SuffixDrafter(self.config.suffix_max_tokens, self.config.suffix_min_match)
+        self.suffix = SuffixDrafter(self.config.suffix_max_tokens, self.config.suffix_min_match, self.reflow)
         self.eos = frozenset(eos_token_ids)
         self.decode_text = decode_text
         self.max_context = getattr(target.config, "max_position_embeddings", None)
@@ -377,7 +380,7 @@ class SpeculativeEngine:
         """An empty batch with every row waiting, and the drafters `drafter` asks for reset."""
         uses = self.sources(drafter)
         model = self.draft if DRAFT_MODEL in uses else None
-        suffix = self.suffix if corpus else SuffixDrafter(0, self.config.suffix_min_match)
+        suffix = self.suffix if corpus else SuffixDrafter(0, self.config.suffix_min_match, self.reflow)
         copiers = [d for d in (self.lookup, suffix) if d.name in uses]
         # prompt lookup follows the rows also for the draft model: a lone row's copy is a guess
         # at the draft's own next tokens (see `DraftModelDrafter.propose`)

@@ -15,14 +15,20 @@ and the end of a text is matched in steps proportional to the matched length, ho
 text. Each state counts the text's occurrences of its strings, which weighs continuations by
 frequency. An automaton cannot forget a text, so the corpus is several automata, and the oldest
 is dropped whole when the corpus would exceed its cap.
+
+A row's automaton also holds its prompt reflowed (`Reflow`): every run of whitespace one space,
+tokenized again. Documents are often hard-wrapped, and a summary that quotes one reflows it, so
+the quote's tokens differ from the prompt's at every line break (the prompt's "Stichting",
+newline, "Math" is "Stichting", " Math" quoted), and a copy of the prompt as it stands ends there.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +70,13 @@ class SuffixAutomaton:
 
     def add(self, tokens: Iterable[int]) -> None:
         """Add a document: its substrings become states, none spanning into another document."""
-        self.last = 0
+        self.begin()
         for token in tokens:
             self.extend(token)
+
+    def begin(self) -> None:
+        """Start a new document, which `extend` then grows token by token."""
+        self.last = 0
 
     def extend(self, token: int) -> None:
         """Append one token to the current document (the standard online construction, with
@@ -236,26 +246,53 @@ def depth_class(matched: int) -> int:
     return 1 << (min(matched, MAX_DEPTH).bit_length() - 1)
 
 
+class Reflow:
+    """A prompt as an output quotes it: its text with every run of whitespace one space,
+    tokenized again (see the module's docstring)."""
+
+    WHITESPACE = re.compile(r"\s+")
+
+    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]):
+        self.encode, self.decode = encode, decode
+
+    def __call__(self, prompt: list[int]) -> list[int]:
+        return self.encode(self.WHITESPACE.sub(" ", self.decode(prompt)))
+
+
 class SuffixDrafter:
-    """Proposes the best-scored continuation of each row's text from its own automaton (prompt
-    and output so far) and the corpus of earlier outputs; nothing where no match reaches
-    `min_match` tokens. No model pass. The policy sets how many of its tokens a row verifies,
-    from this drafter's acceptance measured per match depth and position.
+    """Proposes the best-scored continuation of each row's text from its own automaton (prompt,
+    output so far and, given `reflow`, the prompt reflowed) and the corpus of earlier outputs;
+    nothing where no match reaches `min_match` tokens. No model pass. The policy sets how many
+    of its tokens a row verifies, from this drafter's acceptance measured per match depth and
+    position.
     """
 
     name = SUFFIX
 
-    def __init__(self, max_tokens: int = 1 << 20, min_match: int = 1):
+    def __init__(
+        self,
+        max_tokens: int = 1 << 20,
+        min_match: int = 1,
+        reflow: Callable[[list[int]], list[int]] | None = None,
+    ):
         self.corpus = SuffixCorpus(max_tokens)
         self.min_match = min_match
+        self.reflow = reflow
         self._rows: list[SuffixAutomaton] = []
+        self._fed: list[int] = []  # tokens of each row's text its automaton holds
 
     def start(self, prompts: list[list[int]]) -> None:
-        self._rows = []
+        self._rows, self._fed = [], []
         self.admit(prompts)
 
     def admit(self, prompts: list[list[int]]) -> None:
-        self._rows += [SuffixAutomaton() for _ in prompts]
+        for prompt in prompts:
+            own = SuffixAutomaton()
+            if self.reflow is not None:
+                own.add(self.reflow(prompt))
+                own.begin()  # the row's text, a document of its own, grows from here
+            self._rows.append(own)
+            self._fed.append(0)
 
     def propose(
         self,
@@ -267,9 +304,10 @@ class SuffixDrafter:
         guess: list[int] | None = None,
     ) -> Proposal:
         tokens, depths = [], []
-        for own, seq in zip(self._rows, seqs):
-            for token in seq[own.tokens :]:
+        for row, (own, seq) in enumerate(zip(self._rows, seqs)):
+            for token in seq[self._fed[row] :]:
                 own.extend(token)
+            self._fed[row] = len(seq)
             found = self.lookup(own, seq, gamma)
             tokens.append(found.tokens if found else [])
             depths.append(depth_class(found.depth) if found else 0)
@@ -296,3 +334,4 @@ class SuffixDrafter:
         for output in finished:
             self.corpus.add(output)
         self._rows = [self._rows[r] for r in keep]
+        self._fed = [self._fed[r] for r in keep]

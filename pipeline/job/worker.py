@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from pipeline.spec import JobSpec
@@ -107,6 +108,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         eos_token_ids=eos_ids(tokenizer, pair.target),
         pad_token_id=pad_id(tokenizer, pair.target),
         decode_text=tokenizer.decode,
+        encode_text=partial(tokenizer.encode, add_special_tokens=False),
         vocab_size=pair.vocab_size,
         config=engine_config(spec, drafter),
     )
