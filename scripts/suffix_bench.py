@@ -6,8 +6,9 @@ Outputs are stand-ins: consecutive 128-token pieces of distinct docstrings of th
 standard library and the installed packages, tokenized with the installed pair's tokenizer, so
 their token ids and repetition are real English text's (model outputs repeat themselves more:
 this is the harder case for memory). Rows for the lookup timing are other docstrings: their
-first 400 tokens as the prompt, growing by their next 2 tokens a round (a typical tau), while
-`SuffixDrafter.propose` drafts up to 8 tokens for each row. Prints Markdown.
+first 400 tokens as the prompt (and, as in a job, the prompt reflowed), growing by their next 2
+tokens a round (a typical tau), while `SuffixDrafter.propose` drafts up to 8 tokens for each
+row. Prints Markdown.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import sysconfig
 import time
 import tracemalloc
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ from transformers import AutoTokenizer
 
 from pipeline.decode.engine import EngineConfig
 from pipeline.decode.sampling import SamplingParams
-from pipeline.decode.suffix import SuffixCorpus, SuffixDrafter
+from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
 from pipeline.models.pairs import cache_dir
 
 
@@ -80,16 +82,21 @@ def corpus_memory(outputs: list[list[int]], max_tokens: int) -> dict:
 
 
 def lookup_times(
-    corpus: SuffixCorpus, prompts: list[list[int]], continuations: list[list[int]], batch: int, rounds: int
+    corpus: SuffixCorpus,
+    reflow: Reflow,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    batch: int,
+    rounds: int,
 ):
     """Seconds per propose call (one round) for `batch` rows, over `rounds` rounds."""
-    drafter = SuffixDrafter(EngineConfig.suffix_max_tokens, EngineConfig.suffix_min_match)
+    drafter = SuffixDrafter(EngineConfig.suffix_max_tokens, EngineConfig.suffix_min_match, reflow)
     drafter.corpus = corpus
     greedy, generator = SamplingParams(), torch.Generator()
     seqs = [list(p) for p in prompts[:batch]]
-    drafter.start(seqs)
     first = time.perf_counter()
-    drafter.propose(seqs, 8, greedy, generator)  # builds each row's own automaton over its prompt
+    drafter.start(seqs)  # each row's automaton over its prompt reflowed, as a job's engine does
+    drafter.propose(seqs, 8, greedy, generator)  # and over its prompt
     first = time.perf_counter() - first
     times, drafted = [], 0
     for r in range(rounds):
@@ -149,6 +156,7 @@ def main() -> None:
                 f"{m['add_ms']:.2f}",
             )
         )
+    reflow = Reflow(partial(tokenizer.encode, add_special_tokens=False), tokenizer.decode)
     prompts = [d[:400] for d in held_out]
     continuations = [d[400:] for d in held_out]
     print()
@@ -163,7 +171,7 @@ def main() -> None:
     )
     print(row(*["---"] * 5))
     for batch in (1, 8):
-        first, times, drafted = lookup_times(full, prompts, continuations, batch, args.rounds)
+        first, times, drafted = lookup_times(full, reflow, prompts, continuations, batch, args.rounds)
         p95 = sorted(times)[int(0.95 * len(times))]
         print(
             row(
