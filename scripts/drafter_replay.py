@@ -7,11 +7,11 @@ fixed verify width, with no model pass and no timing.
 Greedy verification accepts the longest prefix of a draft that equals the target's own
 continuation, so once the target's outputs are known each drafter's rounds replay exactly: a
 round proposes up to W tokens, keeps their common prefix with the output, and adds the target's
-next token. The outputs are decoded once (our engine, prompt lookup, batch 4) and kept in
-`--cache`. Drafters start cold, or warm from the outputs of the `--warm-docs` documents after the
-measured ones. This isolates a drafter's quality from the policy and the machine: it is how
-the suffix drafter's reflowed prompt was found and weighed. `pipeline bench` measures the
-engine as it runs. Prints Markdown.
+next token. The outputs are decoded once (Hugging Face `generate` with its prompt lookup, batch
+1) and kept in `--cache`. Drafters start cold, or warm from the outputs of the `--warm-docs`
+documents after the measured ones. This isolates a drafter's quality from the policy and the
+machine: it is how the suffix drafter's reflowed prompt was found and weighed. `pipeline bench`
+measures the engine as it runs. Prints Markdown.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import bench_config, task_prompts
+from pipeline.bench import hf_generate, task_prompts
 from pipeline.decode.drafters import PromptLookupDrafter
-from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.suffix import Reflow, SuffixDrafter
 from pipeline.job.worker import eos_ids, pad_id
@@ -36,17 +35,10 @@ def target_outputs(pair_name: str, task: str, count: int, max_new: int) -> dict:
     """Prompts and the target's greedy outputs for the first `count` license sections."""
     pair = load_pair(*resolve_pair(pair_name), dtype="auto", device="auto")
     tok = pair.tokenizer
-    engine = SpeculativeEngine(
-        pair.target,
-        pair.draft,
-        eos_token_ids=eos_ids(tok, pair.target),
-        pad_token_id=pad_id(tok, pair.target),
-        vocab_size=pair.vocab_size,
-        config=bench_config("prompt_lookup", 0),
-    )
     prompts = task_prompts(tok, task, count, 384, "licenses")
-    rows, _ = engine.generate(prompts, max_new, drafter="prompt_lookup", batch_size=4)
-    return {"prompts": prompts, "outputs": [r.tokens for r in rows], "tokenizer": pair.target_ref.path}
+    eos, pad = eos_ids(tok, pair.target), pad_id(tok, pair.target)
+    outputs, _ = hf_generate(pair.target, prompts, max_new, eos, pad, prompt_lookup_num_tokens=10)
+    return {"prompts": prompts, "outputs": outputs, "tokenizer": pair.target_ref.path}
 
 
 def replay(drafter, prompts, outputs, width: int, warm: list[list[int]]) -> tuple[float, float, float]:
