@@ -145,7 +145,8 @@ def test_no_acceptance_probes_where_no_draft_could_pay(case, costs, prefill, pro
     # keep these costs: the tiny model's own passes take milliseconds, and mixing them in would
     # make (say) 3 rows × 2 tokens look as cheap as the measured 6 rows × 1 token
     engine.costs.target.smoothing = engine.costs.draft.smoothing = engine.costs.smoothing = 0.0
-    engine.policy.model_rate.drafted = 1e6  # a draft that is never accepted: target-only
+    engine.policy.model_rates.tried = [1e6] * 8  # a draft that is never accepted: target-only
+    engine.policy.model_rates.accepted = [0.0] * 8
     outputs, batch = engine.generate(prompts, MAX_NEW, drafter="draft_model")
     assert [o.tokens for o in outputs] == refs
     assert engine.costs.target.points == seeded, "the test's costs held, whatever this machine's"

@@ -128,14 +128,25 @@ class AcceptanceByPosition:
                 self.tried[j] += 1
                 self.accepted[j] += j < accepted
 
-    def survival(self, drafts: int) -> list[float]:
-        """P(a row verifying `drafts` drafts gains at least k tokens), k = 1..drafts+1."""
-        chances, p, rate = [1.0], 1.0, self.prior
+    def rates(self, drafts: int) -> list[float]:
+        """The chance that the j-th draft is accepted when the ones before it were, j < drafts."""
+        out, rate = [], self.prior
         for j in range(drafts):
             if j < len(self.tried):
                 rate = (self.accepted[j] + rate * self.weight) / (self.tried[j] + self.weight)
-            p *= min(rate, 0.99)
-            chances.append(p)
+            out.append(min(rate, 0.99))
+        return out
+
+    def rate(self, position: int) -> float:
+        """The chance that a draft at `position` (0: a row's first) is accepted when the ones
+        before it were."""
+        return self.rates(position + 1)[-1]
+
+    def survival(self, drafts: int) -> list[float]:
+        """P(a row verifying `drafts` drafts gains at least k tokens), k = 1..drafts+1."""
+        chances = [1.0]
+        for rate in self.rates(drafts):
+            chances.append(chances[-1] * rate)
         return chances
 
 

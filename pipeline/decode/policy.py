@@ -82,17 +82,17 @@ class Policy:
     config: EngineConfig
     costs: CostModel
     target: BatchedLM  # prices a pass by its rows' lengths (`pass_tokens`)
-    # The draft model's acceptance per drafted token.
-    model_rate: RunningRate = field(default_factory=lambda: RunningRate(prior=0.6))
+    # The draft model's acceptance by position: how often its j-th draft is accepted when the
+    # ones before it were. Measured as the copies' is, so that the two compare fairly: accepted
+    # per drafted token would count the drafts after a row's first miss as misses, when the
+    # target never tested them, and price the draft model below copies that do no better.
+    model_rates: AcceptanceByPosition = field(default_factory=lambda: AcceptanceByPosition(prior=0.6))
     # A copy's acceptance per source and match depth, and per position in the copy, since a
-    # copy that has begun to match tends to go on matching (`AcceptanceByPosition`).
+    # copy that has begun to match tends to go on matching.
     copy_rates: dict[tuple[str, int], AcceptanceByPosition] = field(default_factory=dict)
     # How often a row runs to max_new_tokens rather than ending at EOS or a stop string: a
     # draining batch's end is set by the row with most tokens left only when rows run that far.
     runs_to_limit: RunningRate = field(default_factory=lambda: RunningRate(prior=0.5, weight=4.0))
-    # How often a draft-model token is accepted when every draft before it in its row was:
-    # what drafting one more token is worth (see `draft_length`).
-    draft_next: RunningRate = field(default_factory=lambda: RunningRate(prior=0.6))
     _rounds_without_model: int = 0
     _rounds_without_copies: int = 0
     _rounds_since_plain: int = 0
@@ -106,12 +106,8 @@ class Policy:
     def observe(self, outcomes: dict[tuple[str, int], list[tuple[int, int]]]) -> None:
         """One round's verified drafts, (accepted, drafted) per row, by (source, depth)."""
         for (source, depth), rows in outcomes.items():
-            if source == DRAFT_MODEL:
-                self.model_rate.observe(rows)
-                # the drafts the target tested: the accepted ones and the first miss
-                self.draft_next.observe([(a, min(a + 1, d)) for a, d in rows])
-            else:
-                self.copy_rate(source, depth).observe(rows)
+            rates = self.model_rates if source == DRAFT_MODEL else self.copy_rate(source, depth)
+            rates.observe(rows)
 
     def choose(self, options: RoundOptions) -> Choice:
         """Pick the copy cap and the draft-model gamma that maximize expected tokens/s.
@@ -141,7 +137,7 @@ class Policy:
             # observed, and a value inflated by one slow spell would keep speculation looking good.
             self._rounds_since_plain = 0
             return plain
-        cap, gamma, sources = self.best(options, self.model_rate.value)
+        cap, gamma, sources = self.best(options, self.model_rates.survival(gamma_cap))
         if options.use_model and gamma == 0 and None in sources:
             self._rounds_without_model += 1
             if self._rounds_without_model >= self.config.probe_every:
@@ -152,7 +148,8 @@ class Policy:
                 # poor acceptance found by the probe may never repay: it may risk only a share.
                 plain_left = options.remaining / rows * self.costs.target_time(rows)
                 affordable = options.catch_up <= self.config.probe_budget * plain_left
-                if affordable and self.best(options, self.config.probe_alpha).gamma:
+                hopeful = iid_survival(self.config.probe_alpha, gamma_cap)
+                if affordable and self.best(options, hopeful).gamma:
                     gamma, sources = 1, [s or DRAFT_MODEL for s in sources]
         copying = any(s not in (None, DRAFT_MODEL) for s in sources)
         if gamma == 0 and not copying and any(options.offers):
@@ -178,7 +175,8 @@ class Policy:
         `best` prices gamma as if every draft were accepted with the same chance. The draft
         model knows better token by token: a row whose drafts so far are all accepted with
         chance P (the product of the draft's confidences) gains P·α more tokens from one more
-        draft, α being how often a draft is accepted after accepted ones (`draft_next`).
+        draft, α being how often a draft at the row's next position is accepted after accepted
+        ones (`model_rates`).
         That gain is worth its seconds at the rate rounds have been making tokens; one more
         pass costs a draft step, and each row that goes on one more verify token. So drafting
         goes long while the draft is sure and stops at its first doubt.
@@ -193,7 +191,6 @@ class Policy:
         if steps <= 1 or token_value is None:
             return gamma, None
         step_seconds = self.costs.draft_time(rows) or 0.0
-        chance_next = self.draft_next.value
         copied = [min(options.offered(i, s), cap) for i, s in enumerate(sources)]
         model_rows = [i for i, s in enumerate(sources) if s == DRAFT_MODEL]
 
@@ -204,15 +201,16 @@ class Policy:
             for i in model_rows:
                 wider = lengths[:i] + [lengths[i] + 1] + lengths[i + 1 :]
                 verify_token = max(self.costs.target_time(self.target.pass_tokens(wider)) - now, 0.0)
-                gain = chances[i] * chance_next * token_value - verify_token
+                gain = chances[i] * self.model_rates.rate(drafted[i]) * token_value - verify_token
                 if gain > 0:
                     going[i], net = True, net + gain
             return going if net > step_seconds else [False] * rows
 
         return steps, keep
 
-    def best(self, options: RoundOptions, a_model: float) -> Choice:
-        """The choice of `choose` with the draft model accepting at rate `a_model`.
+    def best(self, options: RoundOptions, from_model: list[float]) -> Choice:
+        """The choice of `choose` when the draft model, drafting k tokens, gains at least j of
+        them with chance `from_model[j]` (j = 0..gamma_cap, see `AcceptanceByPosition.survival`).
 
         Each row takes the source worth most to it: expected tokens, less what its extra verify
         tokens cost at the best rate so far. In a padded pass (a GPU) the verify tokens are
@@ -239,8 +237,7 @@ class Policy:
         leads = [max(budgets) - b for b in budgets] if budgets else [0] * rows
         best = Choice(0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
-        # P(at least k tokens) by drafts verified: the draft model's i.i.d., each copy's by position
-        from_model = iid_survival(a_model, gamma_cap)
+        # P(at least k tokens) by drafts verified, by position for the draft model and each copy
         from_copies = [
             [(o, self.copy_rate(o.source, o.depth).survival(min(o.tokens, gamma_cap))) for o in row_offers]
             for row_offers in offers
