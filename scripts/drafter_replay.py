@@ -2,7 +2,7 @@
 fixed verify width, with no model pass and no timing.
 
     python scripts/drafter_replay.py [--task summarize] [--docs 8] [--warm-docs 8]
-        [--max-new-tokens 128] [--widths 4,8,16] [--cache outputs.json]
+        [--max-new-tokens 128] [--widths 4,8,16] [--cache outputs.json] [--calibration CAL.json]
 
 Greedy verification accepts the longest prefix of a draft that equals the target's own
 continuation, so once the target's outputs are known each drafter's rounds replay exactly: a
