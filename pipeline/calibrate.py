@@ -188,6 +188,8 @@ def measure(
         prefill[role] = seconds / fed
         lm.reset(0)  # the caches' memory back before the next model's
     target, draft = passes["target"], passes.get("draft")
+    weight_bytes = {role: streamed.weight_bytes(getattr(loaded, role)) for role in roles}
+    first = {"target": target, "draft": draft}
     return {
         "format": CALIBRATION_FORMAT,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -209,6 +211,11 @@ def measure(
         "target_pass_seconds_by_batch": target,
         "draft_step_seconds_by_batch": draft,
         "prefill_seconds_per_token": prefill,
+        # what a pass reads and how fast it read it at width 1, batch 1 (as gpt-fast's
+        # "bandwidth achieved"): weight bytes over the pass's seconds
+        "weights": getattr(loaded, "weights", "dense"),
+        "weight_bytes": weight_bytes,
+        "bandwidth_gb_s": {role: weight_bytes[role] / first[role]["1"]["1"] / 1e9 for role in roles},
         "predicted_speedup": predictions(target["1"], draft["1"]) if draft else None,
         "predicted_speedup_by_batch": (
             {batch: predictions(target[batch], draft[batch]) for batch in target} if draft else None
@@ -237,6 +244,7 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         "batch_invariant": loaded.batch_invariant,
         "draft_int8": loaded.draft_int8,
         "streamed": bool(getattr(loaded, "streamed", False)),
+        "weights": getattr(loaded, "weights", "dense"),
         # a changed kernel source changes what a pass costs
         "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16] if loaded.streamed else None,
         "torch": torch.__version__,
@@ -288,6 +296,16 @@ def format_table(result: dict[str, Any]) -> str:
     if result["draft_step_seconds_by_batch"]:
         grid("draft pass", result["draft_step_seconds_by_batch"])
     rates = result["prefill_seconds_per_token"]
+    if result.get("weight_bytes"):
+        lines.append("")
+        lines.append(
+            f"weights read per pass ({result.get('weights', 'dense')}), "
+            "bandwidth achieved at width 1, batch 1: "
+            + ", ".join(
+                f"{role} {size / 1e9:.2f} GB at {result['bandwidth_gb_s'][role]:.1f} GB/s"
+                for role, size in result["weight_bytes"].items()
+            )
+        )
     lines.append("")
     lines.append(
         "prefill per token: "

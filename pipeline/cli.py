@@ -546,6 +546,13 @@ def bench(
 @click.option("--context", default=400, show_default=True, help="Cached tokens per row under every pass.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
+@click.option(
+    "--weights",
+    type=click.Choice(["auto", "gguf-blocks", "dense"]),
+    default="auto",
+    show_default=True,
+    help="The target's weights (as models.weights in a job spec).",
+)
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")
 @click.option("--out", "out_path", help="Also write the JSON to this file.")
@@ -557,7 +564,7 @@ def bench(
     help="Also write a Markdown record (command, machine, table), e.g. docs/benchmarks/NAME.md, "
     "with the JSON beside it unless --out says where.",
 )
-def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out_path, report_path):
+def calibrate(pair, batches, widths, context, dtype, threads, weights, runs, as_json, out_path, report_path):
     """Measure what target passes and draft steps cost here, as a job would run them.
 
     Loads the pair as a job's actor does and times, with the engine's own runner, a target
@@ -593,7 +600,7 @@ def calibrate(pair, batches, widths, context, dtype, threads, runs, as_json, out
         check_settings(batches, widths, context, runs)
         target, draft = resolve_pair(pair)
         # as a job's actor loads it (pipeline/job/worker.py with a spec's default models fields)
-        loaded = load_pair(target, draft, dtype=dtype, device="auto")
+        loaded = load_pair(target, draft, dtype=dtype, device="auto", weights=weights)
         result = measure(loaded, batches, widths, context, runs, pair_name=pair)
     except (ModelError, ValueError) as exc:
         click.echo(f"pipeline calibrate: {exc}", err=True)

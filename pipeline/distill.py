@@ -620,6 +620,7 @@ def distill(
         trust_remote_code=models.trust_remote_code,
         batch_invariant=models.batch_invariant,
         draft_int8=models.draft_int8,
+        weights=models.weights,
     )
     after, _ = load_draft(
         new_draft,

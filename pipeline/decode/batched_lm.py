@@ -37,6 +37,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from pipeline.decode import packing
+from pipeline.models import invariant
 from pipeline.models.streamed import StreamedLinear
 
 # A common start shorter than this is not worth keeping as a template (a BOS token, one word).
@@ -99,6 +100,17 @@ class BatchedLM:
         self.cache_keyword = _cache_keyword(model)
         self.reset(0)
 
+    def _new_cache(self) -> DynamicCache:
+        """An empty cache. A model whose attention runs in float64 (`invariant`) gets its keys and
+        values stored in float64 as they arrive, rather than the whole cache converted again in
+        every pass (13 of a 130 ms pass of the 1.5B target at 400 cached tokens): the same values,
+        so the same bits."""
+        cache = DynamicCache(config=self.model.config)
+        if getattr(self.model.config, "_attn_implementation", None) == invariant.NAME:
+            for layer in cache.layers:
+                layer.update = _in_float64(layer.update)
+        return cache
+
     def restrict_head(self, rows: torch.Tensor | None) -> None:
         """Compute logits only for the token ids `rows` (others get -inf); None: all of them.
 
@@ -120,7 +132,7 @@ class BatchedLM:
 
     def reset(self, batch_size: int) -> None:
         """Start an empty cache for `batch_size` rows."""
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._new_cache()
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=self.device)
         self.tokens: list[list[int]] = [[] for _ in range(batch_size)]
         self.slots: list[list[int]] = [[] for _ in range(batch_size)]
@@ -276,7 +288,7 @@ class BatchedLM:
         """Lay groups' caches side by side, each right-padded with invalid slots to the widest."""
         width = max(mask.shape[1] for _, mask, _, _ in states)
         pad = torch.nn.functional.pad
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self._new_cache()
         for index in range(len(states[0][0].layers)):
             layers = [cache.layers[index] for cache, _, _, _ in states]  # [rows, heads, slots, dim]
             keys = torch.cat([pad(la.keys, (0, 0, 0, width - la.keys.shape[2])) for la in layers])
@@ -390,6 +402,13 @@ class BatchedLM:
             idx = gather[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[-1])
             layer.values = layer.values.gather(2, idx)
         self.mask = mask.to(self.device)
+
+
+def _in_float64(update):
+    def widened(keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        return update(keys.double(), values.double(), *args, **kwargs)
+
+    return widened
 
 
 def _plain_head(model: PreTrainedModel) -> bool:

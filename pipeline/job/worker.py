@@ -99,6 +99,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         trust_remote_code=spec.models.trust_remote_code,
         batch_invariant=spec.models.batch_invariant,
         draft_int8=spec.models.draft_int8,
+        weights=spec.models.weights,
     )
     tokenizer = pair.tokenizer
     drafter = spec.drafter.kind

@@ -11,6 +11,8 @@
 3. Convert once: load the GGUF with transformers (dequantized to bf16), save the weights as
    safetensors plus the config without its `quantization_config`, the generation config, and the
    tokenizer built from the GGUF. The saved directory is reloaded and compared tensor by tensor.
+   The GGUF's own blocks of the Linear weights are kept beside them (`gguf_blocks.keep_blocks`,
+   checked against the bf16 weights) for the CPU kernel that streams them.
 4. Everything happens in a temporary directory inside the cache, renamed into place at the end;
    the completion marker `.complete` (JSON: versions, sizes, sha256) is written last. An install
    whose marker is present and matches the pin table is skipped; anything else is redone.
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import click
 
+from .gguf_blocks import keep_blocks
 from .pairs import (
     LOCAL_PAIR_FILE,
     LOCAL_PAIR_FORMAT,
@@ -58,6 +61,7 @@ from .pairs import (
     local_pair_dir,
     local_pair_names,
     marker_problem,
+    read_marker,
     resolve_local_pair,
 )
 
@@ -301,6 +305,18 @@ def convert_gguf(
     return timings
 
 
+def _blocks_summary(report: dict) -> str:
+    """`keep_blocks`' report in a line: what was kept, what stays dense and why."""
+    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(report["kept"].items())) or "no"
+    parts = [f"{kept} Linear weights ({report['bytes'] / 1e9:.2f} GB)"]
+    if report["dense"]:
+        types = ", ".join(f"{n} {kind}" for kind, n in sorted(report["dense"].items()))
+        parts.append(f"dense: {types} (types the kernel does not read)")
+    if report["mismatch"]:
+        parts.append(f"dense: {len(report['mismatch'])} whose blocks did not match the bf16 weights")
+    return "; ".join(parts)
+
+
 # --------------------------------------------------------------------------------------------
 # install
 
@@ -378,6 +394,8 @@ def install_pair(
 
     with _install_lock(root, spec.name):
         problem = marker_problem(spec, final)
+        if problem is None and "blocks" not in (read_marker(final / MARKER_NAME) or {}):
+            problem = "installed without its GGUF blocks (by an older version)"
         if problem is None and not force:
             _log(f"{spec.name} is already installed at {final}")
             return final
@@ -390,6 +408,7 @@ def install_pair(
         t0 = time.perf_counter()
         work = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=root))
         timings: dict[str, dict[str, float]] = {}
+        blocks: dict[str, dict] = {}
         try:
             for role, parts in spec.models.items():
                 t = time.perf_counter()
@@ -400,6 +419,10 @@ def install_pair(
                 shutil.rmtree(work / "wheels", ignore_errors=True)
                 timings[role] = {"download_s": time.perf_counter() - t}
                 timings[role].update(convert_gguf(gguf, work / role, progress=progress))
+                t = time.perf_counter()
+                blocks[role] = keep_blocks(gguf, work / role)
+                timings[role]["blocks_s"] = time.perf_counter() - t
+                _log(f"{role}: kept the GGUF blocks of {_blocks_summary(blocks[role])}")
                 if not keep_gguf:
                     gguf.unlink()
 
@@ -412,7 +435,7 @@ def install_pair(
             _write_marker(
                 final / MARKER_NAME,
                 spec,
-                {"timings": timings, "total_s": round(time.perf_counter() - t0, 1)},
+                {"timings": timings, "blocks": blocks, "total_s": round(time.perf_counter() - t0, 1)},
             )
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)

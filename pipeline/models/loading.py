@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 import torch
 
 from . import draft_int8 as int8_draft
-from . import invariant, streamed
+from . import gguf_blocks, invariant, streamed
 from .pairs import (
     ConfigError,
     ModelError,
@@ -283,6 +283,10 @@ class LoadedPair:
     batch_invariant: bool = False
     draft_int8: bool = False
     streamed: bool = False
+    # "gguf-blocks" when the target's Linear layers read its GGUF blocks (`block_layers` of each
+    # type), else "dense"
+    weights: str = "dense"
+    block_layers: dict[str, int] = field(default_factory=dict)
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -319,6 +323,8 @@ class LoadedPair:
             "batch_invariant": self.batch_invariant,
             "draft_int8": self.draft_int8,
             "streamed_linears": self.streamed,
+            "weights": self.weights,
+            "block_layers": self.block_layers,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -397,6 +403,39 @@ def load_draft(
     return model, _quantize(model, dtype, device, draft_int8)
 
 
+WEIGHTS = ("auto", "gguf-blocks", "dense")
+
+
+def _target_blocks(target: ModelRef, weights: str, dtype, device: str) -> dict | None:
+    """The target's GGUF blocks where `weights` asks for them and this machine can stream them
+    (None: dense weights). `auto` takes them where the target keeps blocks and float32 runs on a
+    CPU with the streamed kernel; `gguf-blocks` insists, with an error that says what is missing."""
+    if weights not in WEIGHTS:
+        raise InvalidOptionError(f"unknown weights {weights!r}; use {', '.join(WEIGHTS)}")
+    if weights == "dense":
+        return None
+    try:
+        src, is_local = _source(target, "model", ("config.json",))
+    except ModelLoadError:
+        src, is_local = "", False
+    blocks = gguf_blocks.read_blocks(src) if is_local else None
+    usable = device == "cpu" and dtype == torch.float32 and streamed.library() is not None
+    if weights == "gguf-blocks":
+        if not blocks:
+            raise ModelError(
+                f"models.weights is gguf-blocks, but {target.display!r} keeps no GGUF blocks "
+                f"({gguf_blocks.FILE}): install it again with `pipeline models install NAME` "
+                "(installs before this version did not keep them), or use weights: dense"
+            )
+        if not usable:
+            raise ModelError(
+                "models.weights gguf-blocks runs float32 activations on a CPU with AVX2 and a C++ "
+                f"compiler; here: {device}, {str(dtype).removeprefix('torch.')}"
+                + ("" if streamed.library() else ", no kernel")
+            )
+    return blocks if usable else None
+
+
 def load_pair(
     target: ModelRef,
     draft: ModelRef | None,
@@ -407,6 +446,7 @@ def load_pair(
     batch_invariant: bool | None = None,
     draft_int8: bool | None = None,
     streamed_linears: bool | None = None,
+    weights: str = "auto",
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -420,9 +460,16 @@ def load_pair(
     whose cost hardly grows with the tokens in a pass, and which are row-invariant by
     construction, so that batch invariance comes with them (see `pipeline.models.streamed`);
     the draft gets them too, with int8 weights unless `draft_int8` is False.
+    `weights` (`auto`, `gguf-blocks`, `dense`): whether the target's Linear layers stream the
+    GGUF blocks its install kept (see `_target_blocks`); gguf-blocks with dtype auto runs float32.
     """
     device = resolve_device(device)
+    if weights == "gguf-blocks" and dtype in (None, "auto") and device == "cpu":
+        dtype = torch.float32  # the block kernel's activations
     torch_dtype = resolve_dtype(dtype, device)
+    blocks = _target_blocks(target, weights, torch_dtype, device)
+    if streamed_linears is False and weights != "gguf-blocks":
+        blocks = None  # blocks stream through the same kernel
     if streamed_linears is None:
         streamed_linears = streamed.wanted(torch_dtype, device)
     elif streamed_linears and not (device == "cpu" and torch_dtype == torch.float32 and streamed.library()):
@@ -439,8 +486,10 @@ def load_pair(
     target_model = load_model(target, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     times["target_s"] = time.perf_counter() - t
     _check_embeddings(target_model, tokenizer, target, "target")
+    block_layers = streamed.use_blocks(target_model, blocks) if blocks else {}
+    del blocks
     if streamed_linears:
-        streamed.stream_linears(target_model)
+        streamed.stream_linears(target_model)  # the Linear layers the blocks did not replace
     if batch_invariant:
         invariant.make_batch_invariant(target_model)
         if device == "cpu" and not streamed_linears and not invariant.linear_is_row_invariant(torch_dtype):
@@ -473,5 +522,7 @@ def load_pair(
         batch_invariant=batch_invariant,
         draft_int8=bool(draft_model is not None and draft_int8),
         streamed=streamed_linears,
+        weights="gguf-blocks" if block_layers else "dense",
+        block_layers=block_layers,
         load_seconds=times,
     )

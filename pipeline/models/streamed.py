@@ -13,6 +13,10 @@ Every output element is one fixed chain of float operations on its weight row an
 so a row's logits are bitwise the same whatever the width of the pass or the other rows in
 it: with the float64 attention of `invariant`, the target is batch-invariant in float32 too.
 
+Where a model directory keeps its GGUF file's own blocks (`gguf_blocks`), `BlockLinear` streams
+those instead: about a third of the bf16 bytes, each weight rebuilt in registers from its 4- or
+6-bit code and its block's scales, in float32 and row-invariant like the rest.
+
 The kernel is compiled with the system's C++ compiler on first use and cached under the
 pipeline's cache directory. Where that cannot happen (no compiler, no AVX2/FMA, not x86) the
 model keeps PyTorch's kernels and one log line says why.
@@ -29,7 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -99,6 +103,15 @@ def library() -> ctypes.CDLL | None:
         return None
     for name in ("pack_f32", "pack_bf16", "pack_i8"):
         getattr(lib, name).argtypes = [_POINTER, _INT, _INT, _INT, _INT, _POINTER]
+    lib.pack_q4k.argtypes = [_POINTER, _INT, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER]
+    lib.pack_q6k.argtypes = [_POINTER, _INT, _INT, _INT, _INT, _POINTER]
+    for name in ("packed_bytes_q4k", "packed_bytes_q6k"):
+        getattr(lib, name).argtypes = [_INT, _INT]
+        getattr(lib, name).restype = _INT
+    # x, rows, in, weights, out, [dmin, mins,] bias, y, block rows, k slice, threads
+    head, tail = [_POINTER, _INT, _INT, _POINTER, _INT], [_POINTER, _POINTER, _INT, _INT, ctypes.c_int]
+    lib.linear_q4k.argtypes = [*head, _POINTER, _POINTER, *tail]
+    lib.linear_q6k.argtypes = [*head, *tail]
     for name in ("linear_f32", "linear_bf16", "linear_i8"):
         getattr(lib, name).argtypes = [
             _POINTER,
@@ -161,21 +174,132 @@ class StreamedLinear(nn.Module):
         self.register_buffer("bias", bias)
         self._product = getattr(library(), f"linear_{kind}")
 
+    def _weights(self) -> list:
+        """The kernel's arguments between the output width and the output (see `linear_*`)."""
+        return [self.scale.data_ptr() if self.scale is not None else None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise TypeError(f"StreamedLinear takes float32 CPU inputs, got {x.dtype} on {x.device}")
+            raise TypeError(f"{type(self).__name__} takes float32 CPU inputs, got {x.dtype} on {x.device}")
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
         self._product(
             rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
-            self.scale.data_ptr() if self.scale is not None else None,
-            self.bias.data_ptr() if self.bias is not None else None,
+            *self._weights(), self.bias.data_ptr() if self.bias is not None else None,
             out.data_ptr(), self.block_rows, K_SLICE, torch.get_num_threads(),
         )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a pass reads for this layer's weights (what `pipeline calibrate` divides by time)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}"
+
+
+# The GGUF block types the kernel reads, by their names there.
+BLOCK_KINDS = {"Q4_K": "q4k", "Q6_K": "q6k"}
+SUPER_BLOCK = 256  # weights of a row per Q4_K / Q6_K super-block
+_GGUF_BYTES = {"Q4_K": 144, "Q6_K": 210}  # a super-block of one row, in the file
+
+
+class BlockLinear(StreamedLinear):
+    """A Linear whose weight is a GGUF file's own Q4_K or Q6_K blocks (`gguf_blocks`), repacked
+    once for `streamed_linear.cpp`, which rebuilds each weight from its code and its block's
+    scales in registers: the blocks' own values in float32, about a third of the bf16 bytes.
+    Row-invariant like every kind of the kernel. `blocks` is uint8 [out_features, bytes per row]
+    as the GGUF file has them; `in_features` must be a multiple of 256."""
+
+    def __init__(
+        self, blocks: torch.Tensor, gguf_type: str, in_features: int, bias: torch.Tensor | None = None
+    ):
+        nn.Module.__init__(self)
+        lib = library()
+        kind = BLOCK_KINDS[gguf_type]
+        rows, columns = blocks.shape
+        if in_features % SUPER_BLOCK or columns != in_features // SUPER_BLOCK * _GGUF_BYTES[gguf_type]:
+            raise ValueError(
+                f"{gguf_type} blocks [{rows}, {columns}] do not hold rows of {in_features} weights"
+            )
+        self.out_features, self.in_features, self.kind = rows, in_features, kind
+        size = getattr(lib, f"packed_bytes_{kind}")(rows, in_features)
+        per_row = size // ((rows + 7) // 8 * 8)
+        self.block_rows = max(8, min(MAX_BLOCK_ROWS, BLOCK_BYTES // per_row) // 8 * 8)
+        source = blocks.contiguous()
+        packed = torch.empty(size, dtype=torch.uint8)
+        if kind == "q4k":  # the mins apart: the epilogue reads them (see the kernel)
+            dmin = torch.empty(rows * in_features // SUPER_BLOCK)
+            mins = torch.empty(rows * in_features // 32, dtype=torch.uint8)
+            lib.pack_q4k(source.data_ptr(), rows, in_features, self.block_rows, K_SLICE, packed.data_ptr(),
+                         dmin.data_ptr(), mins.data_ptr())  # fmt: skip
+            self.register_buffer("dmin", dmin)
+            self.register_buffer("mins", mins)
+        else:
+            lib.pack_q6k(source.data_ptr(), rows, in_features, self.block_rows, K_SLICE, packed.data_ptr())
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._product = getattr(lib, f"linear_{kind}")
+
+    def _weights(self) -> list:
+        return [self.dmin.data_ptr(), self.mins.data_ptr()] if self.kind == "q4k" else []
+
+
+@cache
+def _reads_right(gguf_type: str, sample: bytes) -> bool:
+    """Does the kernel read `gguf_type` blocks as gguf's own dequantization does? Checked on a
+    strip of 8 rows of one super-block (`sample`) of the model's own blocks, fed one-hot rows:
+    each output is then one weight, which must equal gguf's value bit for bit."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[gguf_type]
+    raw = torch.frombuffer(bytearray(sample), dtype=torch.uint8).view(8, -1)
+    expected = torch.from_numpy(quants.dequantize(raw.numpy(), qtype).reshape(8, SUPER_BLOCK))
+    got = BlockLinear(raw, gguf_type, SUPER_BLOCK)(torch.eye(SUPER_BLOCK)).T
+    return torch.equal(got, expected)
+
+
+def use_blocks(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Replace each Linear of `model` whose weight has blocks of a type the kernel reads (see
+    `gguf_blocks.read_blocks`) by a BlockLinear, in place; returns how many of each type. A type
+    whose blocks the kernel does not read as gguf does (`_reads_right`) stays dense, with a
+    warning."""
+    trusted: dict[str, bool] = {}
+    used: dict[str, int] = {}
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            key = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
+            if not isinstance(child, nn.Linear) or key not in blocks:
+                continue
+            gguf_type, raw = blocks[key]
+            if gguf_type not in BLOCK_KINDS or tuple(raw.shape)[0] != child.out_features:
+                continue
+            if child.in_features % SUPER_BLOCK or raw.shape[0] < 8:
+                continue
+            if gguf_type not in trusted:
+                sample = raw[:8, : _GGUF_BYTES[gguf_type]].contiguous().numpy().tobytes()
+                trusted[gguf_type] = _reads_right(gguf_type, sample)
+                if not trusted[gguf_type]:
+                    log.warning(
+                        "the block kernel does not read %s blocks as gguf does: they stay dense", gguf_type
+                    )
+            if trusted[gguf_type]:
+                setattr(parent, name, BlockLinear(raw, gguf_type, child.in_features, child.bias))
+                used[gguf_type] = used.get(gguf_type, 0) + 1
+    return used
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights a pass of `model` reads: its Linear layers' (streamed, blocks or torch's),
+    not the input embeddings, of which a pass reads a few rows."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, StreamedLinear):
+            total += module.weight_bytes
+        elif isinstance(module, nn.Linear):
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
 
 
 def wanted(dtype: torch.dtype, device: str) -> bool:

@@ -13,7 +13,8 @@
 // -ffast-math so that the compiler keeps that chain as written.
 //
 // Weights are float32, or bfloat16 widened to float32 in registers (exact: a bf16 is the top
-// half of a float32), which halves the bytes a memory-bound pass reads.
+// half of a float32), which halves the bytes a memory-bound pass reads, or a GGUF file's own
+// Q4_K / Q6_K blocks (see "GGUF blocks" below), a third of the bf16 bytes.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -21,6 +22,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace {
 
@@ -147,6 +150,398 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
     }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// GGUF blocks. A Q4_K super-block holds 256 weights of a row as 4-bit codes q with, per
+// sub-block j of 32, a 6-bit scale sc_j and min m_j, and two fp16 factors d and dmin: its
+// weights are d*sc_j * q - dmin*m_j. A Q6_K super-block: 6-bit codes, an int8 scale per 16
+// weights and one fp16 d: d*sc_j * (q - 32).
+//
+// The numbers of the block path are the blocks' own, in float32: a = d*sc_j is exact (11 + 8
+// bits), and so is a*q for Q4_K (+ 4 bits), so a Q4_K product is sum_k fma(a*q, x) in the chain
+// above, minus sum_j dmin*m_j * X_j, where X_j is the sum of x over sub-block j (computed once
+// per token row and call). Q6_K's a*q rounds as gguf's own dequantization rounds it. Either way
+// a row's chain does not depend on the pass, so the path is row-invariant.
+//
+// Packed (by `pack_q4k` / `pack_q6k`) per block of rows, k slice and strip of 8 rows (4 pairs),
+// one super-block after another. A strip's super-block:
+//   Q4_K: 4 headers (float d[2]; uint8 sc[2][8]: 24 bytes, one per pair), then per sub-block of
+//         32 k the 4 pairs' 32 bytes, each byte the codes of a pair's two rows at one k (row o
+//         low nibble, o+1 high) in the order `nibble_k` gives, so that one byte shuffle per 8 k
+//         puts them into float lanes in k order: 1120 bytes (4.375 bits a weight; the mins
+//         live apart, `dmin[o][K/256]` and `m[o][K/32]`, read by the epilogue only).
+//   Q6_K: 4 headers (float d[2]; int8 sc[2][16]: 40 bytes), then per group of 8 k the 4 pairs'
+//         16 bytes, 8 codes (q - 32, as int8) of row o and 8 of row o+1: 2208 bytes (8 bits a
+//         weight rather than 6.56, for one widening per 8 weights).
+// A pass of one token row reads a strip as one stream with its 8 outputs' chains in flight
+// together (with 2, the core would mostly wait on their latency); wider passes read it again
+// from L1, a pair at a time. Wide passes (prefills) decode a group of rows once into float32
+// pairs (the `f32` layout) in a per-thread scratch and run `micro` over it, tile after tile: the
+// same values in the same chain, so a row's bits do not depend on which way its pass went.
+
+constexpr int64_t QK = 256, STRIP = 8;
+constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, in the file
+constexpr int DIRECT_MAX = 4;                      // wider passes decode into scratch
+constexpr int64_t SCRATCH_BYTES = 256 * 1024;
+
+// byte b of a packed Q4_K sub-block holds the codes of k = nibble_k(b) (0..31): the byte
+// shuffle of group g takes bytes 4g..4g+3 of each 128-bit lane into its 8 float lanes
+inline int nibble_k(int b) { return 8 * ((b % 16) / 4) + 4 * (b / 16) + b % 4; }
+
+#define GROUP_LANE(g) 4 * g, -128, -128, -128, 4 * g + 1, -128, -128, -128, 4 * g + 2, -128, -128, -128, 4 * g + 3, -128, -128, -128
+alignas(32) const int8_t GROUP_MASKS[4][32] = {{GROUP_LANE(0), GROUP_LANE(0)}, {GROUP_LANE(1), GROUP_LANE(1)},
+                                               {GROUP_LANE(2), GROUP_LANE(2)}, {GROUP_LANE(3), GROUP_LANE(3)}};
+#undef GROUP_LANE
+
+float half_to_float(uint16_t h) {  // exact; for packing only
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0 && man == 0) {
+        bits = sign;
+    } else if (exp == 0) {  // subnormal: renormalise
+        int shift = 0;
+        uint32_t m = man;
+        while ((m & 0x400) == 0) {
+            m <<= 1;
+            ++shift;
+        }
+        bits = sign | ((127 - 15 + 1 - shift) << 23) | ((m & 0x3FF) << 13);
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// The codes, scales and mins of one Q4_K super-block of one row, as ggml's get_scale_min_k4.
+void q4k_fields(const uint8_t* blk, float& d, float& dmin, uint8_t sc[8], uint8_t m[8], uint8_t q[256]) {
+    d = half_to_float(static_cast<uint16_t>(blk[0] | blk[1] << 8));
+    dmin = half_to_float(static_cast<uint16_t>(blk[2] | blk[3] << 8));
+    const uint8_t* s = blk + 4;
+    for (int j = 0; j < 8; ++j) {
+        sc[j] = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        m[j] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    const uint8_t* qs = blk + 16;
+    for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+            q[64 * c + l] = qs[32 * c + l] & 0xF;
+            q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+}
+
+void q6k_fields(const uint8_t* blk, float& d, int8_t sc[16], int8_t q[256]) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    std::memcpy(sc, blk + 192, 16);
+    d = half_to_float(static_cast<uint16_t>(blk[208] | blk[209] << 8));
+    for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 64; ++l) {
+            const int lo = ql[64 * h + l], hi = qh[32 * h + l % 32];
+            q[128 * h + l] = static_cast<int8_t>(((lo & 0xF) | (((hi >> (l < 32 ? 0 : 2)) & 3) << 4)) - 32);
+            q[128 * h + 64 + l] = static_cast<int8_t>(((lo >> 4) | (((hi >> (l < 32 ? 4 : 6)) & 3) << 4)) - 32);
+        }
+}
+
+// How each kind's stream turns into float weights: per super-block a pair's sub-block scales
+// a = d*sc, per sub-block what its groups share, per group of 8 k the pair's weights a*q.
+struct Q4K {
+    static constexpr int64_t bytes = 4 * 24 + 8 * 128;  // a strip's super-block
+    static constexpr int SUBS = 8, GROUPS = 4;          // sub-blocks of 32 k, groups of 8 k in each
+    static void pack(const uint8_t* const rows[8], uint8_t* dst) {  // one strip's super-block
+        for (int p = 0; p < 4; ++p) {
+            float d[2] = {0, 0}, dmin;
+            uint8_t sc[2][8] = {}, m[8], q[2][256] = {};
+            for (int r = 0; r < 2; ++r)
+                if (rows[2 * p + r]) q4k_fields(rows[2 * p + r], d[r], dmin, sc[r], m, q[r]);
+            std::memcpy(dst + 24 * p, d, 8);
+            std::memcpy(dst + 24 * p + 8, sc, 16);
+            for (int j = 0; j < 8; ++j)
+                for (int b = 0; b < 32; ++b) {
+                    const int k = 32 * j + nibble_k(b);
+                    dst[96 + 128 * j + 32 * p + b] = static_cast<uint8_t>(q[0][k] | q[1][k] << 4);
+                }
+        }
+    }
+    static inline void scales(const uint8_t* sb, int p, float* a0, float* a1) {
+        const uint8_t* h = sb + 24 * p;
+        for (int r = 0; r < 2; ++r) {
+            const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 8 + 8 * r));
+            _mm256_store_ps(r ? a1 : a0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)),
+                                                       _mm256_broadcast_ss(reinterpret_cast<const float*>(h) + r)));
+        }
+    }
+    struct Sub {
+        __m256i lo, hi;  // the sub-block's codes of row o and of row o+1, one a byte
+    };
+    static inline Sub sub(const uint8_t* sb, int p, int j) {
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 96 + 128 * j + 32 * p));
+        return {_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)};
+    }
+    static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
+        const __m256i sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(GROUP_MASKS[g]));
+        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(u.lo, sel)), a0);
+        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(u.hi, sel)), a1);
+    }
+};
+struct Q6K {
+    static constexpr int64_t bytes = 4 * 40 + 32 * 64;
+    static constexpr int SUBS = 16, GROUPS = 2;  // sub-blocks of 16 k
+    static void pack(const uint8_t* const rows[8], uint8_t* dst) {
+        for (int p = 0; p < 4; ++p) {
+            float d[2] = {0, 0};
+            int8_t sc[2][16] = {}, q[2][256] = {};
+            for (int r = 0; r < 2; ++r)
+                if (rows[2 * p + r]) q6k_fields(rows[2 * p + r], d[r], sc[r], q[r]);
+            std::memcpy(dst + 40 * p, d, 8);
+            std::memcpy(dst + 40 * p + 8, sc, 32);
+            for (int g = 0; g < 32; ++g)
+                for (int r = 0; r < 2; ++r) std::memcpy(dst + 160 + 64 * g + 16 * p + 8 * r, q[r] + 8 * g, 8);
+        }
+    }
+    static inline void scales(const uint8_t* sb, int p, float* a0, float* a1) {
+        const uint8_t* h = sb + 40 * p;
+        for (int r = 0; r < 2; ++r) {
+            float* a = r ? a1 : a0;
+            const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(h) + r);
+            const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8 + 16 * r));
+            _mm256_store_ps(a, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d));
+            _mm256_store_ps(a + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))), d));
+        }
+    }
+    struct Sub {
+        const uint8_t* q;
+    };
+    static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + 160 + 128 * j + 16 * p}; }
+    static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
+        const uint8_t* q = u.q + 64 * g;
+        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))), a0);
+        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)))), a1);
+    }
+};
+
+// Repack a row-major array of GGUF blocks (O rows of K/256 super-blocks of `in_bytes`) into the
+// kernel's stream (see above); rows past O (padding to a whole strip) are zeros.
+template <typename B>
+void pack_blocks(const uint8_t* src, int64_t in_bytes, int64_t O, int64_t K, int64_t RB, int64_t KB, uint8_t* out) {
+    const int64_t per_row = K / QK, padded = (O + STRIP - 1) / STRIP * STRIP;
+    for (int64_t o0 = 0; o0 < padded; o0 += RB) {
+        const int64_t rows = std::min(RB, padded - o0);
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t len = std::min(KB, K - k0);
+            uint8_t* dst = out + (o0 / STRIP) * per_row * B::bytes + (rows / STRIP) * (k0 / QK) * B::bytes;
+            for (int64_t i = 0; i < rows; i += STRIP)
+                for (int64_t s = k0 / QK; s < (k0 + len) / QK; ++s, dst += B::bytes) {
+                    const uint8_t* from[8];
+                    for (int r = 0; r < 8; ++r) {
+                        const int64_t o = o0 + i + r;
+                        from[r] = o < O ? src + (o * per_row + s) * in_bytes : nullptr;
+                    }
+                    B::pack(from, dst);
+                }
+        }
+    }
+}
+
+// The Q4_K mins of every row, apart: dmin[o][K/256] and m[o][K/32].
+void pack_q4k_mins(const uint8_t* src, int64_t O, int64_t K, float* dmin, uint8_t* m) {
+    const int64_t per_row = K / QK;
+    for (int64_t i = 0; i < O * per_row; ++i) {
+        float d;
+        uint8_t sc[8], q[256];
+        q4k_fields(src + i * GGUF_Q4K, d, dmin[i], sc, m + 8 * i, q);
+    }
+}
+
+// One token row against the 4 pairs of a strip's slice: 8 chains in flight, each output the
+// chain of `micro`. Written out: the compiler kept a generic version's accumulators in memory.
+template <typename B>
+inline void micro_strip(const uint8_t* w, const float* x, int64_t len, __m256* acc, bool first) {
+    __m256 c[8];
+    for (int i = 0; i < 8; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+    constexpr int SUB_K = QK / B::SUBS;
+    for (int64_t s = 0; s < len; s += QK, w += B::bytes) {
+        alignas(32) float sc[4][2][B::SUBS];
+        for (int p = 0; p < 4; ++p) B::scales(w, p, sc[p][0], sc[p][1]);
+        for (int j = 0; j < B::SUBS; ++j)
+            for (int p = 0; p < 4; ++p) {  // a pair's groups one after another: few registers live
+                const typename B::Sub u = B::sub(w, p, j);
+                const __m256 s0 = _mm256_broadcast_ss(&sc[p][0][j]), s1 = _mm256_broadcast_ss(&sc[p][1][j]);
+                for (int g = 0; g < B::GROUPS; ++g) {
+                    const __m256 xv = _mm256_loadu_ps(x + s + SUB_K * j + 8 * g);
+                    __m256 w0, w1;
+                    B::weights(u, g, s0, s1, w0, w1);
+                    c[2 * p] = _mm256_fmadd_ps(w0, xv, c[2 * p]);
+                    c[2 * p + 1] = _mm256_fmadd_ps(w1, xv, c[2 * p + 1]);
+                }
+            }
+    }
+    for (int i = 0; i < 8; ++i) acc[i] = c[i];
+}
+
+// Pair p of a strip's slice against N token rows (2 to 4), the chain of `micro`.
+template <int N, typename B>
+inline void micro_pair(const uint8_t* w, int p, const float* x, int64_t K, int64_t len, __m256* acc, bool first) {
+    __m256 a0[N], a1[N];
+    for (int n = 0; n < N; ++n) {
+        a0[n] = first ? _mm256_setzero_ps() : acc[n];
+        a1[n] = first ? _mm256_setzero_ps() : acc[N + n];
+    }
+    constexpr int SUB_K = QK / B::SUBS;
+    for (int64_t s = 0; s < len; s += QK, w += B::bytes) {
+        alignas(32) float sc[2][B::SUBS];
+        B::scales(w, p, sc[0], sc[1]);
+        for (int j = 0; j < B::SUBS; ++j) {
+            const typename B::Sub u = B::sub(w, p, j);
+            const __m256 s0 = _mm256_broadcast_ss(&sc[0][j]), s1 = _mm256_broadcast_ss(&sc[1][j]);
+            for (int g = 0; g < B::GROUPS; ++g) {
+                __m256 w0, w1;
+                B::weights(u, g, s0, s1, w0, w1);
+                const int64_t k = s + SUB_K * j + 8 * g;
+                for (int n = 0; n < N; ++n) {
+                    __m256 xv = _mm256_loadu_ps(x + n * K + k);
+                    asm("" : "+x"(xv));
+                    a0[n] = _mm256_fmadd_ps(w0, xv, a0[n]);
+                    a1[n] = _mm256_fmadd_ps(w1, xv, a1[n]);
+                }
+            }
+        }
+    }
+    for (int n = 0; n < N; ++n) {
+        acc[n] = a0[n];
+        acc[N + n] = a1[n];
+    }
+}
+
+// A strip's slice against a tile of n token rows (1 to DIRECT_MAX); acc holds the strip's 8
+// rows' accumulators, row by row (`acc[row * n + token]`).
+template <typename B>
+inline void micro_direct(int n, const uint8_t* w, const float* x, int64_t K, int64_t len, __m256* acc, bool first) {
+    if (n == 1) return micro_strip<B>(w, x, len, acc, first);
+    for (int p = 0; p < 4; ++p) {
+        __m256* a = acc + 2 * p * n;
+        switch (n) {
+            case 2: micro_pair<2, B>(w, p, x, K, len, a, first); break;
+            case 3: micro_pair<3, B>(w, p, x, K, len, a, first); break;
+            default: micro_pair<4, B>(w, p, x, K, len, a, first); break;
+        }
+    }
+}
+
+// A strip's slice decoded into float32 pairs (the `f32` layout of its 4 pairs, one after
+// another): the weights `micro_strip` and `micro_pair` use.
+template <typename B>
+inline void decode_strip(const uint8_t* w, int64_t len, float* dst) {
+    for (int p = 0; p < 4; ++p) {
+        float* out = dst + 2 * p * len;
+        const uint8_t* sb = w;
+        for (int64_t s = 0; s < len; s += QK, sb += B::bytes) {
+            alignas(32) float sc[2][B::SUBS];
+            B::scales(sb, p, sc[0], sc[1]);
+            for (int j = 0; j < B::SUBS; ++j) {
+                const typename B::Sub u = B::sub(sb, p, j);
+                const __m256 s0 = _mm256_broadcast_ss(&sc[0][j]), s1 = _mm256_broadcast_ss(&sc[1][j]);
+                for (int g = 0; g < B::GROUPS; ++g, out += 16) {
+                    __m256 w0, w1;
+                    B::weights(u, g, s0, s1, w0, w1);
+                    _mm256_store_ps(out, w0);
+                    _mm256_store_ps(out + 8, w1);
+                }
+            }
+        }
+    }
+}
+
+// Sum of each token row's x over every sub-block of 32 (the Q4_K mins' partner): one fixed
+// chain per sub-block (4 vectors added in order, then `hsum`).
+void sub_block_sums(const float* x, int64_t T, int64_t K, float* sums) {
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < K / 32; ++j) {
+            const float* p = x + t * K + 32 * j;
+            __m256 v = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+            v = _mm256_add_ps(v, _mm256_loadu_ps(p + 16));
+            v = _mm256_add_ps(v, _mm256_loadu_ps(p + 24));
+            sums[t * (K / 32) + j] = hsum(v);
+        }
+}
+
+// sum_j dmin*m_j * X_j of one row against one token row's sub-block sums, in a fixed chain
+inline float min_term(const float* dmin, const uint8_t* m, const float* sums, int64_t K) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t s = 0; s < K / QK; ++s) {
+        const __m128i ms = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + 8 * s));
+        const __m256 bm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ms)), _mm256_broadcast_ss(dmin + s));
+        acc = _mm256_fmadd_ps(bm, _mm256_loadu_ps(sums + 8 * s), acc);
+    }
+    return hsum(acc);
+}
+
+template <typename B>
+void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
+                   const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
+    const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
+    float* sums = nullptr;
+    if (dmin) {
+        sums = static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32));
+        sub_block_sums(x, T, K, sums);
+    }
+    const bool direct = T <= DIRECT_MAX;
+    const int64_t tiles = (T + (direct ? DIRECT_MAX : TILE) - 1) / (direct ? DIRECT_MAX : TILE);
+    // rows decoded into scratch at a time: whole strips, within the block
+    const int64_t group = std::max<int64_t>(STRIP, std::min<int64_t>(RB, SCRATCH_BYTES / (K * 4)) / STRIP * STRIP);
+#pragma omp parallel num_threads(threads)
+    {
+        float* scratch = direct ? nullptr : static_cast<float*>(std::aligned_alloc(32, group * K * 4));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
+            const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
+            __m256 acc[MAX_RB * TILE];
+            for (int64_t g0 = 0; g0 < rows; g0 += direct ? rows : group) {
+                const int64_t grows = direct ? rows : std::min(group, rows - g0);
+                if (!direct)  // decode rows g0.. of the block into float32 pairs
+                    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+                        const int64_t len = std::min(KB, K - k0);
+                        for (int64_t i = g0; i < g0 + grows; i += STRIP)
+                            decode_strip<B>(wb + (rows / STRIP) * (k0 / QK) * B::bytes + (i / STRIP) * (len / QK) * B::bytes,
+                                            len, scratch + grows * k0 + (i - g0) * len);
+                    }
+                for (int64_t tile = 0, t = 0; tile < tiles; ++tile) {
+                    const int n = static_cast<int>(T / tiles + (tile < T % tiles));
+                    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+                        const int64_t len = std::min(KB, K - k0);
+                        for (int64_t i = g0; i < g0 + grows; i += (direct ? STRIP : 2)) {
+                            if (direct)
+                                micro_direct<B>(n, wb + (rows / STRIP) * (k0 / QK) * B::bytes + (i / STRIP) * (len / QK) * B::bytes,
+                                                x + t * K + k0, K, len, acc + (i - g0) * n, k0 == 0);
+                            else
+                                micro_n(n, scratch + grows * k0 + (i - g0) * len, x + t * K + k0, K, len, acc + (i - g0) * n,
+                                        k0 == 0);
+                        }
+                    }
+                    for (int64_t r = 0; r < grows; ++r) {
+                        const int64_t o = o0 + g0 + r;
+                        if (o >= O) break;
+                        const __m256* a = acc + r * n;
+                        for (int i = 0; i < n; ++i) {
+                            float s = hsum(a[i]);
+                            if (dmin) s -= min_term(dmin + o * per_row, m + o * per_row * 8, sums + (t + i) * (K / 32), K);
+                            if (bias) s += bias[o];
+                            y[(t + i) * O + o] = s;
+                        }
+                    }
+                    t += n;
+                }
+            }
+        }
+        std::free(scratch);
+    }
+    std::free(sums);
+}
+
 }  // namespace
 
 extern "C" {
@@ -163,6 +558,23 @@ void linear_f32(const float* x, int64_t T, int64_t K, const float* w, int64_t O,
 void linear_bf16(const float* x, int64_t T, int64_t K, const uint16_t* w, int64_t O, const float* scale,
                  const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
     linear(x, T, K, w, O, scale, bias, y, RB, KB, threads);
+}
+void pack_q4k(const uint8_t* src, int64_t O, int64_t K, int64_t RB, int64_t KB, uint8_t* out, float* dmin, uint8_t* m) {
+    pack_blocks<Q4K>(src, GGUF_Q4K, O, K, RB, KB, out);
+    pack_q4k_mins(src, O, K, dmin, m);
+}
+void pack_q6k(const uint8_t* src, int64_t O, int64_t K, int64_t RB, int64_t KB, uint8_t* out) {
+    pack_blocks<Q6K>(src, GGUF_Q6K, O, K, RB, KB, out);
+}
+int64_t packed_bytes_q4k(int64_t O, int64_t K) { return (O + STRIP - 1) / STRIP * (K / QK) * Q4K::bytes; }
+int64_t packed_bytes_q6k(int64_t O, int64_t K) { return (O + STRIP - 1) / STRIP * (K / QK) * Q6K::bytes; }
+void linear_q4k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin, const uint8_t* m,
+                const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
+    linear_blocks<Q4K>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads);
+}
+void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* bias, float* y,
+                int64_t RB, int64_t KB, int threads) {
+    linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads);
 }
 void linear_i8(const float* x, int64_t T, int64_t K, const int8_t* w, int64_t O, const float* scale, const float* bias,
                float* y, int64_t RB, int64_t KB, int threads) {

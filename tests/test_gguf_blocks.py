@@ -1,0 +1,98 @@
+"""GGUF blocks streamed by the CPU kernel: each weight is gguf's own dequantized value, bit for
+bit, and a row's output does not depend on the width of the pass, the rows beside it, the path
+the kernel took (direct or decoded into scratch) or the threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from gguf_quant import quantize_q4_k, quantize_q6_k, random_blocks
+from torch import nn
+
+from pipeline.models import streamed
+
+pytestmark = pytest.mark.skipif(streamed.library() is None, reason="no streamed kernel here (AVX2, C++)")
+
+KINDS = ["Q4_K", "Q6_K"]
+# a part strip (7 rows), one super-block; several k slices; rows not a multiple of the block
+SHAPES = [(7, 256), (64, 1536), (33, 768), (130, 1280)]
+
+
+def _layer(kind: str, rows: int, cols: int, seed: int = 0, bias: bool = False):
+    raw = random_blocks(kind, rows, cols, seed)
+    b = torch.randn(rows, generator=torch.Generator().manual_seed(seed)) if bias else None
+    return raw, streamed.BlockLinear(torch.from_numpy(raw), kind, cols, b)
+
+
+@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_weight_is_ggufs_own_dequantized_value(kind, rows, cols):
+    """Fed one-hot rows, each output is one weight: gguf's value, bit for bit (Q4_K's min is
+    subtracted apart from the sum, and a*q - min is gguf's one rounding)."""
+    raw, layer = _layer(kind, rows, cols)
+    expected = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols)
+    got = layer(torch.eye(cols)).T.numpy()
+    assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_product_is_close_to_float64_and_a_rows_bits_do_not_depend_on_the_pass(kind, rows, cols):
+    raw, layer = _layer(kind, rows, cols, bias=True)
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols))
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(1))
+    full = layer(x)
+    exact = x.double() @ weights.double().T + layer.bias.double()
+    torch.testing.assert_close(full.double(), exact, rtol=1e-5, atol=1e-4 * exact.abs().max().item())
+    # widths 1-4 decode in registers, wider ones into scratch; the rows' place changes nothing
+    for width in [*range(1, 17), 24, 40]:
+        for start in {0, 7 % (41 - width), 40 - width}:
+            assert torch.equal(layer(x[start : start + width]), full[start : start + width]), (width, start)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_threads_that_compute_a_row_change_no_bit(kind):
+    _, layer = _layer(kind, 300, 512)
+    x = torch.randn(9, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [layer(x), layer(x[:1])]
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one[0]) and torch.equal(layer(x[:1]), one[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_quantized_linear_reads_close_to_its_float_weights():
+    """The test quantizers themselves (used to build GGUF models for the install tests)."""
+    x = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32) * 0.05
+    for quantize, kind, tol in ((quantize_q4_k, "Q4_K", 0.08), (quantize_q6_k, "Q6_K", 0.02)):
+        values = quants.dequantize(quantize(x), GGMLQuantizationType[kind]).reshape(x.shape)
+        assert np.abs(values - x).max() <= tol * np.abs(x).max(), kind
+
+
+def test_use_blocks_replaces_the_linears_it_has_blocks_for():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 16), nn.ReLU(), nn.Linear(256, 8), nn.Linear(256, 4))
+    raw = random_blocks("Q4_K", 16, 512)
+    blocks = {
+        "0.weight": ("Q4_K", torch.from_numpy(raw)),
+        "2.weight": ("Q6_K", torch.from_numpy(random_blocks("Q6_K", 8, 256))),
+        "3.weight": ("Q8_0", torch.zeros(4, 272, dtype=torch.uint8)),  # a type the kernel does not read
+    }
+    assert streamed.use_blocks(model, blocks) == {"Q4_K": 1, "Q6_K": 1}
+    assert isinstance(model[0], streamed.BlockLinear) and isinstance(model[2], streamed.BlockLinear)
+    assert type(model[3]) is nn.Linear
+    # the bias stays; the weight is the blocks'
+    x = torch.randn(3, 512)
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(16, 512))
+    torch.testing.assert_close(model[0](x), x @ weights.T + model[0].bias, rtol=1e-5, atol=1e-5)
+    assert (
+        streamed.weight_bytes(model)
+        == sum(m.weight_bytes for m in (model[0], model[2]))
+        + model[3].weight.numel() * 4
+        + model[3].bias.numel() * 4
+    )
