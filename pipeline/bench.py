@@ -59,6 +59,11 @@ class Row:
     # our engine's rows: by drafter, the share of rounds drafting at least k tokens whose k-th
     # was accepted (`DrafterRounds.by_position`), over all runs
     acceptance_by_position: dict[str, list[float]] = field(default_factory=dict)
+    # tokens/s over llama.cpp target-only's on the same documents (None: no llama.cpp rows)
+    vs_llama_cpp: float | None = None
+    # how far the outputs follow ours target-only at batch 1: the mean share of each output's
+    # tokens before the first difference (1.0: identical)
+    agreement: float | None = None
 
 
 @dataclass
@@ -107,6 +112,45 @@ def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwarg
         )
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs, {}
+
+
+class LlamaCpp:
+    """llama.cpp, through llama-cpp-python, on the target's own GGUF file, as its users run it:
+    greedy decoding, and its prompt lookup (`LlamaPromptLookupDecoding`), on the same token ids
+    as our rows, batch 1, the same threads. Its numbers differ from ours: it multiplies by
+    activations quantized to 8 bits, where ours stay float32 (docs/cpu-kernels.md)."""
+
+    def __init__(self, gguf: str, threads: int, context: int, lookup_tokens: int = 10):
+        try:
+            import llama_cpp
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError as exc:
+            raise RuntimeError(
+                "--llama-cpp needs llama-cpp-python: pip install -e '.[llama]' "
+                "(it builds llama.cpp from source; CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU)"
+            ) from exc
+        settings = dict(n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
+        self.version = llama_cpp.__version__
+        self.lookup_tokens = lookup_tokens
+        self.plain = llama_cpp.Llama(model_path=gguf, **settings)
+        # a draft model makes llama-cpp-python keep every position's logits: its own instance
+        self.lookup = llama_cpp.Llama(
+            model_path=gguf, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens), **settings
+        )
+
+    def generate(self, prompts, max_new: int, eos: list[int], lookup: bool = False):
+        llm = self.lookup if lookup else self.plain
+        outputs = []
+        for prompt in prompts:
+            tokens: list[int] = []
+            for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+                if token in eos:
+                    break
+                tokens.append(int(token))
+                if len(tokens) >= max_new:
+                    break
+            outputs.append(tokens)
+        return outputs, {}
 
 
 def bench_config(kind: str, draft_vocab: int) -> EngineConfig:
@@ -164,6 +208,7 @@ def run_benchmark(
     draft_vocab: int = EngineConfig.draft_vocab,
     warm_docs: int = 0,
     hf_models: tuple | None = None,
+    llama_cpp: LlamaCpp | None = None,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
     """`hf_models`: the target and draft as `transformers` loads them, for the HF rows, where
@@ -171,7 +216,8 @@ def run_benchmark(
     "int8" assisted rows run HF's loop with our draft as the engine runs it. `warm_docs`: the
     drafters that draft from earlier outputs (suffix, auto) also run warm, their corpus holding
     our target-only outputs of that many *other* documents of the task, as a nightly job given
-    last night's outputs (`drafter.suffix_warm_start`)."""
+    last night's outputs (`drafter.suffix_warm_start`). `llama_cpp`: also llama.cpp's rows, and
+    every row's tokens/s against its target-only."""
     hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
     if pair.draft is None:  # a target-only pair: the drafters that need no model still run
         dropped = [d for d in drafters if d == "draft_model"]
@@ -229,6 +275,14 @@ def run_benchmark(
                     hf_target, p, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k
                 ),
                 base="hf target-only",
+            )
+        if llama_cpp is not None:
+            bench.add("llama.cpp target-only", 1, partial(llama_cpp.generate, prompts, max_new_tokens, eos))
+            bench.add(
+                f"llama.cpp prompt lookup k={llama_cpp.lookup_tokens}",
+                1,
+                partial(llama_cpp.generate, prompts, max_new_tokens, eos, lookup=True),
+                base="llama.cpp target-only",
             )
         for batch in batches:
             bench.add(
@@ -313,8 +367,22 @@ class TaskBench:
             own = outputs.get((c.base, c.batch), reference) if c.base else reference
             same = (c.outputs == own, c.outputs == reference)
             rows.append(_row(self.task, c, seconds, base, base_stats, same))
-            log(_format_row(rows[-1]))
+        ours = outputs.get(("ours target-only", 1))
+        llama = next((r for r in rows if r.method == "llama.cpp target-only"), None)
+        for row, c in zip(rows, self.configs):
+            row.agreement = _agreement(c.outputs, ours) if ours is not None else None
+            row.vs_llama_cpp = row.tokens_per_second / llama.tokens_per_second if llama else None
+            log(_format_row(row))
         return rows
+
+
+def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """The mean share of each output's tokens before its first difference from the reference's."""
+    shares = []
+    for out, ref in zip(outputs, reference):
+        same = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        shares.append(same / max(len(out), len(ref), 1))
+    return sum(shares) / max(len(shares), 1)
 
 
 def _summed(total: dict, more: dict) -> dict:
@@ -406,6 +474,8 @@ _COLUMNS = (
     ("oth%", ">5"),
     ("same", ">5"),
     ("=hf", ">4"),
+    ("agree", ">5"),
+    ("vs llama", ">8"),
     ("rss MB", ">7"),
 )
 HEADER = " ".join(f"{title:{align}}" for title, align in _COLUMNS)
@@ -440,6 +510,8 @@ def _cells(r: Row) -> list[str]:
         pct(r.other_share),
         "yes" if r.identical else "NO",
         "yes" if r.identical_to_hf else "no",
+        f(r.agreement),
+        times(r.vs_llama_cpp),
         f"{r.peak_rss_mb:.0f}",
     ]
 
@@ -494,6 +566,8 @@ SETTINGS = (
     "warm_docs",
     "hf_assistant_tokens",
     "hf_lookup_tokens",
+    "weights",
+    "llama_cpp",
 )
 
 
@@ -564,7 +638,10 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
         "same batch size (HF's rows over HF target-only, ours over ours), `pred` Leviathan's "
         "prediction for the decoding and `job` that prediction carried to the whole job, α, τ, "
         "mean γ, target passes per token, the shares of our engine's time in target passes, draft "
-        "passes and the rest, whether every output equals HF target-only greedy, and peak RSS.",
+        "passes and the rest, whether every output equals its own target-only decoding (`same`) and "
+        "HF target-only greedy (`=hf`), `agree` the mean share of each output's tokens before its "
+        "first difference from ours target-only at batch 1, `vs llama` tokens/s over llama.cpp "
+        "target-only's (where llama.cpp ran), and peak RSS.",
     ]
     for task in dict.fromkeys(r.task for r in result.rows):
         lines += ["", f"### {task}", "", markdown_table([r for r in result.rows if r.task == task])]

@@ -418,6 +418,26 @@ def demo_data(out, shards, rows):
     "of the task (drafter.suffix_warm_start).",
 )
 @click.option(
+    "--weights",
+    type=click.Choice(["auto", "gguf-blocks", "dense"]),
+    default="auto",
+    show_default=True,
+    help="The target's weights (as models.weights in a job spec).",
+)
+@click.option(
+    "--llama-cpp",
+    "llama_cpp",
+    is_flag=True,
+    help="Also run llama.cpp (llama-cpp-python, pip install -e '.[llama]') on the target's GGUF file: "
+    "greedy and its prompt lookup, batch 1, with every row's tokens/s against its target-only.",
+)
+@click.option(
+    "--llama-cpp-gguf",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The GGUF file llama.cpp runs (default: the one `pipeline models install --keep-gguf` kept "
+    "beside the pair's target).",
+)
+@click.option(
     "--out",
     "out_path",
     help="Where to write the JSON (default: beside --report as NAME.json, else bench.json).",
@@ -446,6 +466,9 @@ def bench(
     drafters,
     draft_vocab,
     warm_docs,
+    weights,
+    llama_cpp,
+    llama_cpp_gguf,
     out_path,
     report_path,
 ):
@@ -461,7 +484,7 @@ def bench(
 
     import torch
 
-    from pipeline.bench import HEADER, describe_costs, run_benchmark, write_json, write_report
+    from pipeline.bench import HEADER, LlamaCpp, describe_costs, run_benchmark, write_json, write_report
     from pipeline.machine import describe_machine
     from pipeline.models.loading import load_model, load_pair, resolve_pair
 
@@ -473,8 +496,22 @@ def bench(
     if threads:
         torch.set_num_threads(threads)
     target, draft = resolve_pair(pair)
+    gguf = None
+    if llama_cpp:  # before minutes of model loading
+        gguf = llama_cpp_gguf or str(Path(target.path).parent / "target.gguf")
+        if not Path(gguf).is_file():
+            raise click.UsageError(
+                f"--llama-cpp: no GGUF file at {gguf}; give --llama-cpp-gguf, or install the pair "
+                f"again keeping it: pipeline models install {pair} --force --keep-gguf"
+            )
     loaded = load_pair(
-        target, draft, dtype=dtype, device="auto", batch_invariant=batch_invariant, draft_int8=draft_int8
+        target,
+        draft,
+        dtype=dtype,
+        device="auto",
+        batch_invariant=batch_invariant,
+        draft_int8=draft_int8,
+        weights=weights,
     )
     click.echo(
         f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
@@ -482,7 +519,9 @@ def bench(
         + ("batch-invariant target" if loaded.batch_invariant else "stock kernels")
         + (", int8 draft steps" if loaded.draft_int8 else "")
         + (", streamed linears" if loaded.streamed else "")
+        + (", target on its GGUF blocks" if loaded.weights == "gguf-blocks" else "")
     )
+    runner = LlamaCpp(gguf, torch.get_num_threads(), context=2048) if gguf else None
     # HF's rows run the models as `transformers` loads them, not on our kernels
     hf_models = None
     if loaded.streamed:
@@ -505,6 +544,7 @@ def bench(
         draft_vocab=draft_vocab,
         warm_docs=warm_docs,
         hf_models=hf_models,
+        llama_cpp=runner,
         log=click.echo,
     )
     meta = {
@@ -524,6 +564,8 @@ def bench(
         "warm_docs": warm_docs,
         "hf_assistant_tokens": list(_ints(hf_assistant_tokens)),
         "hf_lookup_tokens": list(_ints(hf_lookup_tokens)),
+        "weights": loaded.weights,
+        "llama_cpp": f"llama-cpp-python {runner.version}, {Path(gguf).name}" if runner else "no",
     }
     click.echo("measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]))
     for path in (out_path, report_path or out_path):

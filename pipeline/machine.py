@@ -103,6 +103,7 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
                 "batch_invariant": loaded.batch_invariant,
                 "draft_int8": loaded.draft_int8,
                 "streamed": bool(getattr(loaded, "streamed", False)),
+                "gguf_blocks": getattr(loaded, "weights", "dense") == "gguf-blocks",
             },
         )
     return described

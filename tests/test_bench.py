@@ -125,12 +125,12 @@ def test_the_report_records_command_machine_pair_settings_and_a_table_per_task(t
     ]
     assert markdown_table(rows[:2]).splitlines() == [
         "| method | batch | tok/s | speedup | pred | job | alpha | tau | gamma | pass/tok | tgt% | dft% "
-        "| oth% | same | =hf | rss MB |",
-        "| --- |" + " ---: |" * 15,
+        "| oth% | same | =hf | agree | vs llama | rss MB |",
+        "| --- |" + " ---: |" * 17,
         "| ours target-only | 1 | 12.35 | 1.00x | - | - | - | - | - | 0.50 | 60 | 30 | 10 | yes | yes "
-        "| 512 |",
+        "| - | - | 512 |",
         "| ours auto | 1 | 12.35 | 1.60x | 1.50x | - | 0.70 | 2.25 | 3.0 | 0.50 | 60 | 30 | 10 | yes | no "
-        "| 512 |",
+        "| - | - | 512 |",
     ]
     costs = {"target_pass_seconds": {1: 0.25}, "draft_pass_seconds": {1: 0.05}}
     costs["prefill_seconds_per_token"] = {}
@@ -186,3 +186,59 @@ def test_a_copied_tree_names_its_commit_whatever_git_says(monkeypatch):
     assert git_state() == ("0123abc", None)
     machine = {**describe_machine(), "dtype": "bfloat16", "device": "cuda"}
     assert any("commit 0123abc (a copied tree)" in line for line in machine_table(machine))
+
+
+class _FakeLlamaCpp:
+    """Stands in for `LlamaCpp` (llama-cpp-python is an optional extra): HF greedy decoding of
+    the tiny target, its lookup rows one token short, so that agreement is visibly below 1."""
+
+    version, lookup_tokens = "fake", 3
+
+    def __init__(self, target, pad: int):
+        self.target, self.pad = target, pad
+
+    def generate(self, prompts, max_new, eos, lookup=False):
+        from pipeline.bench import hf_generate
+
+        outputs, _ = hf_generate(self.target, prompts, max_new, eos, self.pad)
+        return ([o[:-1] + [o[-1] + 1] if o else o for o in outputs] if lookup else outputs), {}
+
+
+def test_llama_cpp_rows_and_every_rows_speed_against_them(tiny_pair_dirs):
+    from pipeline.bench import run_benchmark
+    from pipeline.models.loading import ModelRef, load_pair
+
+    loaded = load_pair(*(ModelRef(str(d)) for d in tiny_pair_dirs), dtype="float32", device="cpu")
+    result = run_benchmark(
+        loaded,
+        tasks=("summarize",),
+        docs=2,
+        batches=(1,),
+        max_new_tokens=6,
+        runs=1,
+        hf_assistant_tokens=(),
+        hf_lookup_tokens=(),
+        drafters=("prompt_lookup",),
+        llama_cpp=_FakeLlamaCpp(loaded.target, 0),
+        log=lambda line: None,
+    )
+    rows = {r.method: r for r in result.rows}
+    assert {"llama.cpp target-only", "llama.cpp prompt lookup k=3"} <= set(rows)
+    llama = rows["llama.cpp target-only"]
+    assert llama.vs_llama_cpp == 1.0 and llama.speedup == 1.0
+    for r in result.rows:
+        assert abs(r.vs_llama_cpp - r.tokens_per_second / llama.tokens_per_second) < 1e-9
+    assert rows["ours target-only"].agreement == 1.0 and rows["ours prompt_lookup"].agreement == 1.0
+    assert rows["llama.cpp prompt lookup k=3"].agreement < 1.0  # its last token differs
+    assert not rows["llama.cpp prompt lookup k=3"].identical  # against llama.cpp target-only
+    assert "vs llama" in markdown_table(result.rows) and "| llama.cpp target-only | 1 |" in markdown_table(
+        result.rows
+    )
+
+
+def test_agreement_is_the_share_of_tokens_before_the_first_difference():
+    from pipeline.bench import _agreement
+
+    assert _agreement([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == 1.0
+    assert _agreement([[1, 2, 9, 4], [5]], [[1, 2, 3, 4], [5, 6]]) == (0.5 + 0.5) / 2
+    assert _agreement([[]], [[]]) == 0.0

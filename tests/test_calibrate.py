@@ -72,7 +72,22 @@ def test_measure_times_every_batch_and_width_and_reads_back_from_json(tiny_loade
     assert set(machine["cpu_flags"]) == set(CPU_FLAGS) and machine["cpu_model"]
     assert machine["threads"] == 1 and machine["dtype"] == "float32" and machine["device"] == "cpu"
     streamed = streamed_kernel.library() is not None  # float32 on a CPU with AVX2 and a compiler
-    assert machine["kernels"] == {"batch_invariant": streamed, "draft_int8": True, "streamed": streamed}
+    assert machine["kernels"] == {
+        "batch_invariant": streamed,
+        "draft_int8": True,
+        "streamed": streamed,
+        "gguf_blocks": False,
+    }
+    # what a pass reads, and how fast at width 1 (gpt-fast's "bandwidth achieved")
+    assert result["weights"] == "dense" and set(result["weight_bytes"]) == {"target", "draft"}
+    for role in ("target", "draft"):
+        seconds = result[
+            f"{role}_pass_seconds_by_batch" if role == "target" else "draft_step_seconds_by_batch"
+        ]
+        assert result["weight_bytes"][role] > 0
+        assert result["bandwidth_gb_s"][role] == pytest.approx(
+            result["weight_bytes"][role] / seconds["1"]["1"] / 1e9
+        )
     assert machine["torch"] == torch.__version__ and machine["package"]
     assert "git_commit" in machine and "git_dirty" in machine
 

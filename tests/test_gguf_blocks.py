@@ -96,3 +96,23 @@ def test_use_blocks_replaces_the_linears_it_has_blocks_for():
         + model[3].weight.numel() * 4
         + model[3].bias.numel() * 4
     )
+
+
+@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prefill_reads_the_blocks_as_the_bf16_weights_the_install_wrote(kind, rows, cols):
+    """Marked as a prefill, the layer computes exactly what a streamed Linear over the install's
+    bf16 weights (gguf's values rounded to bf16) computes, bit for bit, at every width."""
+    raw, layer = _layer(kind, rows, cols, bias=True)
+    values = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols))
+    dense = nn.Linear(cols, rows)
+    with torch.no_grad():
+        dense.weight.copy_(values.to(torch.bfloat16).float())
+        dense.bias.copy_(layer.bias)
+    reference = streamed.StreamedLinear(dense)
+    assert reference.kind == "bf16"
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
+    with streamed.prefilling():
+        for width in (1, 3, 7, 40):
+            assert torch.equal(layer(x[:width]), reference(x[:width])), width
+    assert not torch.equal(layer(x), reference(x))  # outside a prefill: the exact values

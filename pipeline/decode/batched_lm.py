@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from pipeline.decode import packing
-from pipeline.models import invariant
+from pipeline.models import invariant, streamed
 from pipeline.models.streamed import StreamedLinear
 
 # A common start shorter than this is not worth keeping as a template (a BOS token, one word).
@@ -101,14 +102,15 @@ class BatchedLM:
         self.reset(0)
 
     def _new_cache(self) -> DynamicCache:
-        """An empty cache. A model whose attention runs in float64 (`invariant`) gets its keys and
-        values stored in float64 as they arrive, rather than the whole cache converted again in
-        every pass (13 of a 130 ms pass of the 1.5B target at 400 cached tokens): the same values,
-        so the same bits."""
+        """An empty cache whose layers write each pass's keys and values into room kept for them
+        (`_Room`) rather than concatenating the whole cache again. A model whose attention runs
+        in float64 (`invariant`) gets them stored in float64 as they arrive, rather than the
+        whole cache converted again in every pass: the same values, so the same bits."""
         cache = DynamicCache(config=self.model.config)
-        if getattr(self.model.config, "_attn_implementation", None) == invariant.NAME:
-            for layer in cache.layers:
-                layer.update = _in_float64(layer.update)
+        widen = getattr(self.model.config, "_attn_implementation", None) == invariant.NAME
+        for layer in cache.layers:
+            if type(layer) is DynamicLayer:
+                layer.update = _Room(layer, torch.float64 if widen else None).update
         return cache
 
     def restrict_head(self, rows: torch.Tensor | None) -> None:
@@ -251,7 +253,12 @@ class BatchedLM:
         return self._append(blocks, logits_per_row)
 
     def _prefill(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
-        """The first pass of a batch: per row or all together, each from its template start."""
+        """The first pass of a batch: per row or all together, each from its template start.
+        Marked as a prefill for the kernels (`streamed.prefilling`)."""
+        with streamed.prefilling():
+            return self._prefill_rows(blocks, logits_per_row)
+
+    def _prefill_rows(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
         groups = [[i] for i in range(len(blocks))] if self.per_row_prefill else [list(range(len(blocks)))]
         logits: list[torch.Tensor] = [torch.empty(0)] * len(blocks)
         states = []
@@ -404,11 +411,53 @@ class BatchedLM:
         self.mask = mask.to(self.device)
 
 
-def _in_float64(update):
-    def widened(keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
-        return update(keys.double(), values.double(), *args, **kwargs)
+class _Room:
+    """A cache layer's keys and values as the first columns of buffers with room to grow.
 
-    return widened
+    Why: `DynamicLayer.update` concatenates, copying every cached key and value of every layer in
+    every pass; for the 1.5B target at 400 cached tokens that was ~12 ms of a ~130 ms decode pass
+    on a CPU (float64 keys, see `_new_cache`). Here a pass writes its own columns only; the
+    buffers grow by half when full. Whatever replaces the layer's tensors (the runner selects,
+    merges, compacts) is taken as the new start: the next update copies it into new buffers, so
+    columns another tensor may view (a template's) are never written again.
+    """
+
+    GROWTH, MIN_ROOM = 1.5, 64
+
+    def __init__(self, layer: DynamicLayer, dtype: torch.dtype | None):
+        self.layer, self.dtype = layer, dtype
+        self.keys = self.values = None  # the buffers; layer.keys/.values view their first columns
+        self.length = 0  # how many
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        layer = self.layer
+        if self.dtype is not None:
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        held, n, m = layer.keys, 0, keys.shape[-2]
+        if held.dim() == 4:
+            n = held.shape[-2]
+        ours = (
+            self.keys is not None
+            and held.data_ptr() == self.keys.data_ptr()
+            and layer.values.data_ptr() == self.values.data_ptr()
+            and self.keys.shape[:2] == keys.shape[:2]
+            and held.stride() == self.keys.stride()
+            and n == self.length
+        )
+        if not ours or self.keys.shape[-2] < n + m:
+            size = max(int(self.GROWTH * (n + m)), n + m + self.MIN_ROOM)
+            shape = (*keys.shape[:2], size, keys.shape[-1])
+            self.keys, self.values = keys.new_empty(shape), values.new_empty((*shape[:3], values.shape[-1]))
+            if n:
+                self.keys[:, :, :n] = held
+                self.values[:, :, :n] = layer.values
+        self.keys[:, :, n : n + m] = keys
+        self.values[:, :, n : n + m] = values
+        layer.keys, layer.values = self.keys[:, :, : n + m], self.values[:, :, : n + m]
+        self.length = n + m
+        return layer.keys, layer.values
 
 
 def _plain_head(model: PreTrainedModel) -> bool:

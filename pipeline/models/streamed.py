@@ -33,6 +33,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -110,8 +113,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = _INT
     # x, rows, in, weights, out, [dmin, mins,] bias, y, block rows, k slice, threads
     head, tail = [_POINTER, _INT, _INT, _POINTER, _INT], [_POINTER, _POINTER, _INT, _INT, ctypes.c_int]
-    lib.linear_q4k.argtypes = [*head, _POINTER, _POINTER, *tail]
-    lib.linear_q6k.argtypes = [*head, *tail]
+    lib.linear_q4k.argtypes = [*head, _POINTER, _POINTER, *tail, ctypes.c_int]  # ..., prefill
+    lib.linear_q6k.argtypes = [*head, *tail, ctypes.c_int]
     for name in ("linear_f32", "linear_bf16", "linear_i8"):
         getattr(lib, name).argtypes = [
             _POINTER,
@@ -178,6 +181,10 @@ class StreamedLinear(nn.Module):
         """The kernel's arguments between the output width and the output (see `linear_*`)."""
         return [self.scale.data_ptr() if self.scale is not None else None]
 
+    def _options(self) -> list:
+        """The kernel's arguments after the threads."""
+        return []
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise TypeError(f"{type(self).__name__} takes float32 CPU inputs, got {x.dtype} on {x.device}")
@@ -186,7 +193,7 @@ class StreamedLinear(nn.Module):
         self._product(
             rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
             *self._weights(), self.bias.data_ptr() if self.bias is not None else None,
-            out.data_ptr(), self.block_rows, K_SLICE, torch.get_num_threads(),
+            out.data_ptr(), self.block_rows, K_SLICE, torch.get_num_threads(), *self._options(),
         )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -197,6 +204,27 @@ class StreamedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}"
+
+
+_prefill: ContextVar[bool] = ContextVar("prefill", default=False)
+
+
+@contextmanager
+def prefilling() -> Iterator[None]:
+    """Passes in this block are prefills: block weights run as their bf16 rounding.
+
+    Why: a prefill is hundreds of token rows, and bound by arithmetic. Read as bf16 (the values
+    the install's bf16 weights hold, gguf's dequantization rounded), the kernel runs it as fast
+    as the dense path does; read as exact float32, the wider values cost about a third more.
+    Decoding passes read the blocks' exact values. A row's numbers stay one fixed chain either
+    way, since the runner (`BatchedLM`) marks every prefill, in target-only and speculative
+    decoding alike: a prompt is always prefilled, a generated token never is.
+    """
+    token = _prefill.set(True)
+    try:
+        yield
+    finally:
+        _prefill.reset(token)
 
 
 # The GGUF block types the kernel reads, by their names there.
@@ -244,6 +272,9 @@ class BlockLinear(StreamedLinear):
 
     def _weights(self) -> list:
         return [self.dmin.data_ptr(), self.mins.data_ptr()] if self.kind == "q4k" else []
+
+    def _options(self) -> list:
+        return [int(_prefill.get())]
 
 
 @cache

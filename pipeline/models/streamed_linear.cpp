@@ -181,8 +181,8 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 
 constexpr int64_t QK = 256, STRIP = 8;
 constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, in the file
-constexpr int DIRECT_MAX = 4;                      // wider passes decode into scratch
-constexpr int64_t SCRATCH_BYTES = 256 * 1024;
+constexpr int DIRECT_MAX = 4, STRIPWISE_MAX = 24;  // the paths through a block, by width (`linear_blocks`)
+constexpr int64_t SCRATCH_BYTES = 256 * 1024, ACC_BYTES = 128 * 1024;  // L2: 512 KB
 
 // byte b of a packed Q4_K sub-block holds the codes of k = nibble_k(b) (0..31): the byte
 // shuffle of group g takes bytes 4g..4g+3 of each 128-bit lane into its 8 float lanes
@@ -356,87 +356,61 @@ void pack_q4k_mins(const uint8_t* src, int64_t O, int64_t K, float* dmin, uint8_
     }
 }
 
-// One token row against the 4 pairs of a strip's slice: 8 chains in flight, each output the
-// chain of `micro`. Written out: the compiler kept a generic version's accumulators in memory.
-template <typename B>
-inline void micro_strip(const uint8_t* w, const float* x, int64_t len, __m256* acc, bool first) {
-    __m256 c[8];
-    for (int i = 0; i < 8; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+// P pairs of a strip's slice (from pair p0) against N token rows, each output the chain of
+// `micro`. Enough chains in flight (2*P*N, 8 here) that the core does not wait on the latency
+// of their fused multiply-adds; a pair's groups go one after another so that few registers are
+// live (the compiler kept a version that decoded every pair at once in memory).
+template <int N, int P, typename B>
+inline void micro_pairs(const uint8_t* w, int p0, const float* x, int64_t K, int64_t len, __m256* acc, bool first) {
+    __m256 c[2 * P * N];
+    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
     constexpr int SUB_K = QK / B::SUBS;
     for (int64_t s = 0; s < len; s += QK, w += B::bytes) {
-        alignas(32) float sc[4][2][B::SUBS];
-        for (int p = 0; p < 4; ++p) B::scales(w, p, sc[p][0], sc[p][1]);
+        alignas(32) float sc[P][2][B::SUBS];
+        for (int p = 0; p < P; ++p) B::scales(w, p0 + p, sc[p][0], sc[p][1]);
         for (int j = 0; j < B::SUBS; ++j)
-            for (int p = 0; p < 4; ++p) {  // a pair's groups one after another: few registers live
-                const typename B::Sub u = B::sub(w, p, j);
+            for (int p = 0; p < P; ++p) {
+                const typename B::Sub u = B::sub(w, p0 + p, j);
                 const __m256 s0 = _mm256_broadcast_ss(&sc[p][0][j]), s1 = _mm256_broadcast_ss(&sc[p][1][j]);
                 for (int g = 0; g < B::GROUPS; ++g) {
-                    const __m256 xv = _mm256_loadu_ps(x + s + SUB_K * j + 8 * g);
                     __m256 w0, w1;
                     B::weights(u, g, s0, s1, w0, w1);
-                    c[2 * p] = _mm256_fmadd_ps(w0, xv, c[2 * p]);
-                    c[2 * p + 1] = _mm256_fmadd_ps(w1, xv, c[2 * p + 1]);
+                    const int64_t k = s + SUB_K * j + 8 * g;
+                    for (int n = 0; n < N; ++n) {
+                        const __m256 xv = _mm256_loadu_ps(x + n * K + k);
+                        c[(2 * p) * N + n] = _mm256_fmadd_ps(w0, xv, c[(2 * p) * N + n]);
+                        c[(2 * p + 1) * N + n] = _mm256_fmadd_ps(w1, xv, c[(2 * p + 1) * N + n]);
+                    }
                 }
             }
     }
-    for (int i = 0; i < 8; ++i) acc[i] = c[i];
-}
-
-// Pair p of a strip's slice against N token rows (2 to 4), the chain of `micro`.
-template <int N, typename B>
-inline void micro_pair(const uint8_t* w, int p, const float* x, int64_t K, int64_t len, __m256* acc, bool first) {
-    __m256 a0[N], a1[N];
-    for (int n = 0; n < N; ++n) {
-        a0[n] = first ? _mm256_setzero_ps() : acc[n];
-        a1[n] = first ? _mm256_setzero_ps() : acc[N + n];
-    }
-    constexpr int SUB_K = QK / B::SUBS;
-    for (int64_t s = 0; s < len; s += QK, w += B::bytes) {
-        alignas(32) float sc[2][B::SUBS];
-        B::scales(w, p, sc[0], sc[1]);
-        for (int j = 0; j < B::SUBS; ++j) {
-            const typename B::Sub u = B::sub(w, p, j);
-            const __m256 s0 = _mm256_broadcast_ss(&sc[0][j]), s1 = _mm256_broadcast_ss(&sc[1][j]);
-            for (int g = 0; g < B::GROUPS; ++g) {
-                __m256 w0, w1;
-                B::weights(u, g, s0, s1, w0, w1);
-                const int64_t k = s + SUB_K * j + 8 * g;
-                for (int n = 0; n < N; ++n) {
-                    __m256 xv = _mm256_loadu_ps(x + n * K + k);
-                    asm("" : "+x"(xv));
-                    a0[n] = _mm256_fmadd_ps(w0, xv, a0[n]);
-                    a1[n] = _mm256_fmadd_ps(w1, xv, a1[n]);
-                }
-            }
-        }
-    }
-    for (int n = 0; n < N; ++n) {
-        acc[n] = a0[n];
-        acc[N + n] = a1[n];
-    }
+    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
 
 // A strip's slice against a tile of n token rows (1 to DIRECT_MAX); acc holds the strip's 8
 // rows' accumulators, row by row (`acc[row * n + token]`).
 template <typename B>
 inline void micro_direct(int n, const uint8_t* w, const float* x, int64_t K, int64_t len, __m256* acc, bool first) {
-    if (n == 1) return micro_strip<B>(w, x, len, acc, first);
-    for (int p = 0; p < 4; ++p) {
-        __m256* a = acc + 2 * p * n;
-        switch (n) {
-            case 2: micro_pair<2, B>(w, p, x, K, len, a, first); break;
-            case 3: micro_pair<3, B>(w, p, x, K, len, a, first); break;
-            default: micro_pair<4, B>(w, p, x, K, len, a, first); break;
-        }
+    switch (n) {
+        case 1: micro_pairs<1, 4, B>(w, 0, x, K, len, acc, first); break;
+        case 2:
+            for (int p = 0; p < 4; p += 2) micro_pairs<2, 2, B>(w, p, x, K, len, acc + 2 * p * 2, first);
+            break;
+        case 3:
+            for (int p = 0; p < 4; ++p) micro_pairs<3, 1, B>(w, p, x, K, len, acc + 2 * p * 3, first);
+            break;
+        default:
+            for (int p = 0; p < 4; ++p) micro_pairs<4, 1, B>(w, p, x, K, len, acc + 2 * p * 4, first);
+            break;
     }
 }
 
-// A strip's slice decoded into float32 pairs (the `f32` layout of its 4 pairs, one after
-// another): the weights `micro_strip` and `micro_pair` use.
+// A strip's slice decoded into float32 pairs (the `f32` layout, a pair's 2 * len values
+// `pair_stride` floats after the last pair's): the weights `micro_pairs` uses.
 template <typename B>
-inline void decode_strip(const uint8_t* w, int64_t len, float* dst) {
+inline void decode_strip(const uint8_t* w, int64_t len, float* dst, int64_t pair_stride) {
     for (int p = 0; p < 4; ++p) {
-        float* out = dst + 2 * p * len;
+        float* out = dst + p * pair_stride;
         const uint8_t* sb = w;
         for (int64_t s = 0; s < len; s += QK, sb += B::bytes) {
             alignas(32) float sc[2][B::SUBS];
@@ -449,6 +423,50 @@ inline void decode_strip(const uint8_t* w, int64_t len, float* dst) {
                     B::weights(u, g, s0, s1, w0, w1);
                     _mm256_store_ps(out, w0);
                     _mm256_store_ps(out + 8, w1);
+                }
+            }
+        }
+    }
+}
+
+// A strip's slice decoded into bfloat16 pairs (the `bf16` layout: per k one 32-bit lane with
+// row o's value in the low half, row o+1's in the high half): the blocks' values as gguf
+// dequantizes them (a*q, less the Q4_K min) rounded to bfloat16, which is what the install's
+// bf16 weights hold. For prefills (see `linear_blocks`). `mins`: the strip's rows' min
+// factors (row r at r * subs), from sub-block `sub0` of the slice on; nullptr for Q6_K.
+template <typename B>
+inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int64_t pair_stride, const float* mins,
+                              int64_t subs, int64_t sub0) {
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+    auto rounded = [&](__m256 v) {  // to bfloat16, to nearest even (finite values), in the low half
+        const __m256i bits = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)), 16);
+    };
+    for (int p = 0; p < 4; ++p) {
+        uint16_t* out = dst + p * pair_stride;
+        const uint8_t* sb = w;
+        for (int64_t s = 0; s < len; s += QK, sb += B::bytes) {
+            alignas(32) float sc[2][B::SUBS];
+            B::scales(sb, p, sc[0], sc[1]);
+            for (int j = 0; j < B::SUBS; ++j) {
+                const typename B::Sub u = B::sub(sb, p, j);
+                const __m256 s0 = _mm256_broadcast_ss(&sc[0][j]), s1 = _mm256_broadcast_ss(&sc[1][j]);
+                __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+                if (mins) {
+                    const int64_t sub = sub0 + s / 32 + j;
+                    b0 = _mm256_broadcast_ss(mins + (2 * p) * subs + sub);
+                    b1 = _mm256_broadcast_ss(mins + (2 * p + 1) * subs + sub);
+                }
+                for (int g = 0; g < B::GROUPS; ++g, out += 16) {
+                    __m256 w0, w1;
+                    B::weights(u, g, s0, s1, w0, w1);
+                    if (mins) {  // a*q is exact: one rounding, as gguf's d*q - dm
+                        w0 = _mm256_sub_ps(w0, b0);
+                        w1 = _mm256_sub_ps(w1, b1);
+                    }
+                    const __m256i both = _mm256_or_si256(rounded(w0), _mm256_slli_epi32(rounded(w1), 16));
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(out), both);
                 }
             }
         }
@@ -468,75 +486,139 @@ void sub_block_sums(const float* x, int64_t T, int64_t K, float* sums) {
         }
 }
 
-// sum_j dmin*m_j * X_j of one row against one token row's sub-block sums, in a fixed chain
-inline float min_term(const float* dmin, const uint8_t* m, const float* sums, int64_t K) {
-    __m256 acc = _mm256_setzero_ps();
+// A row's Q4_K min factors b_j = dmin*m_j (exact: 11 + 6 bits), K/32 of them, for `finish`.
+inline void min_factors(const float* dmin, const uint8_t* m, int64_t K, float* b) {
     for (int64_t s = 0; s < K / QK; ++s) {
         const __m128i ms = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + 8 * s));
-        const __m256 bm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ms)), _mm256_broadcast_ss(dmin + s));
-        acc = _mm256_fmadd_ps(bm, _mm256_loadu_ps(sums + 8 * s), acc);
+        _mm256_storeu_ps(b + 8 * s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ms)), _mm256_broadcast_ss(dmin + s)));
     }
-    return hsum(acc);
 }
 
+// Row o's outputs for token rows t..t+n from its accumulators: the horizontal sum, less the
+// Q4_K mins' term sum_j b_j * X_j (`b`: the row's min factors; one fixed chain), plus the bias.
+inline void finish(const __m256* a, int n, int64_t o, int64_t t, int64_t O, int64_t K, const float* b,
+                   const float* sums, const float* bias, float* y) {
+    for (int i = 0; i < n; ++i) {
+        float s = hsum(a[i]);
+        if (b) {
+            const float* x = sums + (t + i) * (K / 32);
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < K / 32; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + j), _mm256_loadu_ps(x + j), acc);
+            s -= hsum(acc);
+        }
+        if (bias) s += bias[o];
+        y[(t + i) * O + o] = s;
+    }
+}
+
+// Three ways through a block of rows, by the width of the pass (the same chain each way):
+// up to DIRECT_MAX token rows decode the blocks in registers, once per tile; up to STRIPWISE_MAX
+// decode each strip's slice once into L1 and run `micro` over it for every tile; wider passes
+// (prefills) decode the block's rows over a range of k into L2 and run every tile over that,
+// every tile's accumulators kept in memory between ranges: the token rows are then read once
+// per block of rows, not once per few rows (a prefill's rows of a 8960-wide input are 14 MB).
 template <typename B>
 void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
-                   const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
+                   const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads, bool prefill) {
     const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
     float* sums = nullptr;
     if (dmin) {
         sums = static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32));
         sub_block_sums(x, T, K, sums);
     }
-    const bool direct = T <= DIRECT_MAX;
-    const int64_t tiles = (T + (direct ? DIRECT_MAX : TILE) - 1) / (direct ? DIRECT_MAX : TILE);
-    // rows decoded into scratch at a time: whole strips, within the block
-    const int64_t group = std::max<int64_t>(STRIP, std::min<int64_t>(RB, SCRATCH_BYTES / (K * 4)) / STRIP * STRIP);
+    enum { DIRECT, STRIPWISE, GROUPED };
+    const int path = prefill ? GROUPED : T <= DIRECT_MAX ? DIRECT : T <= STRIPWISE_MAX ? STRIPWISE : GROUPED;
+    const int64_t unit = prefill ? 2 : 4;  // bytes of a decoded weight on the grouped path
+    const int64_t tile_max = path == DIRECT ? DIRECT_MAX : TILE, tiles = (T + tile_max - 1) / tile_max;
+    // the k values of a block's rows decoded into L2 at a time on the grouped path: whole slices
+    const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (RB * unit) / KB * KB);
+    // tiles whose accumulators the grouped path keeps at once (in L2 beside the decoded range):
+    // a group of tiles goes through every block before the next group starts
+    const int64_t group_tiles =
+        path == GROUPED ? std::max<int64_t>(1, ACC_BYTES / (RB * TILE * int64_t(sizeof(__m256))))
+                        : tiles;
+    auto tile_rows = [&](int64_t tile) { return static_cast<int>(T / tiles + (tile < T % tiles)); };
+    auto tile_start = [&](int64_t tile) { return tile * (T / tiles) + std::min(tile, T % tiles); };
+    auto slice = [&](const uint8_t* wb, int64_t rows, int64_t k0, int64_t len, int64_t i) {
+        return wb + (rows / STRIP) * (k0 / QK) * B::bytes + (i / STRIP) * (len / QK) * B::bytes;
+    };
 #pragma omp parallel num_threads(threads)
     {
-        float* scratch = direct ? nullptr : static_cast<float*>(std::aligned_alloc(32, group * K * 4));
+        const int64_t scratch_bytes = path == GROUPED ? RB * range * unit : path == STRIPWISE ? STRIP * KB * 4 : 0;
+        float* scratch = scratch_bytes ? static_cast<float*>(std::aligned_alloc(32, scratch_bytes)) : nullptr;
+        uint16_t* halves = reinterpret_cast<uint16_t*>(scratch);  // the prefill's bf16 pairs
+        const int64_t acc_tiles = path == DIRECT ? 1 : group_tiles;  // tiles whose accumulators are kept
+        float* mins = dmin ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
+        __m256* acc = static_cast<__m256*>(std::aligned_alloc(32, acc_tiles * MAX_RB * TILE * sizeof(__m256)));
+        for (int64_t tg0 = 0; tg0 < tiles; tg0 += group_tiles) {
+        const int64_t tg1 = std::min(tiles, tg0 + group_tiles);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
             const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
-            __m256 acc[MAX_RB * TILE];
-            for (int64_t g0 = 0; g0 < rows; g0 += direct ? rows : group) {
-                const int64_t grows = direct ? rows : std::min(group, rows - g0);
-                if (!direct)  // decode rows g0.. of the block into float32 pairs
+            if (mins)
+                for (int64_t r = 0; r < rows && o0 + r < O; ++r)
+                    min_factors(dmin + (o0 + r) * per_row, m + (o0 + r) * per_row * 8, K, mins + r * (K / 32));
+            auto row_mins = [&](int64_t r) { return mins ? mins + r * (K / 32) : nullptr; };
+            if (path == DIRECT) {
+                for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++)) {
+                    const int n = tile_rows(tile);
                     for (int64_t k0 = 0; k0 < K; k0 += KB) {
                         const int64_t len = std::min(KB, K - k0);
-                        for (int64_t i = g0; i < g0 + grows; i += STRIP)
-                            decode_strip<B>(wb + (rows / STRIP) * (k0 / QK) * B::bytes + (i / STRIP) * (len / QK) * B::bytes,
-                                            len, scratch + grows * k0 + (i - g0) * len);
+                        for (int64_t i = 0; i < rows; i += STRIP)
+                            micro_direct<B>(n, slice(wb, rows, k0, len, i), x + t * K + k0, K, len, acc + i * n, k0 == 0);
                     }
-                for (int64_t tile = 0, t = 0; tile < tiles; ++tile) {
-                    const int n = static_cast<int>(T / tiles + (tile < T % tiles));
-                    for (int64_t k0 = 0; k0 < K; k0 += KB) {
-                        const int64_t len = std::min(KB, K - k0);
-                        for (int64_t i = g0; i < g0 + grows; i += (direct ? STRIP : 2)) {
-                            if (direct)
-                                micro_direct<B>(n, wb + (rows / STRIP) * (k0 / QK) * B::bytes + (i / STRIP) * (len / QK) * B::bytes,
-                                                x + t * K + k0, K, len, acc + (i - g0) * n, k0 == 0);
-                            else
-                                micro_n(n, scratch + grows * k0 + (i - g0) * len, x + t * K + k0, K, len, acc + (i - g0) * n,
-                                        k0 == 0);
-                        }
-                    }
-                    for (int64_t r = 0; r < grows; ++r) {
-                        const int64_t o = o0 + g0 + r;
-                        if (o >= O) break;
-                        const __m256* a = acc + r * n;
-                        for (int i = 0; i < n; ++i) {
-                            float s = hsum(a[i]);
-                            if (dmin) s -= min_term(dmin + o * per_row, m + o * per_row * 8, sums + (t + i) * (K / 32), K);
-                            if (bias) s += bias[o];
-                            y[(t + i) * O + o] = s;
-                        }
-                    }
-                    t += n;
+                    for (int64_t r = 0; r < rows && o0 + r < O; ++r)
+                        finish(acc + r * n, n, o0 + r, t, O, K, row_mins(r), sums, bias, y);
                 }
+            } else if (path == STRIPWISE) {
+                for (int64_t k0 = 0; k0 < K; k0 += KB) {
+                    const int64_t len = std::min(KB, K - k0);
+                    for (int64_t i = 0; i < rows; i += STRIP) {
+                        decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch, 2 * len);
+                        for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++))
+                            for (int64_t p = 0; p < STRIP; p += 2)
+                                micro_n(tile_rows(tile), scratch + p * len, x + t * K + k0, K, len,
+                                        acc + tile * MAX_RB * TILE + (i + p) * tile_rows(tile), k0 == 0);
+                    }
+                }
+                for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++))
+                    for (int64_t r = 0; r < rows && o0 + r < O; ++r)
+                        finish(acc + tile * MAX_RB * TILE + r * tile_rows(tile), tile_rows(tile), o0 + r, t, O, K,
+                               row_mins(r), sums, bias, y);
+            } else {
+                for (int64_t kr0 = 0; kr0 < K; kr0 += range) {  // the block's rows over a range of k
+                    const int64_t kr1 = std::min(K, kr0 + range);
+                    for (int64_t k0 = kr0; k0 < kr1; k0 += KB) {  // ... decoded into pairs, each pair's
+                        const int64_t len = std::min(KB, K - k0);    // range contiguous
+                        for (int64_t i = 0; i < rows; i += STRIP) {
+                            const int64_t at = i * range + 2 * (k0 - kr0);
+                            if (prefill)
+                                decode_strip_bf16<B>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
+                                                     mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
+                            else
+                                decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch + at, 2 * range);
+                        }
+                    }
+                    for (int64_t tile = tg0; tile < tg1; ++tile)
+                        for (int64_t p = 0; p < rows; p += 2) {  // a pair's whole range in one call
+                            __m256* a = acc + (tile - tg0) * MAX_RB * TILE + p * tile_rows(tile);
+                            const float* xt = x + tile_start(tile) * K + kr0;
+                            if (prefill)
+                                micro_n(tile_rows(tile), halves + p * range, xt, K, kr1 - kr0, a, kr0 == 0);
+                            else
+                                micro_n(tile_rows(tile), scratch + p * range, xt, K, kr1 - kr0, a, kr0 == 0);
+                        }
+                }
+                for (int64_t tile = tg0; tile < tg1; ++tile)  // a prefill's mins are in its weights
+                    for (int64_t r = 0; r < rows && o0 + r < O; ++r)
+                        finish(acc + (tile - tg0) * MAX_RB * TILE + r * tile_rows(tile), tile_rows(tile), o0 + r,
+                               tile_start(tile), O, K, prefill ? nullptr : row_mins(r), sums, bias, y);
             }
         }
+        }
+        std::free(mins);
+        std::free(acc);
         std::free(scratch);
     }
     std::free(sums);
@@ -569,12 +651,12 @@ void pack_q6k(const uint8_t* src, int64_t O, int64_t K, int64_t RB, int64_t KB, 
 int64_t packed_bytes_q4k(int64_t O, int64_t K) { return (O + STRIP - 1) / STRIP * (K / QK) * Q4K::bytes; }
 int64_t packed_bytes_q6k(int64_t O, int64_t K) { return (O + STRIP - 1) / STRIP * (K / QK) * Q6K::bytes; }
 void linear_q4k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin, const uint8_t* m,
-                const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
-    linear_blocks<Q4K>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads);
+                const float* bias, float* y, int64_t RB, int64_t KB, int threads, int prefill) {
+    linear_blocks<Q4K>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads, prefill != 0);
 }
 void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* bias, float* y,
-                int64_t RB, int64_t KB, int threads) {
-    linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads);
+                int64_t RB, int64_t KB, int threads, int prefill) {
+    linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads, prefill != 0);
 }
 void linear_i8(const float* x, int64_t T, int64_t K, const int8_t* w, int64_t O, const float* scale, const float* bias,
                float* y, int64_t RB, int64_t KB, int threads) {
