@@ -11,7 +11,7 @@
 3. Convert once: load the GGUF with transformers (dequantized to bf16), save the weights as
    safetensors plus the config without its `quantization_config`, the generation config, and the
    tokenizer built from the GGUF. The saved directory is reloaded and compared tensor by tensor.
-   The GGUF's own blocks of the Linear weights are kept beside them (`gguf_blocks.keep_blocks`,
+   The target's GGUF blocks of its Linear weights are kept beside them (`gguf_blocks.keep_blocks`,
    checked against the bf16 weights) for the CPU kernel that streams them.
 4. Everything happens in a temporary directory inside the cache, renamed into place at the end;
    the completion marker `.complete` (JSON: versions, sizes, sha256) is written last. An install
@@ -419,10 +419,11 @@ def install_pair(
                 shutil.rmtree(work / "wheels", ignore_errors=True)
                 timings[role] = {"download_s": time.perf_counter() - t}
                 timings[role].update(convert_gguf(gguf, work / role, progress=progress))
-                t = time.perf_counter()
-                blocks[role] = keep_blocks(gguf, work / role)
-                timings[role]["blocks_s"] = time.perf_counter() - t
-                _log(f"{role}: kept the GGUF blocks of {_blocks_summary(blocks[role])}")
+                if role == "target":  # the draft's steps run on int8 copies (`draft_int8`)
+                    t = time.perf_counter()
+                    blocks[role] = keep_blocks(gguf, work / role)
+                    timings[role]["blocks_s"] = time.perf_counter() - t
+                    _log(f"{role}: kept the GGUF blocks of {_blocks_summary(blocks[role])}")
                 if not keep_gguf:
                     gguf.unlink()
 

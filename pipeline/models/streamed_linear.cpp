@@ -494,16 +494,29 @@ inline void min_factors(const float* dmin, const uint8_t* m, int64_t K, float* b
     }
 }
 
+// The Q4_K mins of one row as `finish` reads them: its min factors computed once (`b`, for
+// many token rows), or from its dmin and m as it goes (a few). The same values either way.
+struct RowMins {
+    const float* b;
+    const float* dmin;
+    const uint8_t* m;
+    inline __m256 factors(int64_t s) const {  // those of super-block s
+        if (b) return _mm256_loadu_ps(b + 8 * s);
+        const __m128i ms = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + 8 * s));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ms)), _mm256_broadcast_ss(dmin + s));
+    }
+};
+
 // Row o's outputs for token rows t..t+n from its accumulators: the horizontal sum, less the
-// Q4_K mins' term sum_j b_j * X_j (`b`: the row's min factors; one fixed chain), plus the bias.
-inline void finish(const __m256* a, int n, int64_t o, int64_t t, int64_t O, int64_t K, const float* b,
+// Q4_K mins' term sum_j b_j * X_j (one fixed chain), plus the bias.
+inline void finish(const __m256* a, int n, int64_t o, int64_t t, int64_t O, int64_t K, const RowMins* mins,
                    const float* sums, const float* bias, float* y) {
     for (int i = 0; i < n; ++i) {
         float s = hsum(a[i]);
-        if (b) {
+        if (mins) {
             const float* x = sums + (t + i) * (K / 32);
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = 0; j < K / 32; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(b + j), _mm256_loadu_ps(x + j), acc);
+            for (int64_t j = 0; j < K / QK; ++j) acc = _mm256_fmadd_ps(mins->factors(j), _mm256_loadu_ps(x + 8 * j), acc);
             s -= hsum(acc);
         }
         if (bias) s += bias[o];
@@ -548,7 +561,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         float* scratch = scratch_bytes ? static_cast<float*>(std::aligned_alloc(32, scratch_bytes)) : nullptr;
         uint16_t* halves = reinterpret_cast<uint16_t*>(scratch);  // the prefill's bf16 pairs
         const int64_t acc_tiles = path == DIRECT ? 1 : group_tiles;  // tiles whose accumulators are kept
-        float* mins = dmin ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
+        float* mins = dmin && path == GROUPED ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
         __m256* acc = static_cast<__m256*>(std::aligned_alloc(32, acc_tiles * MAX_RB * TILE * sizeof(__m256)));
         for (int64_t tg0 = 0; tg0 < tiles; tg0 += group_tiles) {
         const int64_t tg1 = std::min(tiles, tg0 + group_tiles);
@@ -556,10 +569,16 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
             const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
-            if (mins)
+            if (mins && path == GROUPED)  // many token rows: the factors once per block
                 for (int64_t r = 0; r < rows && o0 + r < O; ++r)
                     min_factors(dmin + (o0 + r) * per_row, m + (o0 + r) * per_row * 8, K, mins + r * (K / 32));
-            auto row_mins = [&](int64_t r) { return mins ? mins + r * (K / 32) : nullptr; };
+            RowMins row_mins_at;
+            auto row_mins = [&](int64_t r) -> const RowMins* {
+                if (!dmin) return nullptr;
+                const int64_t o = o0 + r;
+                row_mins_at = {path == GROUPED ? mins + r * (K / 32) : nullptr, dmin + o * per_row, m + o * per_row * 8};
+                return &row_mins_at;
+            };
             if (path == DIRECT) {
                 for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++)) {
                     const int n = tile_rows(tile);
