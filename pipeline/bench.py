@@ -133,15 +133,20 @@ class LlamaCpp:
         self.version = llama_cpp.__version__
         self.lookup_tokens = lookup_tokens
         self.plain = llama_cpp.Llama(model_path=gguf, **settings)
-        # a draft model makes llama-cpp-python keep every position's logits: its own instance
+        # a draft model makes llama-cpp-python keep every position's logits: its own instance,
+        # and logits_all given too (0.3.36 sizes its logits buffer by the argument alone)
         self.lookup = llama_cpp.Llama(
-            model_path=gguf, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens), **settings
+            model_path=gguf,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens),
+            logits_all=True,
+            **settings,
         )
 
     def generate(self, prompts, max_new: int, eos: list[int], lookup: bool = False):
         llm = self.lookup if lookup else self.plain
         outputs = []
         for prompt in prompts:
+            llm.reset()  # from an empty context, as our rows start (its prefix reuse overflowed it)
             tokens: list[int] = []
             for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
                 if token in eos:

@@ -187,9 +187,31 @@ def measure(
             }
         prefill[role] = seconds / fed
         lm.reset(0)  # the caches' memory back before the next model's
+    result = summary(
+        loaded, passes, prefill, context=context, runs=runs, draft_vocab=draft_vocab, pair_name=pair_name
+    )
+    result["seconds"] = time.perf_counter() - began
+    return result
+
+
+def summary(
+    loaded: LoadedPair,
+    passes: dict[str, dict[str, dict[str, float]]],
+    prefill: dict[str, float | None],
+    *,
+    context: int,
+    runs: int,
+    draft_vocab: int,
+    pair_name: str | None,
+) -> dict[str, Any]:
+    """A calibration's record from its measured passes and prefill rates: what they predict,
+    the bandwidth they achieved, and the pair and machine they hold for."""
     target, draft = passes["target"], passes.get("draft")
+    roles = [role for role in ("target", "draft") if passes.get(role)]
     weight_bytes = {role: streamed.weight_bytes(getattr(loaded, role)) for role in roles}
     first = {"target": target, "draft": draft}
+    batches = sorted(target, key=int)
+    widths = sorted(target["1"], key=int)
     return {
         "format": CALIBRATION_FORMAT,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -204,8 +226,8 @@ def measure(
         },
         "context": context,
         "runs": runs,
-        "batches": list(batches),
-        "widths": list(widths),
+        "batches": [int(b) for b in batches],
+        "widths": [int(w) for w in widths],
         "draft_vocab": draft_vocab,
         "target_pass_seconds": target["1"],
         "target_pass_seconds_by_batch": target,
@@ -221,7 +243,64 @@ def measure(
             {batch: predictions(target[batch], draft[batch]) for batch in target} if draft else None
         ),
         "machine": describe_machine(loaded),
-        "seconds": time.perf_counter() - began,
+    }
+
+
+_PASSES = (("target", "target_pass_seconds_by_batch"), ("draft", "draft_step_seconds_by_batch"))
+
+
+def measure_alternating(pairs: list[LoadedPair], *args, runs: int = 3, **kwargs) -> list[dict[str, Any]]:
+    """`measure` each of `pairs` `runs` times in turn (A B A B ...), one timed pass per shape
+    each time, and give each pair the median of its rounds: two settings' pass costs compared
+    in one process, where a shared machine's drifting speed hits both alike."""
+    rounds: list[list[dict]] = [[] for _ in pairs]
+    began = time.perf_counter()
+    for _ in range(runs):
+        for done, pair in zip(rounds, pairs):
+            done.append(measure(pair, *args, runs=1, **kwargs))
+    merged = []
+    for pair, done in zip(pairs, rounds):
+        first = done[0]
+        passes = {
+            role: {
+                batch: {w: statistics.median(d[key][batch][w] for d in done) for w in by_width}
+                for batch, by_width in first[key].items()
+            }
+            for role, key in (
+                ("target", "target_pass_seconds_by_batch"),
+                ("draft", "draft_step_seconds_by_batch"),
+            )
+            if first[key]
+        }
+        prefill = {
+            role: statistics.median(d["prefill_seconds_per_token"][role] for d in done)
+            if rate is not None
+            else None
+            for role, rate in first["prefill_seconds_per_token"].items()
+        }
+        kept = {k: first[k] for k in ("context", "draft_vocab")}
+        result = summary(pair, passes, prefill, runs=runs, pair_name=first["pair"]["name"], **kept)
+        result["seconds"] = time.perf_counter() - began
+        merged.append(result)
+    return merged
+
+
+def against_record(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """What `pipeline calibrate --against` adds to a record: the other weights' target passes,
+    prefill and bandwidth, and our passes over theirs by batch and width."""
+    mine, other = ours["target_pass_seconds_by_batch"], theirs["target_pass_seconds_by_batch"]
+    return {
+        "weights": theirs["weights"],
+        "target_pass_seconds_by_batch": other,
+        "prefill_seconds_per_token": theirs["prefill_seconds_per_token"]["target"],
+        "weight_bytes": theirs["weight_bytes"]["target"],
+        "bandwidth_gb_s": theirs["bandwidth_gb_s"]["target"],
+        "target_pass_ratio_by_batch": {
+            batch: {w: mine[batch][w] / other[batch][w] for w in by_width}
+            for batch, by_width in other.items()
+        },
+        "prefill_ratio": ours["prefill_seconds_per_token"]["target"]
+        / theirs["prefill_seconds_per_token"]["target"],
     }
 
 
@@ -293,6 +372,13 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"{'batch ' + batch:<22}{cells}")
 
     grid("target pass", result["target_pass_seconds_by_batch"])
+    against = result.get("against")
+    if against:  # the same passes on other weights, measured in alternation with these
+        grid(f"target ({against['weights']})", against["target_pass_seconds_by_batch"])
+        lines.append("")
+        lines.append(f"{'ours / ' + against['weights']:<22}" + "".join(f"{'w=' + w:>9}" for w in widths))
+        for batch, by_width in against["target_pass_ratio_by_batch"].items():
+            lines.append(f"{'batch ' + batch:<22}" + "".join(f"{by_width[w]:>8.2f}x" for w in widths))
     if result["draft_step_seconds_by_batch"]:
         grid("draft pass", result["draft_step_seconds_by_batch"])
     rates = result["prefill_seconds_per_token"]
@@ -305,11 +391,23 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{role} {size / 1e9:.2f} GB at {result['bandwidth_gb_s'][role]:.1f} GB/s"
                 for role, size in result["weight_bytes"].items()
             )
+            + (
+                f"; target on {against['weights']} {against['weight_bytes'] / 1e9:.2f} GB at "
+                f"{against['bandwidth_gb_s']:.1f} GB/s"
+                if against
+                else ""
+            )
         )
     lines.append("")
     lines.append(
         "prefill per token: "
         + ", ".join(f"{role} {1000 * rate:.3f}" for role, rate in rates.items() if rate is not None)
+        + (
+            f"; target on {against['weights']} {1000 * against['prefill_seconds_per_token']:.3f} "
+            f"({against['prefill_ratio']:.2f}x)"
+            if against
+            else ""
+        )
     )
     by_batch = result["predicted_speedup_by_batch"]
     if by_batch:

@@ -595,6 +595,12 @@ def bench(
     show_default=True,
     help="The target's weights (as models.weights in a job spec).",
 )
+@click.option(
+    "--against",
+    type=click.Choice(["gguf-blocks", "dense"]),
+    help="Also time the target on these weights in the same process, in alternating rounds (one pass "
+    "per shape each), and print the ratio of the passes: two settings compared on one drifting machine.",
+)
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")
 @click.option("--out", "out_path", help="Also write the JSON to this file.")
@@ -606,7 +612,9 @@ def bench(
     help="Also write a Markdown record (command, machine, table), e.g. docs/benchmarks/NAME.md, "
     "with the JSON beside it unless --out says where.",
 )
-def calibrate(pair, batches, widths, context, dtype, threads, weights, runs, as_json, out_path, report_path):
+def calibrate(
+    pair, batches, widths, context, dtype, threads, weights, against, runs, as_json, out_path, report_path
+):
     """Measure what target passes and draft steps cost here, as a job would run them.
 
     Loads the pair as a job's actor does and times, with the engine's own runner, a target
@@ -624,10 +632,12 @@ def calibrate(pair, batches, widths, context, dtype, threads, weights, runs, as_
     import torch
 
     from pipeline.calibrate import (
+        against_record,
         calibration_key,
         check_settings,
         format_table,
         measure,
+        measure_alternating,
         save_cached,
         write_report,
     )
@@ -643,7 +653,14 @@ def calibrate(pair, batches, widths, context, dtype, threads, weights, runs, as_
         target, draft = resolve_pair(pair)
         # as a job's actor loads it (pipeline/job/worker.py with a spec's default models fields)
         loaded = load_pair(target, draft, dtype=dtype, device="auto", weights=weights)
-        result = measure(loaded, batches, widths, context, runs, pair_name=pair)
+        if against:
+            other = load_pair(target, None, dtype=dtype, device="auto", weights=against)
+            result, theirs = measure_alternating(
+                [loaded, other], batches, widths, context, runs=runs, pair_name=pair
+            )
+            result["against"] = against_record(result, theirs)
+        else:
+            result = measure(loaded, batches, widths, context, runs, pair_name=pair)
     except (ModelError, ValueError) as exc:
         click.echo(f"pipeline calibrate: {exc}", err=True)
         sys.exit(EXIT_USAGE)

@@ -77,11 +77,12 @@ QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
 BYTES = {"Q4_K": 144, "Q6_K": 210}
 
 
-def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Blocks of random bytes (every code, scale and min pattern) with small finite fp16 factors."""
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    """Blocks of random bytes (every code, scale and min pattern) with small finite fp16 factors
+    (times `scale`)."""
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows, cols // QK, BYTES[kind]), dtype=np.uint8)
-    factors = (rng.random((rows, cols // QK)) * 0.02 - 0.005).astype(np.float32)
+    factors = ((rng.random((rows, cols // QK)) * 0.02 - 0.005) * scale).astype(np.float32)
     if kind == "Q4_K":
         blocks[..., 0:2] = _fp16(factors)
         blocks[..., 2:4] = _fp16(np.abs(factors) * 0.5)

@@ -172,3 +172,37 @@ def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, m
 
     bad = CliRunner().invoke(main, ["calibrate", "--pair", "tiny", "--widths", "2,4"])
     assert bad.exit_code == 2 and "widths must include 1" in bad.output
+
+
+def test_calibrate_against_other_weights_alternates_and_prints_the_ratio(
+    tiny_pair_dirs, tmp_path, monkeypatch
+):
+    config = write_models_config(tmp_path / "cfg", tiny=tiny_pair_dirs)
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", config)
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+    out = tmp_path / "against.json"
+    args = [
+        "calibrate",
+        "--pair",
+        "tiny",
+        "--batch",
+        "1",
+        "--widths",
+        "1,2",
+        "--context",
+        "12",
+        "--threads",
+        "1",
+    ]
+    args += ["--weights", "dense", "--against", "dense", "--runs", "2", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    against = record["against"]
+    assert against["weights"] == "dense" and against["weight_bytes"] > 0 and against["bandwidth_gb_s"] > 0
+    _check_grid(against["target_pass_seconds_by_batch"], ["1"], ["1", "2"])
+    for width, ratio in against["target_pass_ratio_by_batch"]["1"].items():
+        mine = record["target_pass_seconds_by_batch"]["1"][width]
+        assert ratio == pytest.approx(mine / against["target_pass_seconds_by_batch"]["1"][width])
+    assert against["prefill_ratio"] > 0 and record["runs"] == 2
+    assert "ours / dense" in result.output and "target (dense)" in result.output

@@ -116,3 +116,56 @@ def test_a_prefill_reads_the_blocks_as_the_bf16_weights_the_install_wrote(kind, 
         for width in (1, 3, 7, 40):
             assert torch.equal(layer(x[:width]), reference(x[:width])), width
     assert not torch.equal(layer(x), reference(x))  # outside a prefill: the exact values
+
+
+@pytest.fixture(scope="module")
+def block_target():
+    """A tiny Qwen2 model whose every Linear reads random Q4_K / Q6_K blocks (a Q4_K_M-like mix),
+    made batch-invariant as the loader makes a float32 target on a CPU."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pipeline.models import invariant
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    blocks = {}
+    for seed, (name, module) in enumerate(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            kind = "Q6_K" if "down_proj" in name or "lm_head" in name else "Q4_K"
+            raw = random_blocks(kind, module.out_features, module.in_features, seed, scale=0.01)
+            blocks[f"{name}.weight"] = (kind, torch.from_numpy(raw))
+    assert streamed.use_blocks(model, blocks) == {"Q4_K": 12, "Q6_K": 3}
+    streamed.stream_linears(model)
+    return invariant.make_batch_invariant(model)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+def test_a_block_targets_logits_are_the_same_at_every_width_and_batch(block_target, batch):
+    """Row 0 verifies 1 to 16 tokens beside batch - 1 rows of other lengths: its logits are
+    those of feeding the same tokens one pass at a time (the kernel's three paths included)."""
+    from pipeline.decode.batched_lm import BatchedLM
+
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, 300, (batch, 60), generator=gen).tolist()
+    lm = BatchedLM(block_target, pad_token_id=0)
+    lm.reset(1)
+    lm.forward([prompts[0][:40]], [1])
+    alone = torch.cat([lm.forward([[t]], [1])[0] for t in prompts[0][40:56]])
+    for width in (1, 2, 3, 5, 8, 9, 16):
+        lm.reset(batch)
+        lm.forward([p[: 40 - i] for i, p in enumerate(prompts)], [1] * batch)
+        blocks = [prompts[0][40 : 40 + width]] + [
+            p[40 - i : 40 - i + 1 + i % 3] for i, p in enumerate(prompts)
+        ][1:]
+        got = lm.forward(blocks, [width] + [1] * (batch - 1))[0]
+        assert torch.equal(got, alone[:width]), width
