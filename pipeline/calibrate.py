@@ -325,7 +325,9 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         "streamed": bool(getattr(loaded, "streamed", False)),
         "weights": getattr(loaded, "weights", "dense"),
         # a changed kernel source changes what a pass costs
-        "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16] if loaded.streamed else None,
+        "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16]
+        if loaded.streamed or getattr(loaded, "weights", "dense") == "gguf-blocks"
+        else None,
         "torch": torch.__version__,
         "draft_vocab": draft_vocab if loaded.draft_ref else None,
     }

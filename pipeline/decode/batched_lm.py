@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -425,12 +426,14 @@ class _Room:
     GROWTH, MIN_ROOM = 1.5, 64
 
     def __init__(self, layer: DynamicLayer, dtype: torch.dtype | None):
-        self.layer, self.dtype = layer, dtype
+        # the layer holds our `update`: a strong reference back would be a cycle, and a dropped
+        # cache would wait for the garbage collector to free its buffers
+        self.layer, self.dtype = weakref.ref(layer), dtype
         self.keys = self.values = None  # the buffers; layer.keys/.values view their first columns
         self.length = 0  # how many
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
-        layer = self.layer
+        layer = self.layer()
         if self.dtype is not None:
             keys, values = keys.to(self.dtype), values.to(self.dtype)
         if not layer.is_initialized:

@@ -488,6 +488,11 @@ def load_pair(
     _check_embeddings(target_model, tokenizer, target, "target")
     block_layers = streamed.use_blocks(target_model, blocks) if blocks else {}
     del blocks
+    if weights == "gguf-blocks" and not block_layers:
+        raise ModelError(
+            f"models.weights is gguf-blocks, but none of {target.display!r}'s blocks could be used "
+            "(types the kernel does not read, or a failed check: see the log above); use weights: dense"
+        )
     if streamed_linears:
         streamed.stream_linears(target_model)  # the Linear layers the blocks did not replace
     if batch_invariant:

@@ -235,10 +235,12 @@ _GGUF_BYTES = {"Q4_K": 144, "Q6_K": 210}  # a super-block of one row, in the fil
 
 class BlockLinear(StreamedLinear):
     """A Linear whose weight is a GGUF file's own Q4_K or Q6_K blocks (`gguf_blocks`), repacked
-    once for `streamed_linear.cpp`, which rebuilds each weight from its code and its block's
-    scales in registers: the blocks' own values in float32, about a third of the bf16 bytes.
-    Row-invariant like every kind of the kernel. `blocks` is uint8 [out_features, bytes per row]
-    as the GGUF file has them; `in_features` must be a multiple of 256."""
+    once for `streamed_linear.cpp`, which rebuilds the weights from their codes and their blocks'
+    scales in registers: about a third of the bf16 bytes. A decoding pass computes with the
+    blocks' exact values (for Q4_K, sum a*q*x less the mins' sum b*X, taken apart); a prefill
+    (`prefilling`) with gguf's values rounded to bf16. Row-invariant like every kind of the
+    kernel. `blocks` is uint8 [out_features, bytes per row] as the GGUF file has them;
+    `in_features` must be a multiple of 256."""
 
     def __init__(
         self, blocks: torch.Tensor, gguf_type: str, in_features: int, bias: torch.Tensor | None = None
@@ -262,7 +264,7 @@ class BlockLinear(StreamedLinear):
             mins = torch.empty(rows * in_features // 32, dtype=torch.uint8)
             lib.pack_q4k(source.data_ptr(), rows, in_features, self.block_rows, K_SLICE, packed.data_ptr(),
                          dmin.data_ptr(), mins.data_ptr())  # fmt: skip
-            self.register_buffer("dmin", dmin)
+            self.register_buffer("dmin", dmin.view(torch.int32))  # integers: `model.to(dtype)` leaves them
             self.register_buffer("mins", mins)
         else:
             lib.pack_q6k(source.data_ptr(), rows, in_features, self.block_rows, K_SLICE, packed.data_ptr())
@@ -304,9 +306,10 @@ def use_blocks(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) ->
             if not isinstance(child, nn.Linear) or key not in blocks:
                 continue
             gguf_type, raw = blocks[key]
-            if gguf_type not in BLOCK_KINDS or tuple(raw.shape)[0] != child.out_features:
+            if gguf_type not in BLOCK_KINDS or child.in_features % SUPER_BLOCK or raw.dim() != 2:
                 continue
-            if child.in_features % SUPER_BLOCK or raw.shape[0] < 8:
+            row_bytes = child.in_features // SUPER_BLOCK * _GGUF_BYTES[gguf_type]
+            if tuple(raw.shape) != (child.out_features, row_bytes) or raw.shape[0] < 8:
                 continue
             if gguf_type not in trusted:
                 sample = raw[:8, : _GGUF_BYTES[gguf_type]].contiguous().numpy().tobytes()

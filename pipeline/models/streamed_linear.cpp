@@ -569,9 +569,13 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
             const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
-            if (mins && path == GROUPED)  // many token rows: the factors once per block
-                for (int64_t r = 0; r < rows && o0 + r < O; ++r)
-                    min_factors(dmin + (o0 + r) * per_row, m + (o0 + r) * per_row * 8, K, mins + r * (K / 32));
+            if (mins && path == GROUPED)  // many token rows: the factors once per block (0 past O)
+                for (int64_t r = 0; r < rows; ++r) {
+                    if (o0 + r < O)
+                        min_factors(dmin + (o0 + r) * per_row, m + (o0 + r) * per_row * 8, K, mins + r * (K / 32));
+                    else
+                        std::memset(mins + r * (K / 32), 0, (K / 32) * 4);
+                }
             RowMins row_mins_at;
             auto row_mins = [&](int64_t r) -> const RowMins* {
                 if (!dmin) return nullptr;

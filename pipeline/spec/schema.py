@@ -408,10 +408,11 @@ class ModelsSpec(_Section):
     weights: Literal["auto", "gguf-blocks", "dense"] = Field(
         "auto",
         description="The target's weights on a CPU. gguf-blocks: the GGUF blocks its install kept "
-        "(Q4_K, Q6_K), streamed by the CPU kernel with float32 activations: about a third of the bytes "
-        "of bf16 weights per pass, the blocks' own values in float32 as the target's numbers; dense: "
-        "the installed weights. auto: gguf-blocks where the target keeps blocks and float32 runs on a "
-        "CPU with AVX2 (dtype auto picks float32 there), else dense.",
+        "(Q4_K, Q6_K), streamed by the CPU kernel with float32 activations (dtype auto becomes float32): "
+        "about a third of the bytes of bf16 weights per pass; decoding passes compute with the blocks' "
+        "exact values, prefills with their bf16 rounding (the installed weights). dense: the installed "
+        "weights. auto: gguf-blocks where the target keeps blocks and the dtype is float32 on a CPU with "
+        "AVX2 (dtype auto picks float32 on CPUs without AVX512-BF16), else dense.",
     )
     trust_remote_code: bool = Field(
         False, description="Allow custom modelling/tokenizer code from the model repository."
