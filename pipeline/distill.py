@@ -621,6 +621,7 @@ def distill(
         batch_invariant=models.batch_invariant,
         draft_int8=models.draft_int8,
         weights=models.weights,
+        batch=run.spec.execution.batch_size,
     )
     after, _ = load_draft(
         new_draft,

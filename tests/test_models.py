@@ -554,6 +554,10 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     dense = load_pair(target, None, device="cpu", dtype="float32", weights="dense")
     assert dense.weights == "dense" and dense.block_layers == {}
     assert not any(isinstance(m, streamed.BlockLinear) for m in dense.target.modules())
+    # auto: blocks for jobs of 1 or 2 rows at a time, whose passes are bound by reading weights
+    assert load_pair(target, None, device="cpu", dtype="float32", batch=2).weights == "gguf-blocks"
+    assert load_pair(target, None, device="cpu", dtype="float32", batch=4).weights == "dense"
+    assert load_pair(target, None, device="cpu", dtype="float32", weights="gguf-blocks", batch=8).block_layers
 
 
 def test_an_install_without_blocks_is_redone_and_gguf_blocks_says_what_is_missing(

@@ -404,15 +404,21 @@ def load_draft(
 
 
 WEIGHTS = ("auto", "gguf-blocks", "dense")
+# `auto` streams blocks for jobs of at most this many rows at a time. A pass of 1 or 2 token rows
+# is bound by reading the weights, and blocks cost 0.65x and 0.79x the dense pass; from 4 rows on
+# it is bound by arithmetic, and decoding the blocks costs more than the bytes save (1.2-1.3x).
+# Measured by `pipeline calibrate --against` (docs/benchmarks/, 2026-11-27, AVX2 float32).
+BLOCKS_MAX_BATCH = 2
 
 
-def _target_blocks(target: ModelRef, weights: str, dtype, device: str) -> dict | None:
+def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: int | None) -> dict | None:
     """The target's GGUF blocks where `weights` asks for them and this machine can stream them
-    (None: dense weights). `auto` takes them where the target keeps blocks and float32 runs on a
-    CPU with the streamed kernel; `gguf-blocks` insists, with an error that says what is missing."""
+    (None: dense weights). `auto` takes them where the target keeps blocks, float32 runs on a CPU
+    with the streamed kernel, and `batch` (the rows a pass decodes; None: unknown) is at most
+    BLOCKS_MAX_BATCH; `gguf-blocks` insists, with an error that says what is missing."""
     if weights not in WEIGHTS:
         raise InvalidOptionError(f"unknown weights {weights!r}; use {', '.join(WEIGHTS)}")
-    if weights == "dense":
+    if weights == "dense" or (weights == "auto" and batch is not None and batch > BLOCKS_MAX_BATCH):
         return None
     try:
         src, is_local = _source(target, "model", ("config.json",))
@@ -447,6 +453,7 @@ def load_pair(
     draft_int8: bool | None = None,
     streamed_linears: bool | None = None,
     weights: str = "auto",
+    batch: int | None = None,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -461,13 +468,14 @@ def load_pair(
     construction, so that batch invariance comes with them (see `pipeline.models.streamed`);
     the draft gets them too, with int8 weights unless `draft_int8` is False.
     `weights` (`auto`, `gguf-blocks`, `dense`): whether the target's Linear layers stream the
-    GGUF blocks its install kept (see `_target_blocks`); gguf-blocks with dtype auto runs float32.
+    GGUF blocks its install kept (see `_target_blocks`, which `batch`, the rows a job decodes
+    together, informs); gguf-blocks with dtype auto runs float32.
     """
     device = resolve_device(device)
     if weights == "gguf-blocks" and dtype in (None, "auto") and device == "cpu":
         dtype = torch.float32  # the block kernel's activations
     torch_dtype = resolve_dtype(dtype, device)
-    blocks = _target_blocks(target, weights, torch_dtype, device)
+    blocks = _target_blocks(target, weights, torch_dtype, device, batch)
     if streamed_linears is False and weights != "gguf-blocks":
         blocks = None  # blocks stream through the same kernel
     if streamed_linears is None:

@@ -547,9 +547,11 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (RB * unit) / KB * KB);
     // tiles whose accumulators the grouped path keeps at once (in L2 beside the decoded range):
     // a group of tiles goes through every block before the next group starts
+    // (one range that covers every k needs no tile's accumulators kept: each tile finishes at once)
+    const bool whole = range >= K;
     const int64_t group_tiles =
-        path == GROUPED ? std::max<int64_t>(1, ACC_BYTES / (RB * TILE * int64_t(sizeof(__m256))))
-                        : tiles;
+        path == GROUPED && !whole ? std::max<int64_t>(1, ACC_BYTES / (RB * TILE * int64_t(sizeof(__m256))))
+                                  : tiles;
     auto tile_rows = [&](int64_t tile) { return static_cast<int>(T / tiles + (tile < T % tiles)); };
     auto tile_start = [&](int64_t tile) { return tile * (T / tiles) + std::min(tile, T % tiles); };
     auto slice = [&](const uint8_t* wb, int64_t rows, int64_t k0, int64_t len, int64_t i) {
@@ -560,7 +562,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         const int64_t scratch_bytes = path == GROUPED ? RB * range * unit : path == STRIPWISE ? STRIP * KB * 4 : 0;
         float* scratch = scratch_bytes ? static_cast<float*>(std::aligned_alloc(32, scratch_bytes)) : nullptr;
         uint16_t* halves = reinterpret_cast<uint16_t*>(scratch);  // the prefill's bf16 pairs
-        const int64_t acc_tiles = path == DIRECT ? 1 : group_tiles;  // tiles whose accumulators are kept
+        const int64_t acc_tiles = path == DIRECT || (path == GROUPED && whole) ? 1 : group_tiles;
         float* mins = dmin && path == GROUPED ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
         __m256* acc = static_cast<__m256*>(std::aligned_alloc(32, acc_tiles * MAX_RB * TILE * sizeof(__m256)));
         for (int64_t tg0 = 0; tg0 < tiles; tg0 += group_tiles) {
@@ -623,20 +625,27 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                                 decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch + at, 2 * range);
                         }
                     }
-                    for (int64_t tile = tg0; tile < tg1; ++tile)
+                    for (int64_t tile = tg0; tile < tg1; ++tile) {
+                        __m256* at = acc + (whole ? 0 : (tile - tg0) * MAX_RB * TILE);
+                        const int n = tile_rows(tile);
                         for (int64_t p = 0; p < rows; p += 2) {  // a pair's whole range in one call
-                            __m256* a = acc + (tile - tg0) * MAX_RB * TILE + p * tile_rows(tile);
                             const float* xt = x + tile_start(tile) * K + kr0;
                             if (prefill)
-                                micro_n(tile_rows(tile), halves + p * range, xt, K, kr1 - kr0, a, kr0 == 0);
+                                micro_n(n, halves + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
                             else
-                                micro_n(tile_rows(tile), scratch + p * range, xt, K, kr1 - kr0, a, kr0 == 0);
+                                micro_n(n, scratch + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
                         }
+                        if (whole)  // a prefill's mins are in its weights
+                            for (int64_t r = 0; r < rows && o0 + r < O; ++r)
+                                finish(at + r * n, n, o0 + r, tile_start(tile), O, K,
+                                       prefill ? nullptr : row_mins(r), sums, bias, y);
+                    }
                 }
-                for (int64_t tile = tg0; tile < tg1; ++tile)  // a prefill's mins are in its weights
-                    for (int64_t r = 0; r < rows && o0 + r < O; ++r)
-                        finish(acc + (tile - tg0) * MAX_RB * TILE + r * tile_rows(tile), tile_rows(tile), o0 + r,
-                               tile_start(tile), O, K, prefill ? nullptr : row_mins(r), sums, bias, y);
+                if (!whole)
+                    for (int64_t tile = tg0; tile < tg1; ++tile)
+                        for (int64_t r = 0; r < rows && o0 + r < O; ++r)
+                            finish(acc + (tile - tg0) * MAX_RB * TILE + r * tile_rows(tile), tile_rows(tile), o0 + r,
+                                   tile_start(tile), O, K, prefill ? nullptr : row_mins(r), sums, bias, y);
             }
         }
         }

@@ -411,8 +411,9 @@ class ModelsSpec(_Section):
         "(Q4_K, Q6_K), streamed by the CPU kernel with float32 activations (dtype auto becomes float32): "
         "about a third of the bytes of bf16 weights per pass; decoding passes compute with the blocks' "
         "exact values, prefills with their bf16 rounding (the installed weights). dense: the installed "
-        "weights. auto: gguf-blocks where the target keeps blocks and the dtype is float32 on a CPU with "
-        "AVX2 (dtype auto picks float32 on CPUs without AVX512-BF16), else dense.",
+        "weights. auto: gguf-blocks where the target keeps blocks, the dtype is float32 on a CPU with "
+        "AVX2 (dtype auto picks float32 on CPUs without AVX512-BF16) and execution.batch_size is at "
+        "most 2 (wider passes are bound by arithmetic, and there dense weights are faster), else dense.",
     )
     trust_remote_code: bool = Field(
         False, description="Allow custom modelling/tokenizer code from the model repository."
