@@ -214,6 +214,7 @@ def run_benchmark(
     warm_docs: int = 0,
     hf_models: tuple | None = None,
     llama_cpp: LlamaCpp | None = None,
+    hf: bool = True,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
     """`hf_models`: the target and draft as `transformers` loads them, for the HF rows, where
@@ -222,7 +223,9 @@ def run_benchmark(
     drafters that draft from earlier outputs (suffix, auto) also run warm, their corpus holding
     our target-only outputs of that many *other* documents of the task, as a nightly job given
     last night's outputs (`drafter.suffix_warm_start`). `llama_cpp`: also llama.cpp's rows, and
-    every row's tokens/s against its target-only."""
+    every row's tokens/s against its target-only. `hf=False` leaves out HF's rows (batch 1
+    only, they would take hours beside a large batch of a fast path); ours target-only is then
+    the reference outputs are compared with."""
     hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
     if pair.draft is None:  # a target-only pair: the drafters that need no model still run
         dropped = [d for d in drafters if d == "draft_model"]
@@ -258,11 +261,14 @@ def run_benchmark(
             warm = [r.tokens for r in engines["none"].generate(others, max_new_tokens, drafter="none")[0]]
         bench = TaskBench(task)
         # the first configuration is also the reference every output is compared with
-        bench.add("hf target-only", 1, lambda p=prompts: hf_generate(hf_target, p, max_new_tokens, eos, pad))
+        if hf:
+            bench.add(
+                "hf target-only", 1, lambda p=prompts: hf_generate(hf_target, p, max_new_tokens, eos, pad)
+            )
         # HF's assisted generation as its users run it: the draft as loaded; and, where our
         # engine's draft steps use int8 weights, also with those, the same draft as ours
-        for k, int8 in [(k, False) for k in hf_assistant_tokens] + [
-            (k, True) for k in hf_assistant_tokens if pair.draft_int8
+        for k, int8 in [(k, False) for k in hf_assistant_tokens if hf] + [
+            (k, True) for k in hf_assistant_tokens if pair.draft_int8 and hf
         ]:
             bench.add(
                 f"hf assisted k={k}" + (" int8" if int8 else ""),
@@ -272,7 +278,7 @@ def run_benchmark(
                 ),
                 base="hf target-only",
             )
-        for k in hf_lookup_tokens:
+        for k in hf_lookup_tokens if hf else ():
             bench.add(
                 f"hf prompt lookup k={k}",
                 1,

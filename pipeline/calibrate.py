@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipeline.decode import static_lm
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig
 from pipeline.job.worker import pad_id
@@ -64,9 +65,11 @@ class _SyntheticTokens:
         return block
 
 
-def _prefill(lm: BatchedLM, prompts: list[list[int]]) -> tuple[float, int]:
-    """Prefill `prompts` into a fresh cache as the engine admits a batch; (seconds, tokens)."""
+def _prefill(lm: BatchedLM, prompts: list[list[int]], widest: int) -> tuple[float, int]:
+    """Prefill `prompts` into a fresh cache as the engine admits a batch, with room for passes
+    of up to `widest` tokens; (seconds, tokens)."""
     lm.reset(0)
+    lm.reserve(len(prompts), max(map(len, prompts)) + widest + 1)
     before = lm.forward_seconds
     lm.admit(prompts, [1] * len(prompts))
     return lm.forward_seconds - before, lm.fed_tokens
@@ -94,7 +97,7 @@ def _runner(loaded: LoadedPair, role: str, draft_vocab: int) -> BatchedLM:
     """The engine's runner for the target or the draft, the draft with the output layer its
     proposals use (ids below `draft_vocab`, see `DraftModelDrafter`)."""
     model = loaded.target if role == "target" else loaded.draft
-    lm = BatchedLM(model, pad_id(loaded.tokenizer, loaded.target), loaded.vocab_size)
+    lm = static_lm.runner(model, pad_id(loaded.tokenizer, loaded.target), loaded.vocab_size)
     if role == "draft" and 0 < draft_vocab < lm.vocab_size:
         lm.restrict_head(torch.arange(draft_vocab))
     return lm
@@ -172,25 +175,30 @@ def measure(
     passes: dict[str, dict[str, dict[str, float]]] = {role: {} for role in roles}
     prefill: dict[str, float | None] = {"target": None, "draft": None}
     tokens = _SyntheticTokens(loaded.vocab_size)
+    graphs: dict[str, dict] = {}  # what capturing the static path's graphs cost
     for role in roles:
         lm = _runner(loaded, role, draft_vocab)
         warm_up = [tokens.ids(context)]  # first calls pay for allocations
-        _prefill(lm, warm_up)
+        _prefill(lm, warm_up, widths[-1])
         _pass_seconds(lm, warm_up, 1, 1, tokens)
         seconds, fed = 0.0, 0
         for batch in batches:
             prompts = [tokens.ids(context) for _ in range(batch)]
-            took, computed = _prefill(lm, prompts)
+            took, computed = _prefill(lm, prompts, widths[-1])
             seconds, fed = seconds + took, fed + computed
             passes[role][str(batch)] = {
                 str(width): _pass_seconds(lm, prompts, width, runs, tokens) for width in widths
             }
         prefill[role] = seconds / fed
+        if isinstance(lm, static_lm.StaticLM):
+            graphs[role] = lm.graph_record()
         lm.reset(0)  # the caches' memory back before the next model's
     result = summary(
         loaded, passes, prefill, context=context, runs=runs, draft_vocab=draft_vocab, pair_name=pair_name
     )
     result["seconds"] = time.perf_counter() - began
+    if graphs:
+        result["static_passes"] = graphs
     return result
 
 
@@ -324,6 +332,7 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         "draft_int8": loaded.draft_int8,
         "streamed": bool(getattr(loaded, "streamed", False)),
         "weights": getattr(loaded, "weights", "dense"),
+        **({"static_passes": True} if getattr(loaded, "static_passes", False) else {}),
         # a changed kernel source changes what a pass costs
         "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16]
         if loaded.streamed or getattr(loaded, "weights", "dense") == "gguf-blocks"
@@ -398,6 +407,16 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{against['bandwidth_gb_s']:.1f} GB/s"
                 if against
                 else ""
+            )
+        )
+    for role, graphs in (result.get("static_passes") or {}).items():
+        lines.append(
+            f"static passes ({role}): {graphs['slots']} slots of {graphs['slot_length']} positions, "
+            + (
+                f"graphs of widths {','.join(map(str, graphs['graphs']))} captured in "
+                f"{graphs['capture_seconds']:.2f} s, {graphs['graph_bytes'] / 1e6:.0f} MB"
+                if graphs["graphs"]
+                else f"eager ({graphs['eager_because']})"
             )
         )
     lines.append("")

@@ -385,6 +385,12 @@ def demo_data(out, shards, rows):
     "on the same loaded models.",
 )
 @click.option(
+    "--static-passes/--dynamic-passes",
+    default=None,
+    help="Passes through fixed slots and shapes, CUDA graphs on a GPU (default: as a job would "
+    "load it; see models.static_passes).",
+)
+@click.option(
     "--draft-int8/--draft-as-loaded",
     default=None,
     help="Draft decode steps on int8 weights (default: as a job would load it; see "
@@ -396,6 +402,12 @@ def demo_data(out, shards, rows):
 )
 @click.option(
     "--hf-lookup-tokens", default="3,10", show_default=True, help="HF prompt_lookup_num_tokens to try."
+)
+@click.option(
+    "--hf/--no-hf",
+    default=True,
+    show_default=True,
+    help="Run HF's rows (batch 1); without them ours target-only is the reference for outputs.",
 )
 @click.option(
     "--drafters",
@@ -460,9 +472,11 @@ def bench(
     dtype,
     threads,
     batch_invariant,
+    static_passes,
     draft_int8,
     hf_assistant_tokens,
     hf_lookup_tokens,
+    hf,
     drafters,
     draft_vocab,
     warm_docs,
@@ -512,6 +526,7 @@ def bench(
         batch_invariant=batch_invariant,
         draft_int8=draft_int8,
         weights=weights,
+        static_passes=static_passes,
     )
     click.echo(
         f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
@@ -520,6 +535,7 @@ def bench(
         + (", int8 draft steps" if loaded.draft_int8 else "")
         + (", streamed linears" if loaded.streamed else "")
         + (", target on its GGUF blocks" if loaded.weights == "gguf-blocks" else "")
+        + (", static passes" if loaded.static_passes else "")
     )
     runner = LlamaCpp(gguf, torch.get_num_threads(), context=2048) if gguf else None
     # HF's rows run the models as `transformers` loads them, not on our kernels
@@ -545,6 +561,7 @@ def bench(
         warm_docs=warm_docs,
         hf_models=hf_models,
         llama_cpp=runner,
+        hf=hf,
         log=click.echo,
     )
     meta = {
@@ -601,6 +618,17 @@ def bench(
     help="Also time the target on these weights in the same process, in alternating rounds (one pass "
     "per shape each), and print the ratio of the passes: two settings compared on one drifting machine.",
 )
+@click.option(
+    "--batch-invariant/--stock-kernels",
+    default=None,
+    help="Target numerics (default: as a job would load it; see models.batch_invariant).",
+)
+@click.option(
+    "--static-passes/--dynamic-passes",
+    default=None,
+    help="Passes through fixed slots and shapes, CUDA graphs on a GPU (default: as a job would "
+    "load it; see models.static_passes).",
+)
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")
 @click.option("--out", "out_path", help="Also write the JSON to this file.")
@@ -613,7 +641,20 @@ def bench(
     "with the JSON beside it unless --out says where.",
 )
 def calibrate(
-    pair, batches, widths, context, dtype, threads, weights, against, runs, as_json, out_path, report_path
+    pair,
+    batches,
+    widths,
+    context,
+    dtype,
+    threads,
+    weights,
+    against,
+    batch_invariant,
+    static_passes,
+    runs,
+    as_json,
+    out_path,
+    report_path,
 ):
     """Measure what target passes and draft steps cost here, as a job would run them.
 
@@ -652,9 +693,10 @@ def calibrate(
         check_settings(batches, widths, context, runs)
         target, draft = resolve_pair(pair)
         # as a job's actor loads it (pipeline/job/worker.py with a spec's default models fields)
-        loaded = load_pair(target, draft, dtype=dtype, device="auto", weights=weights)
+        kernels = {"batch_invariant": batch_invariant, "static_passes": static_passes}
+        loaded = load_pair(target, draft, dtype=dtype, device="auto", weights=weights, **kernels)
         if against:
-            other = load_pair(target, None, dtype=dtype, device="auto", weights=against)
+            other = load_pair(target, None, dtype=dtype, device="auto", weights=against, **kernels)
             result, theirs = measure_alternating(
                 [loaded, other], batches, widths, context, runs=runs, pair_name=pair
             )

@@ -13,10 +13,6 @@ import inspect
 import os
 import sys
 
-import pyarrow as pa
-
-from pipeline.storage import Storage
-
 # Modules whose docstrings are real prose of a useful length for summarization.
 CANDIDATES = (
     "argparse",
@@ -109,6 +105,11 @@ def write_demo_data(url: str, shards: int = 2, rows_per_shard: int = 4) -> list[
     needed = shards * rows_per_shard
     if len(docs) < needed:
         raise ValueError(f"only {len(docs)} suitable docstrings on this Python, {needed} asked for")
+    # here, not at the top: `pipeline bench` reads the corpora on machines without pyarrow (a GPU's)
+    import pyarrow as pa
+
+    from pipeline.storage import Storage
+
     store = Storage(url)
     written = []
     for k in range(shards):

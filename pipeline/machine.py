@@ -104,6 +104,7 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
                 "draft_int8": loaded.draft_int8,
                 "streamed": bool(getattr(loaded, "streamed", False)),
                 "gguf_blocks": getattr(loaded, "weights", "dense") == "gguf-blocks",
+                "static_passes": bool(getattr(loaded, "static_passes", False)),
             },
         )
     return described

@@ -15,22 +15,64 @@ tests)
     PIPELINE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -o addopts= "$@" \
         tests/test_engine.py tests/test_decode_sampling.py tests/test_batched_lm.py \
         tests/test_policy.py tests/test_drafters.py tests/test_suffix.py tests/test_packing.py \
-        tests/test_costs.py tests/test_invariant.py 2>&1 | tee "$out/tests.log"
+        tests/test_costs.py tests/test_invariant.py tests/test_static_lm.py 2>&1 | tee "$out/tests.log"
     ;;
 calibrate)
     pair=$1
     shift
-    python3 -m pipeline.cli calibrate --pair "$pair" --report "$out/calibrate-$pair.md" "$@" 2>&1 |
-        grep -v "^Loading weights" | tee "$out/calibrate-$pair.log"
+    name=calibrate-${NAME:-$pair}
+    python3 -m pipeline.cli calibrate --pair "$pair" --report "$out/$name.md" "$@" 2>&1 |
+        grep -v "^Loading weights" | tee "$out/$name.log"
     ;;
 bench)
     pair=$1
     shift
-    python3 -m pipeline.cli bench --pair "$pair" --report "$out/bench-$pair.md" "$@" 2>&1 |
-        grep -v "^Loading weights" | tee "$out/bench-$pair.log"
+    name=bench-${NAME:-$pair}
+    python3 -m pipeline.cli bench --pair "$pair" --report "$out/$name.md" "$@" 2>&1 |
+        grep -v "^Loading weights" | tee "$out/$name.log"
+    ;;
+all)
+    # The whole check in one call (docs/gpu.md): random-weight Qwen2.5-Coder-shaped models from the
+    # carried configs (scripts/gpu_models.py), then each step under its own time limit, the most
+    # telling first, so that a call cut short still brings back what it measured.
+    # what the machine has; small pure-Python wheels carried in .gpu-carry/wheels fill gaps
+    python3 -c "import xdist, fsspec, tenacity" 2>/dev/null ||
+        pip install -q --no-index .gpu-carry/wheels/*.whl 2>&1 | tail -2
+    python3 - <<'EOF' 2>&1 | tee "$out/env.log"
+import importlib, platform, torch
+print(platform.platform(), "python", platform.python_version())
+print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch", torch.__version__)
+for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pytest", "xdist", "ray"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as error:
+        print(name, "missing:", error)
+EOF
+    python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$out/models.log"
+    export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
+    pair=qwen2.5-coder-shaped-random
+    xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+    step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$0" "$out" "$@"; }
+    echo "== static path tests ($(date +%T))"
+    PIPELINE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -o addopts= $xdist \
+        tests/test_static_lm.py 2>&1 | tee "$out/tests-static.log"
+    step 120 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3
+    NAME=$pair-batch1 step 100 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \
+        --runs 3 --drafters prompt_lookup,draft_model,auto --hf-assistant-tokens '' --hf-lookup-tokens 3
+    # 4 documents a slot where the machine has that many license sections (222 on the CPU machines)
+    docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
+    NAME=$pair-batch64 step 150 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
+        --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
+    for kind in stock dynamic; do  # the price of exactness; the old path
+        flags="--stock-kernels --batch 1,64"
+        [ $kind = dynamic ] && flags="--dynamic-passes --batch 1"
+        NAME=$pair-$kind step 60 calibrate qwen-shaped-target --widths 1,8,16 --runs 3 $flags
+    done
+    step 120 tests $xdist
+    echo "== done ($(date +%T))"
     ;;
 *)
-    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR [options]" >&2
+    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all [options]" >&2
     exit 2
     ;;
 esac

@@ -77,6 +77,7 @@ def test_measure_times_every_batch_and_width_and_reads_back_from_json(tiny_loade
         "draft_int8": True,
         "streamed": streamed,
         "gguf_blocks": False,
+        "static_passes": False,
     }
     # what a pass reads, and how fast at width 1 (gpt-fast's "bandwidth achieved")
     assert result["weights"] == "dense" and set(result["weight_bytes"]) == {"target", "draft"}

@@ -131,7 +131,7 @@ def test_naive_always_accept_sampler_is_caught(pair, monkeypatch):
     target, draft = pair
     params = SamplingParams(greedy=False, seed=21)
 
-    def always_accept(target_logits, draft_tokens, draft_probs, params, generator):
+    def always_accept(target_logits, draft_tokens, draft_probs, params, generator, argmax=None):
         bonus = torch.multinomial(probabilities(target_logits[-1], params).cpu(), 1, generator=generator)
         return len(draft_tokens), int(bonus)
 

@@ -114,6 +114,9 @@ class BatchedLM:
                 layer.update = _Room(layer, torch.float64 if widen else None).update
         return cache
 
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` rows of `length` tokens; this cache grows as it goes (see `StaticLM`)."""
+
     def restrict_head(self, rows: torch.Tensor | None) -> None:
         """Compute logits only for the token ids `rows` (others get -inf); None: all of them.
 
@@ -364,7 +367,10 @@ class BatchedLM:
                 rect = self.model(**inputs, logits_to_keep=columns).logits
                 return rect[rows, torch.searchsorted(columns, cols), : self.vocab_size].float()
             hidden = self.model.base_model(**inputs).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1])[wanted]
+        return self._head_logits(hidden.reshape(-1, hidden.shape[-1])[wanted])
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float logits [rows, vocab] of last hidden states [rows, hidden] (see `restrict_head`)."""
         if self.head_rows is None:
             return self.model.get_output_embeddings()(hidden)[:, : self.vocab_size].float()
         some = self._head(hidden).float()

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode import static_lm
 from pipeline.decode.sampling import SamplingParams, choose, confidence
 
 DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX = "draft_model", "prompt_lookup", "suffix"
@@ -174,7 +174,7 @@ class DraftModelDrafter:
         output layer (see `BatchedLM.restrict_head`). Byte-level BPE vocabularies number
         tokens in merge order, so low ids are the common ones. Lossless either way: the target
         checks every proposal, and a sampled proposal reports the distribution it came from."""
-        self.lm = BatchedLM(model, pad_token_id, vocab_size)
+        self.lm = static_lm.runner(model, pad_token_id, vocab_size)
         self.head_tokens = head_tokens if 0 < head_tokens < self.lm.vocab_size else 0
         self.always = always
 

@@ -17,6 +17,7 @@ With the drafter "none" the same loop is plain target-only decoding: the baselin
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode import static_lm
 from pipeline.decode.costs import CostModel, alpha_from_tau
 from pipeline.decode.drafters import (
     DRAFT_MODEL,
@@ -293,7 +294,7 @@ class SpeculativeEngine:
         # Embedding matrices are often padded past the tokenizer (and differ between a target
         # and its draft): compare distributions over the tokens both models can produce.
         vocab = vocab_size or min(m.config.vocab_size for m in (target, draft) if m is not None)
-        self.target = BatchedLM(target, pad_token_id, vocab)
+        self.target = static_lm.runner(target, pad_token_id, vocab)
         self.draft = None
         if draft is not None:
             self.draft = DraftModelDrafter(
@@ -388,6 +389,11 @@ class SpeculativeEngine:
         self.target.reset(0)
         for d in drafters:
             d.start([])
+        # static slots (`StaticLM`) for the batch's rows: prompt, output, a round's drafts
+        size = batch_size or len(rows)
+        longest = max((r.prompt_len for r in rows), default=0) + max_new_tokens + self.config.gamma_max + 1
+        for lm in [self.target] + ([model.lm] if model else []):
+            lm.reserve(size, longest)
         return _Batch(
             rows=rows,
             waiting=deque(rows),
@@ -471,9 +477,16 @@ class SpeculativeEngine:
         the counters and the policy learn how each source did. Returns the tokens produced."""
         outcomes: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
         produced = 0
-        rows = zip(batch.active, drafts.tokens, drafts.probs, drafts.keys, logits)
-        for row, draft, draft_probs, key, row_logits in rows:
-            accepted, token = verify(row_logits, draft, draft_probs, batch.sampling, batch.generator)
+        argmax: list[list[int] | None] = [None] * len(logits)
+        if batch.sampling.greedy and logits:  # one read of the whole batch's choices
+            flat = torch.argmax(torch.cat(logits), dim=-1).tolist()
+            ends = list(itertools.accumulate(len(x) for x in logits))
+            argmax = [flat[end - len(x) : end] for x, end in zip(logits, ends)]
+        rows = zip(batch.active, drafts.tokens, drafts.probs, drafts.keys, logits, argmax)
+        for row, draft, draft_probs, key, row_logits, row_argmax in rows:
+            accepted, token = verify(
+                row_logits, draft, draft_probs, batch.sampling, batch.generator, argmax=row_argmax
+            )
             kept = self._append(row, draft[:accepted] + [token], batch)
             produced += kept
             stats = row.stats

@@ -75,6 +75,7 @@ def verify(
     draft_probs: torch.Tensor | None,
     params: SamplingParams,
     generator: torch.Generator,
+    argmax: list[int] | None = None,
 ) -> tuple[int, int]:
     """Check one row's drafts against the target; return (accepted count, next token).
 
@@ -82,10 +83,12 @@ def verify(
     Greedy keeps drafts while they equal the target's argmax. Sampling accepts draft x with
     probability min(1, p(x)/q(x)) and on rejection samples from norm(max(p - q, 0)); when all
     drafts pass, the last row gives a bonus token. `draft_probs` None means the drafter was
-    deterministic (prompt lookup): q is then a point mass on the drafted token.
+    deterministic (prompt lookup): q is then a point mass on the drafted token. `argmax`: the
+    logits' argmax per row where the caller took it for a whole batch at once (one read from
+    a GPU per round rather than one per row).
     """
     if params.greedy:
-        predicted = torch.argmax(target_logits, dim=-1).tolist()
+        predicted = argmax if argmax is not None else torch.argmax(target_logits, dim=-1).tolist()
         n = 0
         while n < len(draft_tokens) and draft_tokens[n] == predicted[n]:
             n += 1

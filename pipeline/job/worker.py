@@ -100,6 +100,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         batch_invariant=spec.models.batch_invariant,
         draft_int8=spec.models.draft_int8,
         weights=spec.models.weights,
+        static_passes=spec.models.static_passes,
         batch=spec.execution.batch_size,
     )
     tokenizer = pair.tokenizer

@@ -287,6 +287,8 @@ class LoadedPair:
     # type), else "dense"
     weights: str = "dense"
     block_layers: dict[str, int] = field(default_factory=dict)
+    # passes through fixed slots and shapes, captured as CUDA graphs on a GPU (`static_lm`)
+    static_passes: bool = False
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -325,6 +327,7 @@ class LoadedPair:
             "streamed_linears": self.streamed,
             "weights": self.weights,
             "block_layers": self.block_layers,
+            "static_passes": self.static_passes,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -442,6 +445,28 @@ def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: in
     return blocks if usable else None
 
 
+def _static_passes(asked: bool | None, device: str, target, draft) -> bool:
+    """Mark the models whose passes go through `static_lm` (None: on GPUs); whether the target's
+    do. Asked for a target it cannot run is an error; a draft it cannot run stays dynamic."""
+    from pipeline.decode import static_lm
+
+    if not (asked if asked is not None else device.startswith("cuda")):
+        return False
+    problem = static_lm.supports(target)
+    if problem and asked:
+        raise ModelError(f"models.static_passes: {problem}")
+    if problem:
+        log.warning("static passes off: %s", problem)
+        return False
+    target._static_passes = True
+    if draft is not None:
+        problem = static_lm.supports(draft)
+        if problem:
+            log.warning("the draft's passes stay dynamic: %s", problem)
+        draft._static_passes = problem is None
+    return True
+
+
 def load_pair(
     target: ModelRef,
     draft: ModelRef | None,
@@ -454,6 +479,7 @@ def load_pair(
     streamed_linears: bool | None = None,
     weights: str = "auto",
     batch: int | None = None,
+    static_passes: bool | None = None,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -470,6 +496,8 @@ def load_pair(
     `weights` (`auto`, `gguf-blocks`, `dense`): whether the target's Linear layers stream the
     GGUF blocks its install kept (see `_target_blocks`, which `batch`, the rows a job decodes
     together, informs); gguf-blocks with dtype auto runs float32.
+    `static_passes` (None: on GPUs) runs both models' passes through fixed slots and shapes,
+    replayed as CUDA graphs on a GPU (see `pipeline.decode.static_lm`), where the model allows.
     """
     device = resolve_device(device)
     if weights == "gguf-blocks" and dtype in (None, "auto") and device == "cpu":
@@ -524,6 +552,7 @@ def load_pair(
             trust_remote_code=trust_remote_code,
         )
         times["draft_s"] = time.perf_counter() - t
+    static_passes = _static_passes(static_passes, device, target_model, draft_model)
     return LoadedPair(
         tokenizer=tokenizer,
         target=target_model,
@@ -537,5 +566,6 @@ def load_pair(
         streamed=streamed_linears,
         weights="gguf-blocks" if block_layers else "dense",
         block_layers=block_layers,
+        static_passes=static_passes,
         load_seconds=times,
     )

@@ -415,6 +415,14 @@ class ModelsSpec(_Section):
         "AVX2 (dtype auto picks float32 on CPUs without AVX512-BF16) and execution.batch_size is at "
         "most 2 (wider passes are bound by arithmetic, and there dense weights are faster), else dense.",
     )
+    static_passes: bool | None = Field(
+        None,
+        description="Decode and verify passes through a KV cache of fixed slots written by position "
+        "and a few fixed pass shapes, each replayed as one captured CUDA graph on a GPU (a GPU pass "
+        "is otherwise bound by kernel launches); outputs are the same. Default (null): on for GPUs "
+        "where the model is a plain decoder stack (Llama, Qwen2, Qwen3, Mistral without sliding "
+        "windows), off on CPUs.",
+    )
     trust_remote_code: bool = Field(
         False, description="Allow custom modelling/tokenizer code from the model repository."
     )

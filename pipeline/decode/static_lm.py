@@ -1,0 +1,436 @@
+"""The static pass path: a KV cache of fixed slots written by position, and passes of a few fixed
+shapes, each replayed as one captured CUDA graph on a GPU.
+
+Why: on a GPU a decode or verify pass of a 1.5B model reads 3 GB of weights, about 1 ms at the
+card's bandwidth, while eager `transformers` spends 35-60 ms launching its few hundred kernels
+from Python (docs/gpu.md). A captured graph launches them all at once, but only for tensors that
+never move and shapes that never change. So, as in gpt-fast:
+
+- Each row owns a *slot*: per layer, keys and values [slots, kv heads, length, dim] allocated
+  once. A token's keys are written at its position, so rejected drafts need no rollback: the next
+  pass writes the tokens that replace them at the same positions, and a query attends to the
+  positions up to its own (the mask is computed from the positions, on the device). The cache
+  state of a row is just how many of its tokens are cached (`tokens[i]`).
+- A pass feeds every slot `width` tokens, `width` one of WIDTHS (rows with fewer tokens are
+  padded, free slots fed padding); the padding writes past the row's end or into the scratch
+  positions at the end of each slot, where the next real token overwrites it before any query
+  can see it.
+- Passes wider than WIDTHS (prefills, a draft model catching up) run eagerly over their rows
+  only, with the keys cut to the longest position: rare, and long enough to hide the launches.
+
+Exactness: every layer runs the model's own modules (`transformers`' decoder layers, so the
+row blocks of `invariant` apply), with the model's own attention function over the slots; only
+the cache and the mask are ours. The result for a token is the dynamic path's (`BatchedLM`) bit
+for bit, up to the order in which attention sums over masked (zero) keys, which float64
+attention absorbs (`invariant`); tests/test_static_lm.py checks logits and greedy outputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from pipeline.decode.batched_lm import BatchedLM, _cache_keyword, _plain_head, _Prefix
+from pipeline.models import invariant, streamed
+
+# Widths (tokens per row) of the passes that replay a graph: a 1-token step, verify passes of up
+# to 15 drafts. A pass of W tokens runs in the narrowest of these that holds it.
+WIDTHS = (1, 2, 4, 8, 12, 16)
+# Models whose decoder layers are the plain pre-norm stack this runner drives (embeddings, layers
+# with rotary positions, a final norm, an output layer); others run the dynamic path.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Attention functions whose mask this runner can build: an additive one or a boolean one.
+ADDITIVE, BOOLEAN = (invariant.NAME, "eager"), ("sdpa",)
+
+
+def wanted(model: PreTrainedModel) -> bool:
+    """Does `model` run the static path? As `load_pair` decided (`models.static_passes`)."""
+    return bool(getattr(model, "_static_passes", False))
+
+
+def supports(model: PreTrainedModel) -> str | None:
+    """Why the static path cannot run `model` (None: it can)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r} is not one of {FAMILIES}"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "sliding-window layers"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ADDITIVE + BOOLEAN:
+        return f"attention implementation {implementation!r}"
+    base = model.base_model
+    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "not a plain decoder stack"
+    if not _plain_head(model):
+        return "logits are more than the output layer"
+    return None
+
+
+def runner(model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None) -> BatchedLM:
+    """The runner a model's passes go through: static where `load_pair` chose it, else dynamic."""
+    if wanted(model):
+        return StaticLM(model, pad_token_id, vocab_size)
+    return BatchedLM(model, pad_token_id, vocab_size)
+
+
+def width_of(tokens: int) -> int | None:
+    """The graph width a pass of `tokens` tokens per row runs in (None: wider than any)."""
+    return next((w for w in WIDTHS if w >= tokens), None)
+
+
+class _Slots:
+    """The static cache `transformers`' layers write through: `update` puts a pass's keys and
+    values at their rows' slots and positions, and returns every key the pass may attend to."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+        self.rows: torch.Tensor | None = None  # slot per row of the pass; None: every slot in order
+        self.positions: torch.Tensor | None = None  # [rows, width]
+        self.seen = 0  # keys to return (0: all)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
+        held_keys, held_values = self.keys[layer], self.values[layer]
+        rows = self.rows if self.rows is not None else torch.arange(len(held_keys), device=keys.device)
+        index = (rows[:, None], slice(None), self.positions)  # -> [rows, width, kv heads, dim]
+        held_keys[index] = keys.transpose(1, 2).to(held_keys.dtype)
+        held_values[index] = values.transpose(1, 2).to(held_values.dtype)
+        if self.rows is None and not self.seen:
+            return held_keys, held_values
+        seen = slice(None, self.seen or None)
+        return held_keys[rows][:, :, seen], held_values[rows][:, :, seen]
+
+
+class StaticLM(BatchedLM):
+    """`BatchedLM`'s interface over fixed slots and fixed pass shapes (see the module docstring).
+
+    `reserve(rows, length)` sizes the slots before a batch (the engine does it); a batch that
+    needs more grows them, dropping the captured graphs. On a CPU the same passes run eagerly:
+    that is how CI proves the path equal to the dynamic one.
+    """
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None):
+        problem = supports(model)
+        if problem:
+            raise ValueError(f"the static pass path cannot run this model: {problem}")
+        self.capacity = self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.row_slots: list[int] = []
+        self.graphs: dict[int, _Graph] = {}
+        self._kept: dict[int, tuple] = {}  # slots and graphs of other batch sizes, by size
+        self._pool = None  # the memory pool every graph of this runner shares (one runs at a time)
+        self.capture_seconds = 0.0
+        self.graph_bytes = 0
+        self.graphs_off: str | None = None  # why passes run eagerly on a GPU
+        super().__init__(model, pad_token_id, vocab_size, pack=False)
+        self.use_graphs = self.device.type == "cuda"
+        self.layers = list(model.base_model.layers)
+        # the layers' own name for the cache (`transformers` renamed it; see `_cache_keyword`)
+        self.cache_keyword = _cache_keyword(self.layers[0])
+        implementation = model.config._attn_implementation
+        self.additive = implementation in ADDITIVE
+        # float64 attention keeps float64 keys and values, as the dynamic path's cache does
+        self.cache_dtype = torch.float64 if implementation == invariant.NAME else model.dtype
+        config = model.config
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def graph_record(self) -> dict:
+        """What the graphs cost to capture, for stats and reports."""
+        return {
+            "graphs": sorted(self.graphs),
+            "capture_seconds": round(self.capture_seconds, 3),
+            "graph_bytes": self.graph_bytes,
+            "slots": self.capacity,
+            "slot_length": self.total,
+            "eager_because": self.graphs_off if self.use_graphs else "no GPU",
+        }
+
+    # --- slots -----------------------------------------------------------------------------
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Slots for `rows` rows of up to `length` tokens (prompt, output and drafts).
+
+        With no row running, the slots (and graphs) of exactly `rows` rows are used, kept from
+        an earlier batch of that size where there was one: a graph pass costs every slot, so a
+        batch of 1 must not run in the 64 slots a batch of 64 left."""
+        if not self.row_slots and rows != self.capacity:
+            if self.capacity:
+                self._kept[self.capacity] = (self.keys, self.values, self.graphs, self.length)
+            self.keys, self.values, self.graphs, self.length = self._kept.pop(rows, ([], [], {}, 0))
+            self.capacity = len(self.keys[0]) if self.keys else 0
+            self.cache = _Slots(self.keys, self.values)
+        rows, length = max(rows, self.capacity), max(length, self.length)
+        if rows == self.capacity and length == self.length:
+            return
+        # room for the padding of the widest graph past a row's end, plus scratch positions at
+        # the end where free slots' padding goes
+        total = length + 2 * WIDTHS[-1]
+        shape = (rows, self.kv_heads, total, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
+        values = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
+        if self.capacity:
+            old = self.keys[0].shape[2]
+            for new, held in zip(keys + values, self.keys + self.values):
+                new[: self.capacity, :, : min(old, total)] = held[:, :, : min(old, total)]
+        self.keys, self.values = keys, values
+        self.capacity, self.length = rows, length
+        self.graphs.clear()  # they captured the old buffers
+        self.cache = _Slots(self.keys, self.values)
+
+    @property
+    def total(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def _free_slots(self) -> list[int]:
+        used = set(self.row_slots)
+        return [s for s in range(self.capacity) if s not in used]
+
+    def _take(self, count: int, longest: int = 0) -> list[int]:
+        """`count` free slots for new rows, growing the slots where needed."""
+        free = self._free_slots()
+        if len(free) < count or longest > self.length:
+            # grown by half, so that a batch nobody reserved for is not copied every pass
+            grown = max(int(longest * 1.5), 256) if longest > self.length else self.length
+            self.reserve(len(self.row_slots) + count, grown)
+            free = self._free_slots()
+        return free[:count]
+
+    def reset(self, batch_size: int) -> None:
+        self.cache = _Slots(self.keys, self.values)
+        self.row_slots = []
+        self.row_slots = self._take(batch_size) if batch_size else []
+        self.tokens = [[] for _ in range(batch_size)]
+        self.slots = [[] for _ in range(batch_size)]  # unused: positions are the slots
+
+    def add_rows(self, count: int) -> None:
+        self.row_slots += self._take(count)
+        self.tokens += [[] for _ in range(count)]
+        self.slots += [[] for _ in range(count)]
+
+    @property
+    def width(self) -> int:
+        return max((len(t) for t in self.tokens), default=0)
+
+    def pass_tokens(self, lengths: list[int]) -> int:
+        """A graph pass costs every slot the graph's width; an eager one its rows' rectangle."""
+        longest = max(lengths, default=0)
+        graph = width_of(longest)
+        return self.capacity * graph if graph else len(lengths) * longest
+
+    def sync(self, seqs: list[list[int]]) -> list[list[int]]:
+        """As `BatchedLM.sync`; rolling back is forgetting how many tokens are cached."""
+        unfed = []
+        for i, seq in enumerate(seqs):
+            keep = self._agreeing(i, seq)
+            del self.tokens[i][keep:]
+            unfed.append(seq[keep:])
+        return unfed
+
+    def select(self, rows: list[int]) -> None:
+        self.row_slots = [self.row_slots[r] for r in rows]
+        self.tokens = [self.tokens[r] for r in rows]
+        self.slots = [self.slots[r] for r in rows]
+
+    def compact(self, slack: float = 1.5, min_width: int = 64) -> None:
+        """Nothing to squeeze: rejected tokens are overwritten in place."""
+
+    # --- passes ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def admit(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
+        """Prefill new rows into free slots beside the running ones."""
+        start = len(self.tokens)
+        self.add_rows(len(blocks))
+        rows = list(range(start, start + len(blocks)))
+        with streamed.prefilling():
+            return self._prefill_rows_at(rows, blocks, logits_per_row)
+
+    @torch.no_grad()
+    def forward(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
+        assert len(blocks) == len(self.tokens) and all(blocks), "one non-empty block per row"
+        if self.cold:
+            with streamed.prefilling():
+                return self._prefill_rows_at(list(range(len(blocks))), blocks, logits_per_row)
+        self.fed_tokens = sum(map(len, blocks))
+        self._take(0, max(len(t) + len(b) for t, b in zip(self.tokens, blocks)))
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(blocks)
+        # rows of a draft catching up on whole prompts run eagerly, over those rows only
+        wide = [i for i, b in enumerate(blocks) if len(b) > WIDTHS[-1]]
+        narrow = [i for i, b in enumerate(blocks) if len(b) <= WIDTHS[-1]]
+        began = time.perf_counter()
+        for rows, run in ((wide, self._eager), (narrow, self._graph_pass)):
+            if rows:
+                got = run(rows, [blocks[i] for i in rows], [logits_per_row[i] for i in rows])
+                for i, row_logits in zip(rows, got):
+                    logits[i] = row_logits
+        self._timed(began)
+        return logits
+
+    def _prefill_rows_at(
+        self, rows: list[int], blocks: list[list[int]], wanted: list[int]
+    ) -> list[torch.Tensor]:
+        """Prefill rows (nothing of them cached), each from its template start: per row on a
+        CPU, together on a GPU (see `BatchedLM`)."""
+        self._take(0, max(map(len, blocks)))
+        began = time.perf_counter()
+        logits: list[torch.Tensor] = []
+        self.fed_tokens = 0
+        groups = [[i] for i in range(len(rows))] if self.per_row_prefill else [list(range(len(rows)))]
+        for group in groups:
+            fed = []
+            for i in group:
+                block = blocks[i]
+                self.reusable(block, learn=True)
+                seed = min(self.reusable(block), len(block) - wanted[i])
+                self._seed(rows[i], seed)
+                fed.append(block[seed:])
+                self.fed_tokens += len(block) - seed
+            logits += self._eager([rows[i] for i in group], fed, [wanted[i] for i in group])
+            first = rows[group[0]]
+            n = len(blocks[group[0]])
+            slot = self.row_slots[first]
+            layers = [
+                (k[slot : slot + 1, :, :n].clone(), v[slot : slot + 1, :, :n].clone())
+                for k, v in zip(self.keys, self.values)
+            ]
+            self.previous = _Prefix(list(blocks[group[0]]), layers)
+        self._timed(began)
+        return logits
+
+    def _seed(self, row: int, n: int) -> None:
+        """Row `row` starts with the template's first n tokens (their keys and values copied)."""
+        if not n:
+            return
+        slot = self.row_slots[row]
+        for (k, v), keys, values in zip(self.template.head(n).layers, self.keys, self.values):
+            keys[slot, :, :n] = k[0]
+            values[slot, :, :n] = v[0]
+        self.tokens[row] = list(self.template.tokens[:n])
+
+    def _timed(self, began: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - began
+
+    def _eager(self, rows: list[int], blocks: list[list[int]], wanted: list[int]) -> list[torch.Tensor]:
+        """One eager pass over `rows` only, each fed its block (right-padded)."""
+        width = max(map(len, blocks))
+        ids, positions = self._layout(
+            [self.row_slots[r] for r in rows], rows, blocks, width, every_slot=False
+        )
+        seen = int(positions.max()) + 1
+        slots = torch.tensor([self.row_slots[r] for r in rows], device=self.device)
+        hidden = self._layers(ids.to(self.device), positions.to(self.device), slots, seen)
+        return self._finish(rows, blocks, wanted, hidden, list(range(len(rows))))
+
+    def _graph_pass(self, rows: list[int], blocks: list[list[int]], wanted: list[int]) -> list[torch.Tensor]:
+        """One pass of every slot at the graph width that holds the widest block."""
+        width = width_of(max(map(len, blocks)))
+        ids, positions = self._layout(list(range(self.capacity)), rows, blocks, width, every_slot=True)
+        if self.use_graphs and self.graphs_off is None:
+            graph = self.graphs.get(width) or self._capture(width)
+        else:
+            graph = None
+        if graph is None:
+            hidden = self._layers(ids.to(self.device), positions.to(self.device), None, 0)
+        else:
+            hidden = graph.replay(ids, positions)
+        return self._finish(rows, blocks, wanted, hidden, [self.row_slots[r] for r in rows])
+
+    def _layout(self, slots, rows, blocks, width, *, every_slot):
+        """Token ids and positions [len(slots), width]: each row's block at the positions after
+        its cached tokens, its padding after that; slots without a row in scratch positions."""
+        scratch = self.total - width
+        ids = torch.full((len(slots), width), self.pad_token_id, dtype=torch.long)
+        positions = torch.arange(scratch, scratch + width).repeat(len(slots), 1)
+        for n, (row, block) in enumerate(zip(rows, blocks)):
+            at = self.row_slots[row] if every_slot else n
+            start = len(self.tokens[row])
+            ids[at, : len(block)] = torch.tensor(block)
+            positions[at] = torch.arange(start, start + width)
+        # an eager group's short rows pad far: past the slot's end, padding shares its last position
+        return ids, positions.clamp_(max=self.total - 1)
+
+    def _finish(self, rows, blocks, wanted, hidden: torch.Tensor, at: list[int]) -> list[torch.Tensor]:
+        """The logits rows ask for, from the pass's last hidden states [slots, width, hidden];
+        the fed tokens join their rows."""
+        width = hidden.shape[1]
+        flat = [a * width + c for a, b, n in zip(at, blocks, wanted) for c in range(len(b) - n, len(b))]
+        picked = hidden.reshape(-1, hidden.shape[-1])[torch.tensor(flat, device=self.device)]
+        logits = self._head_logits(picked)
+        for row, block in zip(rows, blocks):
+            self.tokens[row].extend(block)
+        return list(logits.split(wanted))
+
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, seen: int):
+        """The model's decoder stack over [rows, width] tokens at `positions`, writing the slots
+        (`slots`: one per row; None: every slot in order) and attending over the first `seen`
+        positions (0: all). The last hidden states, after the final norm."""
+        base = self.model.base_model
+        hidden = base.embed_tokens(ids)
+        cos_sin = base.rotary_emb(hidden, positions)
+        keys = torch.arange(seen or self.total, device=self.device)
+        visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [rows, 1, width, keys]
+        if self.additive:
+            mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=self.device)
+            mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)
+        else:
+            mask = visible
+        self.cache.rows, self.cache.positions, self.cache.seen = slots, positions, seen
+        keyword = self.cache_keyword
+        for layer in self.layers:
+            out = layer(
+                hidden,
+                attention_mask=mask,
+                position_embeddings=cos_sin,
+                use_cache=True,
+                **{keyword: self.cache},
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        return base.norm(hidden)
+
+    def _capture(self, width: int) -> _Graph | None:
+        """Capture the every-slot pass of `width` tokens per row as a CUDA graph (once)."""
+        began = time.perf_counter()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        try:
+            graph = _Graph(self, width)
+        except Exception as error:  # a kernel that cannot be captured: run eagerly, and say why
+            self.graphs_off = f"{type(error).__name__}: {error}"[:300]
+            torch.cuda.synchronize(self.device)
+            return None
+        self.graphs[width] = graph
+        self.capture_seconds += time.perf_counter() - began
+        self.graph_bytes += max(free - torch.cuda.mem_get_info(self.device)[0], 0)
+        return graph
+
+
+class _Graph:
+    """One captured every-slot pass: fixed input buffers, fixed output buffer."""
+
+    def __init__(self, lm: StaticLM, width: int):
+        scratch = lm.total - width
+        self.ids = torch.full((lm.capacity, width), lm.pad_token_id, dtype=torch.long, device=lm.device)
+        self.positions = torch.arange(scratch, scratch + width, device=lm.device).repeat(lm.capacity, 1)
+        stream = torch.cuda.Stream(lm.device)
+        stream.wait_stream(torch.cuda.current_stream(lm.device))
+        with torch.cuda.stream(stream):  # warm-up: workspaces, lazy inits (writes scratch only)
+            for _ in range(2):
+                lm._layers(self.ids, self.positions, None, 0)
+        torch.cuda.current_stream(lm.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        if lm._pool is None:
+            lm._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=lm._pool):
+            self.hidden = lm._layers(self.ids, self.positions, None, 0)
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids, non_blocking=True)
+        self.positions.copy_(positions, non_blocking=True)
+        self.graph.replay()
+        return self.hidden

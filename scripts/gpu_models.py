@@ -1,0 +1,82 @@
+"""The models a GPU check runs, which must travel in a 64 MiB working tree (docs/gpu.md).
+
+    python3 scripts/gpu_models.py prepare [PAIR_DIR]   here: the Qwen2.5-Coder pair's configs and
+                                                       tokenizer into .gpu-carry/ (ignored by git)
+    python3 scripts/gpu_models.py build OUT            there: random-weight models of those shapes
+                                                       under OUT/models, a pair config under OUT/config
+
+The real weights (1.6 GB) cannot travel; configs and tokenizer can, and random weights of the
+same shapes cost what the real ones cost per pass. Their acceptance (about 0) and their text are
+not real, and their nearly flat logits make them a harsh test of exactness.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+CARRY = Path(".gpu-carry/qwen-shapes")
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+PAIR = "qwen2.5-coder-shaped-random"
+
+
+def prepare(pair_dir: Path) -> None:
+    for role in ("target", "draft"):
+        (CARRY / role).mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            source = pair_dir / role / name
+            if name == "tokenizer.json" and role == "draft":
+                continue  # the same file as the target's: carried once
+            if source.exists():
+                shutil.copy(source, CARRY / role / name)
+    print(f"{CARRY}: {sum(f.stat().st_size for f in CARRY.rglob('*') if f.is_file()) / 1e6:.1f} MB")
+
+
+def build(out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    paths = {}
+    for role in ("target", "draft"):
+        path = out / "models" / f"qwen-{role}"
+        paths[role] = path
+        if (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
+            continue
+        config = AutoConfig.from_pretrained(CARRY / role)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        for name in FILES:
+            source = CARRY / role / name
+            if not source.exists():
+                source = CARRY / "target" / name
+            if source.exists() and not (path / name).exists():
+                shutil.copy(source, path / name)
+        print(f"{role}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters at {path}")
+        del model
+    config_dir = out / "config"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "models.yaml").write_text(
+        f"pairs:\n  {PAIR}:\n    target: {paths['target']}\n    draft: {paths['draft']}\n"
+        f"  qwen-shaped-target:\n    target: {paths['target']}\n"
+    )
+    print(f"pairs {PAIR}, qwen-shaped-target in {config_dir / 'models.yaml'}")
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    if what == "prepare":
+        default = Path.home() / ".cache/spec-pipeline/models/qwen2.5-coder"
+        prepare(Path(sys.argv[2]) if len(sys.argv) > 2 else default)
+    elif what == "build" and len(sys.argv) == 3:
+        build(Path(sys.argv[2]))
+    else:
+        sys.exit(__doc__)

@@ -1,0 +1,132 @@
+"""The static pass path (`StaticLM`): fixed slots written by position, fixed pass shapes (CUDA
+graphs on a GPU, eager here) give bitwise the dynamic path's logits and the same outputs."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from decode_case import DEVICE, MAX_NEW, TEXTS
+
+from pipeline.decode import static_lm
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.static_lm import StaticLM
+from pipeline.models.loading import ModelError, ModelRef, load_pair
+
+
+def _load(dirs, static: bool):
+    target, draft = (ModelRef(path=str(d)) for d in dirs)
+    # batch-invariant numerics, as on a GPU by default: the contract the static path must keep
+    kernels = {"batch_invariant": True, "static_passes": static}
+    return load_pair(target, draft, dtype="float32", device=DEVICE, **kernels)
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_pair_dirs):
+    """(static, dynamic): the tiny pair loaded twice, as a job loads it, one of each path."""
+    return _load(tiny_pair_dirs, True), _load(tiny_pair_dirs, False)
+
+
+def test_the_loader_marks_the_models_and_the_engine_picks_the_runner(pairs):
+    static, dynamic = pairs
+    assert static.static_passes and not dynamic.static_passes
+    assert static.manifest()["static_passes"] is True
+    engine = SpeculativeEngine(static.target, static.draft, eos_token_ids=[1], pad_token_id=0)
+    assert isinstance(engine.target, StaticLM) and isinstance(engine.draft.lm, StaticLM)
+    engine = SpeculativeEngine(dynamic.target, dynamic.draft, eos_token_ids=[1], pad_token_id=0)
+    assert type(engine.target) is BatchedLM
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_logits_equal_the_dynamic_paths_bit_for_bit(pairs, batch):
+    """Ragged rounds as the engine runs them: prefills sharing a template, verify passes of
+    every graph width and wider, rejected drafts rolled back, rows leaving and joining."""
+    static, dynamic = pairs
+    rng = random.Random(batch)
+    runners = [StaticLM(static.target, 0), BatchedLM(dynamic.target, 0)]
+    template = [rng.randrange(3, 300) for _ in range(12)]
+    seqs = [template + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 30))] for _ in range(batch)]
+    for lm in runners:
+        lm.reset(batch)
+    _same([lm.forward([list(s) for s in seqs], [1] * batch) for lm in runners])
+    for s in seqs:  # the token the prefill chose
+        s.append(rng.randrange(3, 300))
+    for step in range(12):
+        drafts = [[rng.randrange(3, 300) for _ in range(rng.choice([0, 1, 3, 7, 11, 15, 20]))] for _ in seqs]
+        blocks = [lm.sync([s + d for s, d in zip(seqs, drafts)]) for lm in runners]
+        assert blocks[0] == blocks[1]
+        _same([lm.forward(b, [len(d) + 1 for d in drafts]) for lm, b in zip(runners, blocks)])
+        for s, d in zip(seqs, drafts):  # a few drafts accepted, then one token of the target's own
+            s.extend(d[: rng.randrange(len(d) + 1)] + [rng.randrange(3, 300)])
+        if step == 5 and batch > 1:  # a row leaves, two join (continuous batching)
+            keep = list(range(1, len(seqs)))
+            seqs = [seqs[i] for i in keep]
+            for lm in runners:
+                lm.sync(seqs)
+                lm.select(keep)
+            new = [template + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 20))] for _ in range(2)]
+            _same([lm.admit([list(s) for s in new], [1, 1]) for lm in runners])
+            seqs += [s + [rng.randrange(3, 300)] for s in new]
+
+
+def _same(pair: list[list[torch.Tensor]]) -> None:
+    ours, theirs = pair
+    assert len(ours) == len(theirs)
+    for row, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a, b), f"row {row}: {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("drafter", ["none", "draft_model", "prompt_lookup", "suffix", "auto"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_outputs_equal_the_dynamic_paths_for_every_drafter(pairs, drafter, batch_size):
+    outputs = []
+    for loaded in pairs:
+        tokenizer = loaded.tokenizer
+        engine = SpeculativeEngine(
+            loaded.target,
+            loaded.draft,
+            eos_token_ids=[1],
+            pad_token_id=0,
+            config=EngineConfig(drafter=drafter, gamma_max=6),
+            decode_text=tokenizer.decode,
+            encode_text=functools.partial(tokenizer.encode, add_special_tokens=False),
+        )
+        prompts = [tokenizer(t).input_ids for t in TEXTS]
+        done, _ = engine.generate(prompts, MAX_NEW, batch_size=batch_size)
+        outputs.append([o.tokens for o in done])
+    assert outputs[0] == outputs[1]
+
+
+def test_pass_widths_and_costs():
+    assert [static_lm.width_of(n) for n in (1, 2, 3, 5, 9, 13, 16, 17)] == [1, 2, 4, 8, 12, 16, 16, None]
+
+
+def test_a_model_the_path_cannot_run_is_refused_or_left_dynamic(tiny_pair_dirs, tmp_path):
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        logits_scaling=8.0,
+    )
+    granite = GraniteForCausalLM(config).eval()
+    assert "granite" in static_lm.supports(granite)
+    with pytest.raises(ValueError, match="static pass path"):
+        StaticLM(granite, 0)
+    assert type(static_lm.runner(granite, 0)) is BatchedLM
+    granite._static_passes = True
+    path = tmp_path / "granite"
+    granite.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        source = tiny_pair_dirs[0] / name
+        if source.exists():
+            (path / name).write_bytes(source.read_bytes())
+    with pytest.raises(ModelError, match="static_passes"):
+        load_pair(ModelRef(path=str(path)), None, dtype="float32", device=DEVICE, static_passes=True)
