@@ -38,7 +38,8 @@ all)
     # what the machine has; small pure-Python wheels carried in .gpu-carry/wheels fill gaps
     for wheel in .gpu-carry/wheels/*.whl; do
         module=$(basename "$wheel" | cut -d- -f1 | sed 's/pytest_xdist/xdist/')
-        python3 -c "import $module" 2>/dev/null || pip install -q --no-index --no-deps "$wheel" 2>&1 | tail -2
+        # a pure-Python wheel imports as a zip: no pip (whose python may not be python3)
+        python3 -c "import $module" 2>/dev/null || export PYTHONPATH="$PWD/$wheel:$PYTHONPATH"
     done
     python3 - <<'EOF' 2>&1 | tee "$out/env.log"
 import importlib, platform, torch
