@@ -36,6 +36,9 @@ all)
     # carried configs (scripts/gpu_models.py), then each step under its own time limit, the most
     # telling first, so that a call cut short still brings back what it measured.
     # what the machine has; small pure-Python wheels carried in .gpu-carry/wheels fill gaps
+    # .gpu-carry/site: wheels unpacked here (pydantic and its compiled core, click, pyyaml, tenacity)
+    [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml" 2>/dev/null ||
+        export PYTHONPATH="$PWD/.gpu-carry/site:$PYTHONPATH"; }
     for wheel in .gpu-carry/wheels/*.whl; do
         module=$(basename "$wheel" | cut -d- -f1 | sed 's/pytest_xdist/xdist/')
         # a pure-Python wheel imports as a zip: no pip (whose python may not be python3)
@@ -45,7 +48,7 @@ all)
 import importlib, platform, torch
 print(platform.platform(), "python", platform.python_version())
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch", torch.__version__)
-for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pytest", "xdist", "ray"):
+for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pydantic", "click", "yaml", "xdist"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as error:
