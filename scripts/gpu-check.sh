@@ -32,6 +32,11 @@ bench)
         grep -v "^Loading weights" | tee "$out/$name.log"
     ;;
 all)
+    # only a few files of OUT come back from the device: the reports go in one archive, renewed
+    # after every step so that a call cut short still brings back what it measured
+    res=$out/reports
+    mkdir -p "$res"
+    pack() { tar czf "$out/reports.tgz" -C "$res" .; }
     # The whole check in one call (docs/gpu.md): random-weight Qwen2.5-Coder-shaped models from the
     # carried configs (scripts/gpu_models.py), then each step under its own time limit, the most
     # telling first, so that a call cut short still brings back what it measured.
@@ -44,7 +49,7 @@ all)
         # a pure-Python wheel imports as a zip: no pip (whose python may not be python3)
         python3 -c "import $module" 2>/dev/null || export PYTHONPATH="$PWD/$wheel:$PYTHONPATH"
     done
-    python3 - <<'EOF' 2>&1 | tee "$out/env.log"
+    python3 - <<'EOF' 2>&1 | tee "$res/env.log"
 import importlib, platform, torch
 print(platform.platform(), "python", platform.python_version())
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch", torch.__version__)
@@ -54,17 +59,24 @@ for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pyd
     except Exception as error:
         print(name, "missing:", error)
 EOF
-    python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$out/models.log"
+    python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
     export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
     pair=qwen2.5-coder-shaped-random
     xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-    step() { local limit=$1; shift; echo "== $* ($(date +%T))"; timeout "$limit" "$0" "$out" "$@"; }
+    step() {
+        local limit=$1
+        shift
+        echo "== $* ($(date +%T))"
+        timeout "$limit" "$0" "$res" "$@"
+        pack
+    }
     [ -z "${SKIP_TESTS:-}" ] && echo "== static path tests ($(date +%T))" &&
     PIPELINE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -o addopts= $xdist \
-        tests/test_static_lm.py 2>&1 | tee "$out/tests-static.log"
+        tests/test_static_lm.py 2>&1 | tee "$res/tests-static.log"
     step 120 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3
+    # HF's eager rows (~30 tok/s) would take the step's whole time: ours only
     NAME=$pair-batch1 step 100 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \
-        --runs 3 --drafters prompt_lookup,draft_model,auto --hf-assistant-tokens '' --hf-lookup-tokens 3
+        --runs 3 --drafters prompt_lookup,draft_model,auto --no-hf
     # 4 documents a slot where the machine has that many license sections (222 on the CPU machines)
     docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
     NAME=$pair-batch64 step 150 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
@@ -76,6 +88,7 @@ EOF
     done
     [ -z "${SKIP_TESTS:-}" ] && step 120 tests $xdist
     echo "== done ($(date +%T))"
+    pack
     ;;
 *)
     echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all [options]" >&2
