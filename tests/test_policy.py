@@ -8,6 +8,7 @@ from decode_case import (
     BATCH8_TARGET,
     CPU_COSTS,
     GPU_COSTS,
+    MAX_NEW,
     PREFILL_PER_TOKEN,
     measured_costs,
 )
@@ -16,7 +17,7 @@ from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.costs import AcceptanceByPosition, CostModel, RunningRate, iid_survival
 from pipeline.decode.drafters import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.decode.policy import Offer, Policy, RoundOptions
+from pipeline.decode.policy import DraftingGate, Offer, Policy, RoundOptions
 
 
 def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):
@@ -281,3 +282,52 @@ def test_the_draft_model_and_copies_are_priced_by_the_drafts_the_target_tested(c
     # priced per drafted token, the same draft model would have lost the round to the copy
     as_before = policy.best(RoundOptions(offers, True, 8, 100, 0.0), iid_survival(per_drafted, 8))
     assert as_before.sources == [SUFFIX]
+
+
+def _run_gate(gate: DraftingGate, rows: int, rounds: int, drafting_rate: float, plain_rate: float) -> list:
+    """`rounds` rounds through the gate, each making `rows` tokens at the rate of its kind."""
+    asked = []
+    for _ in range(rounds):
+        ask = gate.asks(rows)
+        asked.append(ask)
+        gate.observe(rows, ask, rows, rows / (drafting_rate if ask else plain_rate))
+    return asked
+
+
+def test_the_gate_stops_asking_where_drafting_rounds_are_slower_and_probes_now_and_then():
+    gate = DraftingGate(probe_every=8)
+    asked = _run_gate(gate, 3, 200, drafting_rate=70.0, plain_rate=100.0)
+    # drafting first, then plain rounds to judge it by, then off with one probe in 8
+    assert asked[: gate.min_rounds] == [True] * gate.min_rounds
+    assert asked[gate.min_rounds : gate.min_rounds + 2] == [False, False]
+    assert 3 in gate.off and gate.record()["off_at_rows"] == [3]
+    tail = asked[-100:]
+    assert 100 / 8 - 2 <= sum(tail) <= 100 / 8 + 2
+    # the text starts to copy well: a probe finds drafting faster and turns it back on
+    _run_gate(gate, 3, 20, drafting_rate=200.0, plain_rate=100.0)
+    assert 3 not in gate.off
+    assert all(_run_gate(gate, 3, 10, drafting_rate=200.0, plain_rate=100.0))
+
+
+def test_the_gate_keeps_asking_where_drafting_pays_and_times_plain_rounds_rarely():
+    gate = DraftingGate(probe_every=8)
+    asked = _run_gate(gate, 1, 300, drafting_rate=150.0, plain_rate=100.0)
+    assert not gate.off
+    plain = asked.count(False)
+    assert 2 <= plain <= 2 + 300 // (4 * 8) + 1  # the first judgement, then one in 4 × probe_every
+    # each batch size is judged on its own
+    _run_gate(gate, 4, 40, drafting_rate=50.0, plain_rate=100.0)
+    assert gate.off == {4}
+
+
+def test_a_gated_engine_stays_lossless(case):
+    """With drafting slower than plain decoding the gate stops asking mid-batch; the outputs are
+    the target's own whichever rounds asked."""
+    target, draft, tokenizer, prompts, eos, refs = case
+    engine = SpeculativeEngine(
+        target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(drafter="auto", probe_every=4)
+    )
+    engine.gate.off.update(range(1, 9))  # as if every batch size had been judged slower drafting
+    outputs, stats = engine.generate(prompts, MAX_NEW, batch_size=3)
+    assert [o.tokens for o in outputs] == refs
+    assert engine.gate.rounds.get((False, 3), 0) > 0  # rounds that asked nothing ran

@@ -150,7 +150,7 @@ class AcceptanceByPosition:
         return chances
 
 
-def _ema(old: float | None, new: float, smoothing: float) -> float:
+def ema(old: float | None, new: float, smoothing: float) -> float:
     """Exponential moving average: recent measurements count most, one outlier not too much."""
     return new if old is None else old + smoothing * (new - old)
 
@@ -176,7 +176,7 @@ class PassCosts:
         saving: a faster second measurement replaces it rather than being averaged with it."""
         first = self.counts.get(tokens) == 1
         old = min(self.points[tokens], seconds) if first else self.points.get(tokens)
-        self.points[tokens] = _ema(old, seconds, self.smoothing)
+        self.points[tokens] = ema(old, seconds, self.smoothing)
         self.counts[tokens] = self.counts.get(tokens, 0) + 1
 
     def has(self, tokens: int) -> bool:
@@ -251,7 +251,7 @@ class CostModel:
         self.draft.observe(tokens, seconds)
 
     def observe_prefill(self, model: str, tokens: int, seconds: float) -> None:
-        self.prefill[model] = _ema(self.prefill.get(model), seconds / max(tokens, 1), self.smoothing)
+        self.prefill[model] = ema(self.prefill.get(model), seconds / max(tokens, 1), self.smoothing)
 
     def seed(self, calibration: dict) -> None:
         """Start from a calibration's measured passes (`pipeline.calibrate.measure`) instead of
@@ -278,7 +278,7 @@ class CostModel:
     def observe_round(self, tokens: int, seconds: float) -> None:
         """A decoding round (drafting, verifying, bookkeeping) made `tokens` over all rows."""
         if seconds > 0:
-            self.round_rate = _ema(self.round_rate, tokens / seconds, self.smoothing)
+            self.round_rate = ema(self.round_rate, tokens / seconds, self.smoothing)
 
     def token_seconds(self) -> float | None:
         """Seconds one more token is worth: what the batch spends per token lately."""

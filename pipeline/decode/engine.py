@@ -37,7 +37,7 @@ from pipeline.decode.drafters import (
     PromptLookupDrafter,
     Proposal,
 )
-from pipeline.decode.policy import Choice, Offer, Policy, RoundOptions
+from pipeline.decode.policy import Choice, DraftingGate, Offer, Policy, RoundOptions
 from pipeline.decode.rounds import Rounds, row_tau
 from pipeline.decode.sampling import SamplingParams, choose, verify
 from pipeline.decode.suffix import MAX_DEPTH, Reflow, SuffixCorpus, SuffixDrafter
@@ -268,6 +268,11 @@ class _Drafts:
         self.probs.append(probs)
         self.keys.append(key)
 
+    @classmethod
+    def none(cls, rows: int) -> _Drafts:
+        """A round that asked no drafter: every row takes the target's token only."""
+        return cls([[] for _ in range(rows)], [None] * rows, [None] * rows, 0)
+
 
 class SpeculativeEngine:
     """Speculative decoding with a target model, an optional draft model, prompt lookup and suffix.
@@ -310,6 +315,7 @@ class SpeculativeEngine:
         self.max_context = getattr(target.config, "max_position_embeddings", None)
         self.costs = CostModel()
         self.policy = Policy(self.config, self.costs, self.target)
+        self.gate = DraftingGate(self.config.probe_every)
 
     def generate(
         self,
@@ -412,10 +418,15 @@ class SpeculativeEngine:
         """One round for every row decoding now: draft, verify, accept, evict."""
         began = time.perf_counter()
         rows = len(batch.active)
-        drafts = self._draft(batch)
+        drafting = self.config.adaptive and (batch.copiers or batch.model is not None)
+        asked = not drafting or self.gate.asks(rows)  # see `DraftingGate`
+        drafts = self._draft(batch) if asked else _Drafts.none(rows)
         logits = self._verify(batch, drafts)
         produced = self._accept(batch, drafts, logits)
-        self.costs.observe_round(produced, time.perf_counter() - began)
+        seconds = time.perf_counter() - began
+        self.costs.observe_round(produced, seconds)
+        if drafting:
+            self.gate.observe(rows, asked, produced, seconds)
         plain = self.costs.target_time(self.target.pass_tokens([1] * rows))
         batch.stats.priced_plain_seconds += produced * plain / rows
         self._evict(batch)
@@ -647,6 +658,12 @@ class SpeculativeEngine:
         if lm.cold:
             return self.costs.prefill_time("draft", lm.prefill_tokens(seqs))
         return self.costs.catch_up_time(len(seqs), lm.catch_up_tokens(seqs))
+
+    def static_record(self) -> dict | None:
+        """The static pass path's graphs (capture seconds and memory) per model; None without it."""
+        runners = {"target": self.target, "draft": self.draft.lm if self.draft else None}
+        found = {k: lm.graph_record() for k, lm in runners.items() if isinstance(lm, static_lm.StaticLM)}
+        return found or None
 
     def _draft_seconds(self) -> float:
         return self.draft.lm.forward_seconds if self.draft else 0.0

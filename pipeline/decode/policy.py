@@ -18,6 +18,7 @@ from pipeline.decode.costs import (
     AcceptanceByPosition,
     CostModel,
     RunningRate,
+    ema,
     expected_drain_advance,
     iid_survival,
 )
@@ -53,6 +54,72 @@ class RoundOptions:
     def offered(self, row: int, source: str | None) -> int:
         """Tokens `source` offers the row (0: none, or not a free drafter)."""
         return next((o.tokens for o in self.offers[row] if o.source == source), 0)
+
+
+@dataclass
+class DraftingGate:
+    """Whether a round asks the drafters at all, from whole rounds timed both ways.
+
+    Why: `Policy` prices a round by its passes, but a round that drafts also spends time no pass
+    shows: the copying drafters' lookups, the suffix automaton, the policy's own search, a wider
+    pass to lay out. Where a pass costs a few milliseconds (a captured GPU pass, a small model)
+    that time decides, and a job whose drafts are seldom accepted ran at 0.69x of target-only
+    while drafting in only 12% of its rounds. So rounds are timed whole, tokens per second of the
+    batch by its number of rows, those that asked the drafters apart from those that did not.
+    Once asking runs slower than not asking by `margin`, rounds stop asking, except one in
+    `probe_every` (which keeps the drafting rate current, so a stretch of text that copies well
+    turns drafting back on), and not asking is timed again now and then while drafting is on.
+    Lossless either way: the drafts only ever change how many tokens a pass checks.
+    """
+
+    probe_every: int = 32
+    margin: float = 0.03
+    min_rounds: int = 6  # drafting rounds at a batch size before they are judged
+    smoothing: float = 0.2
+    rates: dict[tuple[bool, int], float] = field(default_factory=dict)  # (asked, rows) -> tokens/s
+    rounds: dict[tuple[bool, int], int] = field(default_factory=dict)
+    off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
+    _since_switch: int = 0  # rounds since the last probe or plain measurement
+
+    def asks(self, rows: int) -> bool:
+        """Should this round of `rows` rows ask the drafters?"""
+        self._since_switch += 1
+        if rows in self.off:
+            return self._switch(self.probe_every)
+        if self.rounds.get((True, rows), 0) >= self.min_rounds and self.rounds.get((False, rows), 0) < 2:
+            return False  # time plain rounds at this batch size, to judge drafting against
+        return not self._switch(4 * self.probe_every)
+
+    def _switch(self, every: int) -> bool:
+        if self._since_switch >= every:
+            self._since_switch = 0
+            return True
+        return False
+
+    def observe(self, rows: int, asked: bool, tokens: int, seconds: float) -> None:
+        """A round of `rows` rows that did (or did not) ask the drafters made `tokens`."""
+        if seconds <= 0:
+            return
+        key = (asked, rows)
+        self.rates[key] = ema(self.rates.get(key), tokens / seconds, self.smoothing)
+        self.rounds[key] = self.rounds.get(key, 0) + 1
+        drafting, plain = self.rates.get((True, rows)), self.rates.get((False, rows))
+        if self.rounds.get((True, rows), 0) < self.min_rounds or self.rounds.get((False, rows), 0) < 2:
+            return
+        if drafting < plain * (1 - self.margin):
+            if rows not in self.off:
+                self.off.add(rows)
+                self._since_switch = 0  # the first probe a full `probe_every` rounds later
+        elif drafting > plain * (1 + self.margin):
+            self.off.discard(rows)
+
+    def record(self) -> dict:
+        """What the gate measured, for stats: rates by batch size, and where it stopped asking."""
+        return {
+            "drafting_tokens_per_second": {r: v for (a, r), v in sorted(self.rates.items()) if a},
+            "plain_tokens_per_second": {r: v for (a, r), v in sorted(self.rates.items()) if not a},
+            "off_at_rows": sorted(self.off),
+        }
 
 
 class Choice(NamedTuple):

@@ -431,6 +431,8 @@ class ShardProcessor:
             "tokens_per_second": totals.tokens_per_second,
             "speedup": sample,
             "batch_size": self.spec.execution.batch_size,
+            "drafting_gate": self.engine.gate.record(),
+            "static_passes": self.engine.static_record(),
             "models": self.model_info,
             "worker": {"host": socket.gethostname(), "pid": os.getpid()},
         }

@@ -227,6 +227,11 @@ def prefilling() -> Iterator[None]:
         _prefill.reset(token)
 
 
+def is_prefilling() -> bool:
+    """Is the pass running now a prefill (see `prefilling`)?"""
+    return _prefill.get()
+
+
 # The GGUF block types the kernel reads, by their names there.
 BLOCK_KINDS = {"Q4_K": "q4k", "Q6_K": "q6k"}
 SUPER_BLOCK = 256  # weights of a row per Q4_K / Q6_K super-block
