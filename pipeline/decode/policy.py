@@ -66,9 +66,10 @@ class DraftingGate:
     that time decides, and a job whose drafts are seldom accepted ran at 0.69x of target-only
     while drafting in only 12% of its rounds. So rounds are timed whole, tokens per second of the
     batch by its number of rows, those that asked the drafters apart from those that did not.
-    Once asking runs slower than not asking by `margin`, rounds stop asking, except one in
-    `probe_every` (which keeps the drafting rate current, so a stretch of text that copies well
-    turns drafting back on), and not asking is timed again now and then while drafting is on.
+    Once asking runs slower than not asking by `margin`, rounds stop asking, except probes, the
+    first `probe_every` rounds later and each one after twice as many rounds as the one before, up
+    to 4 × `probe_every` (a probe keeps the drafting rate current, so a stretch of text that copies
+    well turns drafting back on); not asking is timed again now and then while drafting is on.
     Lossless either way: the drafts only ever change how many tokens a pass checks.
     """
 
@@ -80,12 +81,16 @@ class DraftingGate:
     rounds: dict[tuple[bool, int], int] = field(default_factory=dict)
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
     _since_switch: int = 0  # rounds since the last probe or plain measurement
+    _probe_gap: int = 0  # rounds between probes while off: doubles after each that finds no gain
 
     def asks(self, rows: int) -> bool:
         """Should this round of `rows` rows ask the drafters?"""
         self._since_switch += 1
         if rows in self.off:
-            return self._switch(self.probe_every)
+            if self._switch(self._probe_gap or self.probe_every):
+                self._probe_gap = min(2 * (self._probe_gap or self.probe_every), 4 * self.probe_every)
+                return True
+            return False
         if self.rounds.get((True, rows), 0) >= self.min_rounds and self.rounds.get((False, rows), 0) < 2:
             return False  # time plain rounds at this batch size, to judge drafting against
         return not self._switch(4 * self.probe_every)
@@ -101,7 +106,9 @@ class DraftingGate:
         if seconds <= 0:
             return
         key = (asked, rows)
-        self.rates[key] = ema(self.rates.get(key), tokens / seconds, self.smoothing)
+        # a probe is rare: it counts for more, or a good stretch would be half over when noticed
+        smoothing = 0.5 if asked and rows in self.off else self.smoothing
+        self.rates[key] = ema(self.rates.get(key), tokens / seconds, smoothing)
         self.rounds[key] = self.rounds.get(key, 0) + 1
         drafting, plain = self.rates.get((True, rows)), self.rates.get((False, rows))
         if self.rounds.get((True, rows), 0) < self.min_rounds or self.rounds.get((False, rows), 0) < 2:
@@ -110,8 +117,9 @@ class DraftingGate:
             if rows not in self.off:
                 self.off.add(rows)
                 self._since_switch = 0  # the first probe a full `probe_every` rounds later
-        elif drafting > plain * (1 + self.margin):
+        elif drafting > plain * (1 + self.margin) and rows in self.off:
             self.off.discard(rows)
+            self._probe_gap = self._since_switch = 0
 
     def record(self) -> dict:
         """What the gate measured, for stats: rates by batch size, and where it stopped asking."""
