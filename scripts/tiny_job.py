@@ -56,7 +56,9 @@ def build(work: Path, shards: int, rows: int, max_new_tokens: int, drafter: str)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("work", type=Path)
     parser.add_argument("--shards", type=int, default=20)
     parser.add_argument("--rows", type=int, default=3)

@@ -290,7 +290,7 @@ def _run_gate(gate: DraftingGate, rows: int, rounds: int, drafting_rate: float, 
     for _ in range(rounds):
         ask = gate.asks(rows)
         asked.append(ask)
-        gate.observe(rows, ask, rows, rows / (drafting_rate if ask else plain_rate))
+        gate.observe(rows, ask, rows, rows / (drafting_rate if ask else plain_rate), drafted=int(ask))
     return asked
 
 
@@ -305,6 +305,12 @@ def test_the_gate_stops_asking_where_drafting_rounds_are_slower_and_probes_now_a
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == gate.min_rounds + 1 + 8  # the first probe_every rounds after turning off
     assert gaps == sorted(gaps) and gaps[0] == 16 and max(gaps) == 32  # backing off, up to 4 × 8
+    # a probe that finds nothing to draft goes on asking, up to PROBE_ROUNDS rounds
+    while not gate.asks(3):
+        gate.observe(3, False, 3, 0.03)
+    gate.observe(3, True, 3, 3 / 70.0, drafted=0)
+    more = [gate.asks(3) for _ in range(gate.PROBE_ROUNDS)]
+    assert more == [True] * (gate.PROBE_ROUNDS - 1) + [False]
     # the text starts to copy well: a probe finds drafting faster and turns it back on
     _run_gate(gate, 3, 40, drafting_rate=200.0, plain_rate=100.0)
     assert 3 not in gate.off

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.decode import static_lm
-from pipeline.decode.sampling import SamplingParams, choose, confidence
+from pipeline.decode.sampling import SamplingParams, choose, confidence, greedy_choices
 
 DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX = "draft_model", "prompt_lookup", "suffix"
 
@@ -242,15 +242,20 @@ class DraftModelDrafter:
             cost = self.lm.pass_tokens([len(b) for b in fed])
             passes.append(PassTiming(cost, seconds, cold, self.lm.fed_tokens))
             blocks = []
+            greedy = greedy_choices(logits, keep is not None) if params.greedy else None
             for i, row_logits in enumerate(logits):
                 for position, position_logits in enumerate(row_logits):
-                    token, probs = choose(position_logits, params, generator)
+                    if greedy:
+                        token, probs = greedy[0][i][position], None
+                        sure = greedy[1][i][position] if keep is not None else 1.0
+                    else:
+                        token, probs = choose(position_logits, params, generator)
+                        sure = confidence(position_logits, probs) if keep is not None else 1.0
                     if going[i]:
                         drafts[i].append(token)
                         if probs is not None:
                             dists[i].append(probs)
-                        if keep is not None:
-                            chances[i] *= confidence(position_logits, probs)
+                        chances[i] *= sure
                     if position == len(pending) or token != pending[position]:
                         break  # the logits further on were computed after a token not drafted
                     if len(drafts[i]) >= gamma or not self._keeps(keep, chances, drafts):

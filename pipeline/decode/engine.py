@@ -426,7 +426,7 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - began
         self.costs.observe_round(produced, seconds)
         if drafting:
-            self.gate.observe(rows, asked, produced, seconds)
+            self.gate.observe(rows, asked, produced, seconds, sum(map(len, drafts.tokens)))
         plain = self.costs.target_time(self.target.pass_tokens([1] * rows))
         batch.stats.priced_plain_seconds += produced * plain / rows
         self._evict(batch)
@@ -456,7 +456,7 @@ class SpeculativeEngine:
             catch_up=self._draft_catch_up(seqs) if batch.model else 0.0,
             drain_budgets=None if batch.waiting else left,
         )
-        choice = self.policy.choose(options)
+        choice = self.policy.choose(options, probe=self.gate.probing)
         guess = copies[PROMPT_LOOKUP].tokens[0][: self.config.guess_tokens] if guessing else None
         model = self._draft_model(batch, seqs, options, choice, guess)
         drafts = _Drafts([], [], [], model.model_passes)

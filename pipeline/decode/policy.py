@@ -68,8 +68,10 @@ class DraftingGate:
     batch by its number of rows, those that asked the drafters apart from those that did not.
     Once asking runs slower than not asking by `margin`, rounds stop asking, except probes, the
     first `probe_every` rounds later and each one after twice as many rounds as the one before, up
-    to 4 × `probe_every` (a probe keeps the drafting rate current, so a stretch of text that copies
-    well turns drafting back on); not asking is timed again now and then while drafting is on.
+    to 4 × `probe_every`. A probe asks until the policy drafts something (at most PROBE_ROUNDS
+    rounds: a round without a copy to offer tells nothing) and makes the policy try its drafters;
+    it keeps the drafting rate current, so a stretch of text that copies well turns drafting back
+    on. Not asking is timed again now and then while drafting is on.
     Lossless either way: the drafts only ever change how many tokens a pass checks.
     """
 
@@ -82,13 +84,23 @@ class DraftingGate:
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
     _since_switch: int = 0  # rounds since the last probe or plain measurement
     _probe_gap: int = 0  # rounds between probes while off: doubles after each that finds no gain
+    probing: bool = False  # this round asks only to probe: the policy should try its drafters
+    _probe_left: int = 0  # rounds a probe that has drafted nothing yet may still ask
+    PROBE_ROUNDS = 8  # the most rounds one probe asks in, waiting for something to draft
 
     def asks(self, rows: int) -> bool:
         """Should this round of `rows` rows ask the drafters?"""
         self._since_switch += 1
+        self.probing = False
         if rows in self.off:
+            if self._probe_left:  # the last probe found nothing to draft yet: it goes on
+                self._probe_left -= 1
+                self.probing = True
+                return True
             if self._switch(self._probe_gap or self.probe_every):
                 self._probe_gap = min(2 * (self._probe_gap or self.probe_every), 4 * self.probe_every)
+                self._probe_left = min(self.probe_every, self.PROBE_ROUNDS) - 1
+                self.probing = True
                 return True
             return False
         if self.rounds.get((True, rows), 0) >= self.min_rounds and self.rounds.get((False, rows), 0) < 2:
@@ -101,8 +113,11 @@ class DraftingGate:
             return True
         return False
 
-    def observe(self, rows: int, asked: bool, tokens: int, seconds: float) -> None:
-        """A round of `rows` rows that did (or did not) ask the drafters made `tokens`."""
+    def observe(self, rows: int, asked: bool, tokens: int, seconds: float, drafted: int = 0) -> None:
+        """A round of `rows` rows that did (or did not) ask the drafters made `tokens`, having
+        verified `drafted` drafts."""
+        if self.probing and drafted:
+            self._probe_left = 0
         if seconds <= 0:
             return
         key = (asked, rows)
@@ -184,7 +199,7 @@ class Policy:
             rates = self.model_rates if source == DRAFT_MODEL else self.copy_rate(source, depth)
             rates.observe(rows)
 
-    def choose(self, options: RoundOptions) -> Choice:
+    def choose(self, options: RoundOptions, probe: bool = False) -> Choice:
         """Pick the copy cap and the draft-model gamma that maximize expected tokens/s.
 
         Each row takes up to `cap` tokens of one free drafter's offer, or `gamma` draft-model
@@ -193,7 +208,8 @@ class Policy:
         measured target cost of the resulting pass plus gamma draft steps, plus the draft's
         catch-up seconds spread over the rounds left for the remaining tokens. Gamma 0 with no
         copy is plain target-only decoding, always a candidate. The draft model may then stop
-        short of gamma (`draft_length`).
+        short of gamma (`draft_length`). `probe`: the round is a `DraftingGate` probe, which
+        must try the drafters, as the policy's own probes do, to be worth its time.
         """
         rows, gamma_cap = len(options.offers), options.gamma_cap
         plain = Choice(0, 0, [None] * rows)
@@ -212,6 +228,9 @@ class Policy:
             # observed, and a value inflated by one slow spell would keep speculation looking good.
             self._rounds_since_plain = 0
             return plain
+        if probe:  # the probes below fire this round if its best choice drafts nothing
+            self._rounds_without_model = max(self._rounds_without_model, self.config.probe_every - 1)
+            self._rounds_without_copies = max(self._rounds_without_copies, self.config.probe_every - 1)
         cap, gamma, sources = self.best(options, self.model_rates.survival(gamma_cap))
         if options.use_model and gamma == 0 and None in sources:
             self._rounds_without_model += 1

@@ -69,6 +69,24 @@ def confidence(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
     return float(probs.max())
 
 
+def greedy_choices(logits: list[torch.Tensor], confident: bool) -> tuple[list[list[int]], list[list[float]]]:
+    """Per row of `logits` ([positions, V] each): the argmax at each position, and with
+    `confident` the `confidence` there (else empty lists), all rows read back at once.
+
+    A GPU answers each read only after everything queued before it: one read a position would
+    cost a round trip per row and draft step (128 of them a step at batch 64)."""
+    flat = torch.cat(logits)
+    tokens = torch.argmax(flat, dim=-1).tolist()
+    sure = torch.softmax(flat.float(), dim=-1).amax(dim=-1).tolist() if confident else []
+    out_tokens, out_sure, start = [], [], 0
+    for row in logits:
+        end = start + len(row)
+        out_tokens.append(tokens[start:end])
+        out_sure.append(sure[start:end])
+        start = end
+    return out_tokens, out_sure
+
+
 def verify(
     target_logits: torch.Tensor,
     draft_tokens: list[int],

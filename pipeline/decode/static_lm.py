@@ -287,7 +287,7 @@ class StaticLM(BatchedLM):
                 block = blocks[i]
                 self.reusable(block, learn=True)
                 seed = min(self.reusable(block), len(block) - wanted[i])
-                self._seed(rows[i], seed)
+                self._seed_row(rows[i], seed)
                 fed.append(block[seed:])
                 self.fed_tokens += len(block) - seed
             logits += self._eager([rows[i] for i in group], fed, [wanted[i] for i in group])
@@ -302,7 +302,7 @@ class StaticLM(BatchedLM):
         self._timed(began)
         return logits
 
-    def _seed(self, row: int, n: int) -> None:
+    def _seed_row(self, row: int, n: int) -> None:
         """Row `row` starts with the template's first n tokens (their keys and values copied)."""
         if not n:
             return
