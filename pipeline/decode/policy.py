@@ -86,7 +86,7 @@ class DraftingGate:
     _probe_gap: int = 0  # rounds between probes while off: doubles after each that finds no gain
     probing: bool = False  # this round asks only to probe: the policy should try its drafters
     _probe_left: int = 0  # rounds a probe that has drafted nothing yet may still ask
-    PROBE_ROUNDS = 8  # the most rounds one probe asks in, waiting for something to draft
+    PROBE_ROUNDS = 3  # the most rounds one probe asks in, waiting for something to draft
 
     def asks(self, rows: int) -> bool:
         """Should this round of `rows` rows ask the drafters?"""
