@@ -14,6 +14,7 @@ from pipeline_helpers import DOCS, clean_corpus, expected_text, job_dict
 
 from pipeline.cli import main
 from pipeline.decode.engine import BatchStats, RowOutput, RowStats
+from pipeline.decode.policy import DraftingGate
 from pipeline.job.layout import totals
 from pipeline.job.shard import ShardProcessor
 from pipeline.job.worker import build_processor
@@ -78,6 +79,10 @@ class ClockedEngine:
     def __init__(self, seconds: list[float]):
         self.seconds = list(seconds)
         self.drafters: list[str | None] = []
+        self.gate = DraftingGate()
+
+    def static_record(self) -> None:
+        return None
 
     def generate(self, prompts, max_new_tokens, sampling, *, drafter=None, **kwargs):
         self.drafters.append(drafter)
