@@ -39,16 +39,10 @@ all)
     pack() { tar czf "$out/reports.tgz" -C "$res" .; }
     # The whole check in one call (docs/gpu.md): random-weight Qwen2.5-Coder-shaped models from the
     # carried configs (scripts/gpu_models.py), then each step under its own time limit, the most
-    # telling first, so that a call cut short still brings back what it measured.
-    # what the machine has; small pure-Python wheels carried in .gpu-carry/wheels fill gaps
-    # .gpu-carry/site: wheels unpacked here (pydantic and its compiled core, click, pyyaml, tenacity)
-    [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml" 2>/dev/null ||
+    # telling first. What the machine lacks comes unpacked in .gpu-carry/site (`gpu_models.py
+    # prepare`), put first on the path where anything is missing.
+    [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml, fsspec, xdist" 2>/dev/null ||
         export PYTHONPATH="$PWD/.gpu-carry/site:$PYTHONPATH"; }
-    for wheel in .gpu-carry/wheels/*.whl; do
-        module=$(basename "$wheel" | cut -d- -f1 | sed 's/pytest_xdist/xdist/')
-        # a pure-Python wheel imports as a zip: no pip (whose python may not be python3)
-        python3 -c "import $module" 2>/dev/null || export PYTHONPATH="$PWD/$wheel:$PYTHONPATH"
-    done
     python3 - <<'EOF' 2>&1 | tee "$res/env.log"
 import importlib, platform, torch
 print(platform.platform(), "python", platform.python_version())

@@ -1,7 +1,9 @@
 """The models a GPU check runs, which must travel in a 64 MiB working tree (docs/gpu.md).
 
     python3 scripts/gpu_models.py prepare [PAIR_DIR]   here: the Qwen2.5-Coder pair's configs and
-                                                       tokenizer into .gpu-carry/ (ignored by git)
+                                                       tokenizer into .gpu-carry/ (ignored by git),
+                                                       and the packages the GPU machine lacked,
+                                                       unpacked into .gpu-carry/site
     python3 scripts/gpu_models.py build OUT            there: random-weight models of those shapes
                                                        under OUT/models, a pair config under OUT/config
 
@@ -37,6 +39,31 @@ def prepare(pair_dir: Path) -> None:
             if source.exists():
                 shutil.copy(source, CARRY / role / name)
     print(f"{CARRY}: {sum(f.stat().st_size for f in CARRY.rglob('*') if f.is_file()) / 1e6:.1f} MB")
+
+
+# What `python3 -m pipeline.cli` imports that the GPU machine lacked (2026-11-27: tenacity,
+# pydantic), and pytest-xdist for the tests; unpacked, since `pip` there serves another python.
+SITE = Path(".gpu-carry/site")
+PACKAGES = ("pydantic", "click", "pyyaml", "tenacity", "fsspec", "pytest-xdist")
+PLATFORM = ("--python-version", "3.12", "--platform", "manylinux2014_x86_64")
+PLATFORM += ("--platform", "manylinux_2_17_x86_64")
+# the machine's own typing_extensions and pytest serve torch and the tests
+KEEP_THEIRS = ("typing_extensions", "pytest-", "pluggy", "iniconfig", "packaging")
+
+
+def fetch_site() -> None:
+    import subprocess
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as wheels:
+        command = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", *PLATFORM]
+        subprocess.run([*command, "-d", wheels, *PACKAGES], check=True)
+        shutil.rmtree(SITE, ignore_errors=True)
+        for wheel in sorted(Path(wheels).glob("*.whl")):
+            if not wheel.name.startswith(KEEP_THEIRS):
+                zipfile.ZipFile(wheel).extractall(SITE)
+    print(f"{SITE}: {sum(f.stat().st_size for f in SITE.rglob('*') if f.is_file()) / 1e6:.1f} MB")
 
 
 def build(out: Path) -> None:
@@ -76,6 +103,7 @@ if __name__ == "__main__":
     if what == "prepare":
         default = Path.home() / ".cache/spec-pipeline/models/qwen2.5-coder"
         prepare(Path(sys.argv[2]) if len(sys.argv) > 2 else default)
+        fetch_site()
     elif what == "build" and len(sys.argv) == 3:
         build(Path(sys.argv[2]))
     else:
