@@ -100,8 +100,8 @@ class _Slots:
         held_values[index] = values.transpose(1, 2).to(held_values.dtype)
         if self.rows is None and not self.seen:
             return held_keys, held_values
-        seen = slice(None, self.seen or None)
-        return held_keys[rows][:, :, seen], held_values[rows][:, :, seen]
+        seen = slice(None, self.seen or None)  # gathered only up to the last position a query sees
+        return held_keys[rows, :, seen], held_values[rows, :, seen]
 
 
 class StaticLM(BatchedLM):
