@@ -61,3 +61,24 @@ def measured_costs(target: dict, draft: dict, prefill: dict | None = None) -> Co
     for name, rate in (prefill or {}).items():
         model.observe_prefill(name, 1000, rate * 1000)
     return model
+
+
+def assert_widths_alike(model, batch: int, widths: tuple[int, ...]) -> None:
+    """Row 0 verifies each of `widths` tokens beside batch - 1 rows of other lengths: its logits
+    must be those of feeding the same tokens one pass at a time (a kernel's paths by width)."""
+    from pipeline.decode.batched_lm import BatchedLM
+
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(3, 300, (batch, 60), generator=gen).tolist()
+    lm = BatchedLM(model, pad_token_id=0)
+    lm.reset(1)
+    lm.forward([prompts[0][:40]], [1])
+    alone = torch.cat([lm.forward([[t]], [1])[0] for t in prompts[0][40:56]])
+    for width in widths:
+        lm.reset(batch)
+        lm.forward([p[: 40 - i] for i, p in enumerate(prompts)], [1] * batch)
+        blocks = [prompts[0][40 : 40 + width]] + [
+            p[40 - i : 40 - i + 1 + i % 3] for i, p in enumerate(prompts)
+        ][1:]
+        got = lm.forward(blocks, [width] + [1] * (batch - 1))[0]
+        assert torch.equal(got, alone[:width]), width

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from decode_case import assert_widths_alike
 from gguf import GGMLQuantizationType, quants
 from gguf_quant import quantize_q4_k, quantize_q6_k, random_blocks
 from torch import nn
@@ -153,19 +154,4 @@ def block_target():
 def test_a_block_targets_logits_are_the_same_at_every_width_and_batch(block_target, batch):
     """Row 0 verifies 1 to 16 tokens beside batch - 1 rows of other lengths: its logits are
     those of feeding the same tokens one pass at a time (the kernel's three paths included)."""
-    from pipeline.decode.batched_lm import BatchedLM
-
-    gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(3, 300, (batch, 60), generator=gen).tolist()
-    lm = BatchedLM(block_target, pad_token_id=0)
-    lm.reset(1)
-    lm.forward([prompts[0][:40]], [1])
-    alone = torch.cat([lm.forward([[t]], [1])[0] for t in prompts[0][40:56]])
-    for width in (1, 2, 3, 5, 8, 9, 16):
-        lm.reset(batch)
-        lm.forward([p[: 40 - i] for i, p in enumerate(prompts)], [1] * batch)
-        blocks = [prompts[0][40 : 40 + width]] + [
-            p[40 - i : 40 - i + 1 + i % 3] for i, p in enumerate(prompts)
-        ][1:]
-        got = lm.forward(blocks, [width] + [1] * (batch - 1))[0]
-        assert torch.equal(got, alone[:width]), width
+    assert_widths_alike(block_target, batch, (1, 2, 3, 5, 8, 9, 16))

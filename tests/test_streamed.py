@@ -7,9 +7,9 @@ import logging
 
 import pytest
 import torch
+from decode_case import assert_widths_alike
 from torch import nn
 
-from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.models import invariant, streamed
 from pipeline.models.loading import ModelRef, load_pair
@@ -92,21 +92,7 @@ def test_the_loader_streams_float32_cpu_targets_and_makes_them_invariant(streame
 def test_a_rows_logits_are_the_same_at_every_width_and_batch(streamed_target, batch):
     """Row 0 verifies 1 to 16 tokens beside batch - 1 rows of other lengths: its logits are
     those of feeding the same tokens one pass at a time."""
-    model = streamed_target.target
-    gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(3, 300, (batch, 60), generator=gen).tolist()
-    lm = BatchedLM(model, pad_token_id=0)
-    lm.reset(1)
-    lm.forward([prompts[0][:40]], [1])
-    alone = torch.cat([lm.forward([[t]], [1])[0] for t in prompts[0][40:56]])
-    for width in (1, 2, 3, 7, 8, 9, 16):
-        lm.reset(batch)
-        lm.forward([p[: 40 - i] for i, p in enumerate(prompts)], [1] * batch)
-        blocks = [prompts[0][40 : 40 + width]] + [
-            p[40 - i : 40 - i + 1 + i % 3] for i, p in enumerate(prompts)
-        ][1:]
-        got = lm.forward(blocks, [width] + [1] * (batch - 1))[0]
-        assert torch.equal(got, alone[:width]), width
+    assert_widths_alike(streamed_target.target, batch, (1, 2, 3, 7, 8, 9, 16))
 
 
 def test_without_a_compiler_the_model_keeps_torchs_kernels_and_says_so(monkeypatch, tmp_path, caplog):

@@ -205,12 +205,10 @@ class StaticLM(BatchedLM):
         self.row_slots = []
         self.row_slots = self._take(batch_size) if batch_size else []
         self.tokens = [[] for _ in range(batch_size)]
-        self.slots = [[] for _ in range(batch_size)]  # unused: positions are the slots
 
     def add_rows(self, count: int) -> None:
         self.row_slots += self._take(count)
         self.tokens += [[] for _ in range(count)]
-        self.slots += [[] for _ in range(count)]
 
     @property
     def width(self) -> int:
@@ -234,7 +232,6 @@ class StaticLM(BatchedLM):
     def select(self, rows: list[int]) -> None:
         self.row_slots = [self.row_slots[r] for r in rows]
         self.tokens = [self.tokens[r] for r in rows]
-        self.slots = [self.slots[r] for r in rows]
 
     def compact(self, slack: float = 1.5, min_width: int = 64) -> None:
         """Nothing to squeeze: rejected tokens are overwritten in place."""
