@@ -274,10 +274,7 @@ def measure_alternating(pairs: list[LoadedPair], *args, runs: int = 3, **kwargs)
                 batch: {w: statistics.median(d[key][batch][w] for d in done) for w in by_width}
                 for batch, by_width in first[key].items()
             }
-            for role, key in (
-                ("target", "target_pass_seconds_by_batch"),
-                ("draft", "draft_step_seconds_by_batch"),
-            )
+            for role, key in _PASSES
             if first[key]
         }
         prefill = {

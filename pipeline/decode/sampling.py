@@ -75,9 +75,13 @@ def greedy_choices(logits: list[torch.Tensor], confident: bool) -> tuple[list[li
 
     A GPU answers each read only after everything queued before it: one read a position would
     cost a round trip per row and draft step (128 of them a step at batch 64)."""
-    flat = torch.cat(logits)
-    tokens = torch.argmax(flat, dim=-1).tolist()
-    sure = torch.softmax(flat.float(), dim=-1).amax(dim=-1).tolist() if confident else []
+    # per row, then the small results joined: joining the logits would copy them all
+    tokens = torch.cat([torch.argmax(row, dim=-1) for row in logits]).tolist()
+    sure = (
+        torch.cat([torch.softmax(row.float(), dim=-1).amax(dim=-1) for row in logits]).tolist()
+        if confident
+        else []
+    )
     out_tokens, out_sure, start = [], [], 0
     for row in logits:
         end = start + len(row)

@@ -126,6 +126,7 @@ class StaticLM(BatchedLM):
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.graphs_off: str | None = None  # why passes run eagerly on a GPU
+        self.cache = _Slots(self.keys, self.values)  # rebound by `reserve` to every new buffer
         super().__init__(model, pad_token_id, vocab_size, pack=False)
         self.use_graphs = self.device.type == "cuda"
         self.layers = list(model.base_model.layers)
@@ -201,9 +202,8 @@ class StaticLM(BatchedLM):
         return free[:count]
 
     def reset(self, batch_size: int) -> None:
-        self.cache = _Slots(self.keys, self.values)
-        self.row_slots = []
-        self.row_slots = self._take(batch_size) if batch_size else []
+        self.row_slots = []  # every slot free before taking
+        self.row_slots = self._take(batch_size)
         self.tokens = [[] for _ in range(batch_size)]
 
     def add_rows(self, count: int) -> None:
