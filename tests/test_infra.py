@@ -3,7 +3,7 @@
 KubeRay and Prometheus-operator CRD schemas are not available offline, so the fields that matter
 are checked by hand: kinds and API versions, required fields, one image and one Ray version
 everywhere, job specs that exist and load, commands that the CLI really accepts, no credentials,
-a valid cron schedule, and dashboards/rules that use exactly the metrics of pipeline/cluster/metrics.py.
+a valid cron schedule, and dashboards/rules that use exactly the metrics of pipeline/job/metrics.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.cluster import metrics
+from pipeline.job import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"

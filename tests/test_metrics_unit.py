@@ -1,4 +1,4 @@
-"""pipeline.cluster.metrics without a Ray cluster: no-op without Ray, and what it records (with fakes)."""
+"""pipeline.job.metrics without a Ray cluster: no-op without Ray, and what it records (with fakes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from pipeline.cluster import metrics
+from pipeline.job import metrics
 
 STATS = {
     "shard": "part-00001",
@@ -76,7 +76,7 @@ def _calls(fakes, name):
 
 def test_import_is_cheap_and_calls_are_noops_without_ray():
     code = (
-        "import sys; from pipeline.cluster import metrics; "
+        "import sys; from pipeline.job import metrics; "
         "metrics.record_shard({'shard': 'a', 'status': 'ok', 'rows_out': 3}, 'job'); "
         "metrics.record_failure('job', 'a', 'boom'); "
         "assert 'ray' not in sys.modules, 'ray was imported'; print('ok')"

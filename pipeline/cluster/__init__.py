@@ -1,2 +1,2 @@
-"""Running on a Ray cluster: `jobs_api` (submit and follow jobs through the Ray Jobs API),
-`metrics` (Ray custom metrics for the dashboard and Prometheus)."""
+"""Running on a Ray cluster: `jobs_api` (submit and follow jobs through the Ray Jobs API).
+The Ray custom metrics a job exports are recorded by its driver: `pipeline.job.metrics`."""

@@ -3,4 +3,5 @@ pool, manifest.json), `worker` (the Ray model actor), `shard` (one shard end to 
 write outputs, errors and stats), `speedup` (the measured speedup's pairs and interval), `layout`
 (where everything goes under the output prefix, when a shard or a job is complete, the totals
 over stats), `lease`, `fingerprint` (resume checks), `ids` (duplicate ids across shards),
-`prompts`, `progress` (the terminal)."""
+`prompts`, `progress` (the terminal), `metrics` (Ray/Prometheus metrics, recorded by the
+driver)."""

@@ -4,7 +4,7 @@ Plain Ray Core rather than Ray Data: one task per shard keeps "one input shard -
 one errors and one stats file" exact, makes a shard the unit of retry, and streams (the driver
 only ever holds shard names and small stats dicts, never rows).
 
-Ray dashboard metrics (`pipeline.cluster.metrics`) are recorded here, from each shard's stats as it
+Ray dashboard metrics (`pipeline.job.metrics`) are recorded here, from each shard's stats as it
 comes back: the driver lives for the whole job, so the last shard's counts are still exported
 after the actors are gone, and a retried shard is counted once.
 """
@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 import pipeline
-from pipeline.cluster import metrics
+from pipeline.job import metrics
 from pipeline.job.fingerprint import check_resume, check_resume_outputs, fingerprint
 from pipeline.job.ids import clear_duplicates, map_ids, partitions, read_duplicates, reduce_ids
 from pipeline.job.layout import (
