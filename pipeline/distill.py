@@ -386,8 +386,8 @@ def evaluate(
     document, in one interleaved bench run of `runs` rounds over `prompts`; speedups over
     target-only, outputs checked equal to it."""
     from pipeline.bench import TaskBench, ours
-    from pipeline.decode.engine import SpeculativeEngine
-    from pipeline.job.worker import engine_config, eos_ids, pad_id
+    from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+    from pipeline.job.worker import eos_ids, pad_id
 
     def engine(draft, kind: str) -> SpeculativeEngine:
         return SpeculativeEngine(
@@ -396,7 +396,7 @@ def evaluate(
             eos_token_ids=eos_ids(loaded.tokenizer, loaded.target),
             pad_token_id=pad_id(loaded.tokenizer, loaded.target),
             vocab_size=loaded.vocab_size,
-            config=engine_config(spec, kind),
+            config=EngineConfig.from_spec(spec.drafter, kind),
         )
 
     engines = {("none", "-"): engine(None, "none")}

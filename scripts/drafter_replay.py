@@ -35,8 +35,9 @@ import torch
 
 from pipeline.bench import hf_generate, task_prompts
 from pipeline.calibrate import interpolate
-from pipeline.decode.drafters import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, PromptLookupDrafter
+from pipeline.decode.drafters import PromptLookupDrafter
 from pipeline.decode.sampling import SamplingParams
+from pipeline.decode.settings import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from pipeline.decode.suffix import Reflow, SuffixDrafter
 from pipeline.job.worker import eos_ids, pad_id
 from pipeline.models.loading import load_pair, resolve_pair

@@ -18,9 +18,10 @@ from decode_case import (
     reference,
 )
 
-from pipeline.decode.drafters import PROMPT_LOOKUP, Proposal
+from pipeline.decode.drafters import Proposal
 from pipeline.decode.engine import EngineConfig, PromptError, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
+from pipeline.decode.settings import PROMPT_LOOKUP
 from pipeline.models.draft_int8 import quantize_draft
 
 

@@ -22,8 +22,7 @@ from transformers import PreTrainedModel
 
 from pipeline.decode import static_lm
 from pipeline.decode.sampling import SamplingParams, choose, confidence, greedy_choices
-
-DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX = "draft_model", "prompt_lookup", "suffix"
+from pipeline.decode.settings import DRAFT_MODEL, PROMPT_LOOKUP
 
 # Which rows draft one more token, given each row's chance that its drafts so far are all
 # accepted and how many it has (see `DraftModelDrafter.propose`).

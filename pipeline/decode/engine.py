@@ -21,29 +21,19 @@ import itertools
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.decode import static_lm
+from pipeline.decode import settings, static_lm
 from pipeline.decode.costs import CostModel, alpha_from_tau
-from pipeline.decode.drafters import (
-    DRAFT_MODEL,
-    PROMPT_LOOKUP,
-    SUFFIX,
-    Drafter,
-    DraftModelDrafter,
-    PromptLookupDrafter,
-    Proposal,
-)
+from pipeline.decode.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, Proposal
 from pipeline.decode.policy import Choice, DraftingGate, Offer, Policy, RoundOptions
 from pipeline.decode.rounds import Rounds, row_tau
 from pipeline.decode.sampling import SamplingParams, choose, verify
-from pipeline.decode.suffix import MAX_DEPTH, Reflow, SuffixCorpus, SuffixDrafter
-
-DRAFTERS = ("auto", DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX, "none")
-AUTO_SOURCES = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX)
+from pipeline.decode.settings import AUTO_SOURCES, DRAFT_MODEL, DRAFTERS, PROMPT_LOOKUP
+from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
 
 
 class PromptError(ValueError):
@@ -52,7 +42,10 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to speculate. `adaptive=False` always drafts `gamma_max` tokens (fixed gamma)."""
+    """How to speculate. `adaptive=False` always drafts `gamma_max` tokens (fixed gamma).
+
+    The drafter names and every setting's bounds are `pipeline.decode.settings`'s, which the
+    job spec's schema reads too; a job's config is `from_spec(spec.drafter)`."""
 
     drafter: str = "auto"
     gamma_max: int = 8
@@ -79,20 +72,16 @@ class EngineConfig:
     auto_sources: tuple[str, ...] = AUTO_SOURCES
 
     def __post_init__(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
-        if not 0 <= self.gamma_max <= 64:
-            raise ValueError(f"gamma_max must be in 0..64, got {self.gamma_max}")
-        if self.draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
-        if self.guess_tokens < 0:
-            raise ValueError(f"guess_tokens must be >= 0, got {self.guess_tokens}")
-        if self.suffix_max_tokens < 0:
-            raise ValueError(f"suffix_max_tokens must be >= 0, got {self.suffix_max_tokens}")
-        if not 1 <= self.suffix_min_match <= MAX_DEPTH:
-            raise ValueError(f"suffix_min_match must be in 1..{MAX_DEPTH}, got {self.suffix_min_match}")
-        if not self.auto_sources or not set(self.auto_sources) <= set(AUTO_SOURCES):
-            raise ValueError(f"auto_sources must be a non-empty part of {AUTO_SOURCES}: {self.auto_sources}")
+        settings.check(self)
+
+    @classmethod
+    def from_spec(cls, section, drafter: str | None = None) -> EngineConfig:
+        """The config a job spec's `drafter` section asks for (any object with its fields):
+        every field the two share is copied by name, so a new setting is added in one place.
+        `drafter` overrides the section's `kind` (the speedup sample's target-only twin)."""
+        shared = {f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)}
+        shared["auto_sources"] = tuple(shared.get("auto_sources", AUTO_SOURCES))
+        return cls(drafter=drafter or section.kind, **shared)
 
 
 @dataclass

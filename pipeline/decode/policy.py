@@ -22,7 +22,8 @@ from pipeline.decode.costs import (
     expected_drain_advance,
     iid_survival,
 )
-from pipeline.decode.drafters import DRAFT_MODEL, KeepRule
+from pipeline.decode.drafters import KeepRule
+from pipeline.decode.settings import DRAFT_MODEL
 
 if TYPE_CHECKING:
     from pipeline.decode.batched_lm import BatchedLM

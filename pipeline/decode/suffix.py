@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.decode.drafters import SUFFIX, KeepRule, Proposal
+from pipeline.decode.drafters import KeepRule, Proposal
 from pipeline.decode.sampling import SamplingParams
+from pipeline.decode.settings import SUFFIX, SUFFIX_MAX_DEPTH
 
 NO_EDGE, MANY = -1, -2
 # A continuation's tokens count towards its score while its estimated chance of being right all
@@ -43,7 +44,7 @@ NO_EDGE, MANY = -1, -2
 MIN_CHANCE = 0.1
 # The longest suffix of a row's text looked for in the corpus, and the deepest match depth the
 # policy tells apart; a longer match says little more about what follows.
-MAX_DEPTH = 32
+MAX_DEPTH = SUFFIX_MAX_DEPTH
 # The corpus is this many automata: the cap is kept within a quarter of it, oldest out first.
 CORPUS_BLOCKS = 4
 

@@ -13,6 +13,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+from pipeline.decode.settings import MODEL_FREE
 from pipeline.spec import JobSpec
 
 if TYPE_CHECKING:  # the driver imports this module for ModelWorker: torch loads in the actor only
@@ -38,7 +39,7 @@ def model_refs(spec: JobSpec) -> tuple[ModelRef, ModelRef | None]:
     else:
         target = ModelRef(path=models.target.path, revision=models.target.revision)
         draft = ModelRef(path=models.draft.path, revision=models.draft.revision) if models.draft else None
-    if spec.drafter.kind in ("none", "prompt_lookup", "suffix"):
+    if spec.drafter.kind in MODEL_FREE:
         draft = None
     return target, draft
 
@@ -60,31 +61,11 @@ def pad_id(tokenizer, model) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
 
 
-def engine_config(spec: JobSpec, drafter: str):
-    """The engine settings a job's actor decodes with (`spec.drafter`), for `drafter`: the
-    spec's own kind, or another where the same job's settings are tried with another drafter
-    (`pipeline distill`'s evaluation)."""
-    from pipeline.decode.engine import EngineConfig
-
-    return EngineConfig(
-        drafter=drafter,
-        gamma_max=spec.drafter.gamma_max,
-        adaptive=spec.drafter.adaptive,
-        ngram_min=spec.drafter.ngram_min,
-        ngram_max=spec.drafter.ngram_max,
-        draft_vocab=spec.drafter.draft_vocab,
-        guess_tokens=spec.drafter.guess_tokens,
-        suffix_max_tokens=spec.drafter.suffix_max_tokens,
-        suffix_min_match=spec.drafter.suffix_min_match,
-        auto_sources=tuple(spec.drafter.auto_sources),
-    )
-
-
 def build_processor(spec: JobSpec) -> ShardProcessor:
     """Load the models a spec names and wire them into an engine and a shard processor."""
     import transformers
 
-    from pipeline.decode.engine import SpeculativeEngine
+    from pipeline.decode.engine import EngineConfig, SpeculativeEngine
     from pipeline.job.shard import ShardProcessor
     from pipeline.models.loading import load_pair
 
@@ -113,7 +94,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         decode_text=tokenizer.decode,
         encode_text=partial(tokenizer.encode, add_special_tokens=False),
         vocab_size=pair.vocab_size,
-        config=engine_config(spec, drafter),
+        config=EngineConfig.from_spec(spec.drafter, drafter),
     )
     info = pair.manifest()
     info["load_seconds"] = pair.load_seconds

@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from pipeline.decode.settings import MODEL_FREE
 from pipeline.spec.errors import SpecError
 from pipeline.spec.schema import (
     _DATE_RE,
@@ -331,7 +332,7 @@ def check_models_reachable(spec: JobSpec) -> list[str]:
     Only pairs where both models are existing local directories are checked (hub ids, missing
     directories and unknown named pairs are skipped). Loads tokenizers, not weights.
     """
-    if spec.drafter.kind in ("none", "prompt_lookup", "suffix"):
+    if spec.drafter.kind in MODEL_FREE:
         return []
     pair = False
     if spec.models.pair is not None:

@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.decode.settings import AUTO_SOURCES, DRAFTERS, field_bounds
 from pipeline.spec.errors import rule_error
 from pipeline.storage.secrets import CREDENTIALS_HINT, find_credentials, has_userinfo, redact_options
 from pipeline.storage.urls import GLOB_CHARS, split_scheme
@@ -444,30 +445,35 @@ class ModelsSpec(_Section):
 class DrafterSpec(_Section):
     """How draft tokens are proposed."""
 
-    kind: Literal["auto", "draft_model", "prompt_lookup", "suffix", "none"] = Field(
+    kind: Literal[DRAFTERS] = Field(
         "auto",
         description="draft_model: the draft model; prompt_lookup: n-grams copied from the prompt; "
         "suffix: the most frequent continuation of the text's longest matched suffix, in the row's own "
         "text and in the outputs this actor produced before; auto: choose per row by measured acceptance "
         "and cost; none: target-only decoding.",
     )
-    gamma_max: int = Field(8, ge=1, le=32, description="Maximum tokens drafted per verification step.")
+    gamma_max: int = Field(
+        8, **field_bounds("gamma_max"), description="Maximum tokens drafted per verification step (0: none)."
+    )
     adaptive: bool = Field(
         True, description="Adapt the number of drafted tokens to the measured acceptance and cost."
     )
-    ngram_max: int = Field(4, ge=1, le=16, description="Largest n-gram size tried by prompt lookup.")
-    ngram_min: int = Field(1, ge=1, le=16, description="Smallest n-gram size tried by prompt lookup.")
+    ngram_max: int = Field(
+        4, **field_bounds("ngram_max"), description="Largest n-gram size tried by prompt lookup."
+    )
+    ngram_min: int = Field(
+        1, **field_bounds("ngram_min"), description="Smallest n-gram size tried by prompt lookup."
+    )
     draft_vocab: int = Field(
         32768,
-        ge=0,
+        **field_bounds("draft_vocab"),
         description="The draft model proposes only token ids below this, plus the batch's prompt tokens "
         "and EOS: a cheaper output layer for the draft (lossless either way; 0 = the whole vocabulary). "
         "Raise it, or use 0, for output languages whose tokens have high ids.",
     )
     guess_tokens: int = Field(
         3,
-        ge=0,
-        le=16,
+        **field_bounds("guess_tokens"),
         description="A lone row's draft model checks up to this many tokens of a prompt-lookup copy in one "
         "pass, as a guess at its own next drafts: the same drafts in fewer passes where they follow the "
         "copy (0: one pass per draft).",
@@ -475,19 +481,18 @@ class DrafterSpec(_Section):
 
     suffix_max_tokens: int = Field(
         1 << 20,
-        ge=0,
+        **field_bounds("suffix_max_tokens"),
         description="The suffix drafter keeps at most this many tokens of the actor's earlier outputs, the "
         "oldest dropped first (0: only the row's own text). Memory grows with it: see docs/engine.md.",
     )
     suffix_min_match: int = Field(
         1,
-        ge=1,
-        le=32,
+        **field_bounds("suffix_min_match"),
         description="The suffix drafter proposes nothing where no suffix of the text this long matches "
         "(1, as prompt lookup: a short match's acceptance is measured apart and prices its drafts).",
     )
-    auto_sources: list[Literal["draft_model", "prompt_lookup", "suffix"]] = Field(
-        ["draft_model", "prompt_lookup", "suffix"],
+    auto_sources: list[Literal[AUTO_SOURCES]] = Field(
+        list(AUTO_SOURCES),
         min_length=1,
         description="The drafters `auto` chooses among per row (leave one out to measure what it adds).",
     )
