@@ -46,6 +46,9 @@ _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 INPUT_PLACEHOLDERS = ("date", "run_id")
 OUTPUT_PLACEHOLDERS = ("date", "run_id", "name")
+# a nightly job warm-starts from the night before's output: {date-1} is the day before {date}; no
+# {run_id}, which names this run, whose output is not written yet
+WARM_START_PLACEHOLDERS = ("date", "date-1", "name")
 
 
 def new_run_id(now: dt.datetime | None = None) -> str:
@@ -501,8 +504,17 @@ class DrafterSpec(_Section):
         description="URL of an earlier run's output (its outputs/ Parquet files, or any directory of "
         "Parquet files with a `generated` column), read with output.storage_options: each actor's "
         "suffix drafter starts from those outputs, e.g. last night's translations, instead of empty "
-        "(up to suffix_max_tokens). If it cannot be read, the job runs cold and its stats say why.",
+        "(up to suffix_max_tokens). If it cannot be read, the job runs cold and its stats say why. "
+        "Placeholders {date}, {date-1} (the day before {date}) and {name} are rendered at load time.",
+        examples=["s3://my-bucket/{name}/{date-1}/nightly-{date-1}/"],
     )
+
+    @field_validator("suffix_warm_start")
+    @classmethod
+    def _warm_start_rendered(cls, v: str | None) -> str | None:
+        if v is not None:
+            _check_placeholders_rendered(v, WARM_START_PLACEHOLDERS)
+        return v
 
     @field_validator("ngram_min")
     @classmethod
@@ -739,21 +751,37 @@ class JobSpec(_Section):
 # rendering
 
 
+_RENDERED_FIELDS = (
+    ("input", "url", INPUT_PLACEHOLDERS),
+    ("output", "url", OUTPUT_PLACEHOLDERS),
+    ("drafter", "suffix_warm_start", WARM_START_PLACEHOLDERS),
+)
+
+
+def _day_before(date: str) -> str | None:
+    """The ISO date before `date`, or None where `date` is not one (loading reports that)."""
+    try:
+        return (dt.date.fromisoformat(date) - dt.timedelta(days=1)).isoformat()
+    except (TypeError, ValueError):
+        return None
+
+
 def _render_urls(data: Mapping[str, Any], *, run_id: str, date: str) -> dict[str, Any]:
-    """Render known placeholders in input.url and output.url; unknown ones are left for validation."""
+    """Render the placeholders each URL field supports (`_RENDERED_FIELDS`); any other is left
+    in place, so that the field's validator names it in its error."""
     data = dict(data)
     name = data.get("name")
-    name_ok = isinstance(name, str) and bool(_NAME_RE.match(name))
-    for section, allowed in (("input", INPUT_PLACEHOLDERS), ("output", OUTPUT_PLACEHOLDERS)):
+    known = {"date": date, "date-1": _day_before(date), "run_id": run_id}
+    if isinstance(name, str) and _NAME_RE.match(name):
+        known["name"] = name
+    for section, field, allowed in _RENDERED_FIELDS:
         sec = data.get(section)
-        if not isinstance(sec, Mapping) or not isinstance(sec.get("url"), str):
+        if not isinstance(sec, Mapping) or not isinstance(sec.get(field), str):
             continue
-        values = {"date": date, "run_id": run_id}
-        if "name" in allowed and name_ok:
-            values["name"] = name
+        values = {k: v for k, v in known.items() if k in allowed and v is not None}
 
         def sub(m: re.Match[str], values: dict[str, str] = values) -> str:
             return values.get(m.group(1), m.group(0))
 
-        data[section] = {**sec, "url": _PLACEHOLDER_RE.sub(sub, sec["url"])}
+        data[section] = {**sec, field: _PLACEHOLDER_RE.sub(sub, sec[field])}
     return data
