@@ -177,7 +177,6 @@ def ours(
     engine.remember_outputs(warm or [])
     rows, total = engine.generate(prompts, max_new, drafter=drafter, batch_size=batch)
     outputs = [r.tokens for r in rows]
-    gamma = sum(r.stats.gamma_sum for r in rows)
     stats = {
         "cost_ratio": engine.cost_ratio(batch) or 0.0,  # averaged over the runs in _row
         "draft_passes": total.draft_passes,
@@ -185,7 +184,7 @@ def ours(
         "accepted": total.accepted,
         "passes": total.target_passes,
         "row_passes": total.row_passes,
-        "gamma": gamma,
+        "gamma": total.drafted,  # γ offered summed over rounds: every drafted token
         "tokens": total.new_tokens,
         "target_seconds": total.target_seconds,
         "draft_seconds": total.draft_seconds,

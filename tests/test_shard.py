@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from pipeline_helpers import DOCS, clean_corpus, expected_text, job_dict
 
 from pipeline.cli import main
-from pipeline.decode.engine import BatchStats, RowOutput, RowStats
+from pipeline.decode.engine import RowOutput
 from pipeline.decode.policy import DraftingGate
+from pipeline.decode.stats import BatchStats, RowStats
 from pipeline.job.layout import totals
 from pipeline.job.shard import ShardProcessor
 from pipeline.job.worker import build_processor

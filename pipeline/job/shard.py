@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from pipeline.decode.costs import alpha_from_tau
-from pipeline.decode.engine import BatchStats, RowOutput, SpeculativeEngine
+from pipeline.decode.engine import RowOutput, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
+from pipeline.decode.stats import BatchStats
 from pipeline.job.ids import id_key
 from pipeline.job.layout import shard_paths
 from pipeline.job.prompts import OverlongDocument, PromptBuilder
@@ -391,7 +391,6 @@ class ShardProcessor:
     ) -> dict:
         """Per-shard statistics (each figure is explained in docs/stats.md)."""
         outs = [o for o, _ in decoded]
-        mean_gamma = sum(o.stats.gamma_sum for o in outs) / max(totals.row_passes - len(outs), 1)
         reasons = Counter(e["reason"] for e in errors)
         return {
             "shard": name,
@@ -407,12 +406,12 @@ class ShardProcessor:
             "tokens_in": tokens_in,
             "tokens_out": totals.new_tokens,
             # null, not 0, when nothing was drafted: nothing was rejected either
-            "alpha": totals.accepted / totals.drafted if totals.drafted else None,
-            "alpha_leviathan": alpha_from_tau(totals.tau, mean_gamma) if totals.drafted else None,
+            "alpha": totals.alpha,
+            "alpha_leviathan": totals.alpha_leviathan,
             "tau": totals.tau,
             **totals.rounds.to_dict(),
             "gamma_max": self.spec.drafter.gamma_max,
-            "mean_gamma": mean_gamma,
+            "mean_gamma": totals.mean_gamma,
             "drafter": self.spec.drafter.kind,
             "drafted": totals.drafted,
             "drafted_by": totals.drafted_by,  # by draft source: draft_model, prompt_lookup, suffix
