@@ -62,7 +62,8 @@ def test_warm_start_date_is_the_runs_date(tmp_path: Path):
 def test_unknown_warm_start_placeholder_refused(tmp_path: Path, warm: str, message: str):
     with pytest.raises(SpecError) as info:
         load_with_warm_start(tmp_path, warm, date="2026-03-01")
-    assert any(line.startswith("drafter.suffix_warm_start: ") and message in line for line in info.value.errors)
+    lines = info.value.errors
+    assert any(line.startswith("drafter.suffix_warm_start: ") and message in line for line in lines)
 
 
 def test_shipped_nightly_translation_warm_starts_from_the_night_before():

@@ -1,0 +1,140 @@
+"""README's "Where it pays" tables, generated from the committed bench reports in docs/benchmarks/.
+
+A speed claim in the README is only as good as the measurement under it, so each table is
+rendered from one `pipeline bench --report` JSON and names it; a hand-edited figure, or a report
+renamed or changed, makes `--check` fail until `--write` renders the tables again.
+
+    python scripts/readme_tables.py --write    # rewrite the tables between their markers
+    python scripts/readme_tables.py --check    # exit 1 when a table differs from its JSON
+
+A table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BENCHMARKS = "docs/benchmarks"
+
+
+@dataclass(frozen=True)
+class Table:
+    """One machine kind's table: the report it comes from and the methods it shows."""
+
+    report: str  # file name under docs/benchmarks/
+    methods: tuple[str, ...]  # bench's method labels, shown in this order within each batch size
+
+
+TABLES = {
+    "avx512bf16": Table(
+        "2026-11-27-bench-avx512bf16-bf16-suffix-translate-licenses-64tok-batch1-8.json",
+        ("ours target-only", "ours draft_model", "ours suffix warm", "ours auto warm"),
+    ),
+    "avx2": Table(
+        "2026-11-26-bench-avx2-float32-suffix-translate-licenses.json",
+        ("ours target-only", "ours auto", "ours auto warm"),
+    ),
+    "h200": Table(
+        "2026-11-26-bench-h200-bf16-smollm2-licenses-translate-batch8.json",
+        ("ours target-only", "ours prompt_lookup", "ours auto"),
+    ),
+}
+
+
+def _machine(meta: dict) -> str:
+    """The machine in a few words: the GPU where there is one, else the CPU and its widest
+    floating-point instructions, which decide whether a verify pass costs what a step costs."""
+    machine = meta["machine"]
+    if machine.get("gpu"):
+        return machine["gpu"]
+    flags = machine.get("cpu_flags") or {}
+    kind = "AVX-512 BF16" if flags.get("avx512_bf16") else "AVX2 only" if flags.get("avx2") else "no AVX2"
+    return f"{machine['cpu_model']} ({kind}), {machine['threads']} threads"
+
+
+def _caption(name: str, meta: dict) -> str:
+    commit = (meta["machine"].get("git_commit") or "")[:7] or "unknown"
+    draft = "" if meta["models"].get("draft") else " (no draft model)"
+    return (
+        f"[`{name}`]({BENCHMARKS}/{name}), {meta['date'][:10]}, commit `{commit}`: {_machine(meta)}, "
+        f"{meta['models']['dtype']}, pair `{meta['pair']}`{draft}, {', '.join(meta['tasks'])}, "
+        f"{meta['docs']} `{meta['corpus']}` documents, {meta['max_new_tokens']} new tokens, "
+        f"{meta['runs']} run{'s' if meta['runs'] > 1 else ''}:"
+    )
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def render_table(table: Table, root: Path = ROOT) -> str:
+    """The Markdown of one table: a caption naming its report, then one line per method and
+    batch size (speedups over target-only at the same batch size, as bench measures them)."""
+    report = json.loads((root / BENCHMARKS / table.report).read_text(encoding="utf-8"))
+    rows = [r for r in report["rows"] if r["method"] in table.methods]
+    missing = set(table.methods) - {r["method"] for r in rows}
+    if missing:
+        raise SystemExit(f"{table.report} has no rows for {sorted(missing)}")
+    rows.sort(key=lambda r: (r["batch"], table.methods.index(r["method"])))
+    lines = [
+        _caption(table.report, report["meta"]),
+        "",
+        "| batch | method | tok/s | speedup | α | τ | = target-only |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['method'].removeprefix('ours ')} | {r['tokens_per_second']:.2f} "
+            f"| {r['speedup']:.2f}× | {_cell(r['alpha'], '.2f')} | {_cell(r['tau'], '.2f')} "
+            f"| {'yes' if r['identical'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def _block(name: str) -> re.Pattern[str]:
+    name = re.escape(name)
+    return re.compile(rf"(<!-- table:{name} -->\n)(.*?)(<!-- /table:{name} -->)", re.S)
+
+
+def render_readme(text: str, root: Path = ROOT) -> str:
+    """`text` with every table between its markers rendered again; a missing marker pair is an
+    error, since a table the README lost would otherwise pass the check."""
+    for name, table in TABLES.items():
+        pattern = _block(name)
+        if not pattern.search(text):
+            raise SystemExit(f"README.md has no <!-- table:{name} --> ... <!-- /table:{name} --> block")
+        rendered = render_table(table, root)
+        text = pattern.sub(lambda m, rendered=rendered: m.group(1) + rendered + "\n" + m.group(3), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", action="store_true", help="rewrite the tables in README.md")
+    action.add_argument("--check", action="store_true", help="exit 1 when a table is stale")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    text = args.readme.read_text(encoding="utf-8")
+    rendered = render_readme(text)
+    if args.write:
+        if rendered != text:
+            args.readme.write_text(rendered, encoding="utf-8")
+        return 0
+    if rendered != text:
+        stale = [n for n in TABLES if _block(n).search(text).group(2) != _block(n).search(rendered).group(2)]
+        hint = "run python scripts/readme_tables.py --write"
+        print(f"{args.readme}: stale tables {stale}; {hint}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
