@@ -17,6 +17,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import pyarrow as pa
 import ray
@@ -41,6 +42,7 @@ from pipeline.job.layout import (
     totals,
 )
 from pipeline.job.lease import DEFAULT_TIMEOUT_MINUTES, Lease
+from pipeline.job.pool import CannotStart, Finished, ModelActorPool
 from pipeline.job.progress import ShardProgress
 from pipeline.job.worker import ModelWorker
 from pipeline.spec import JobSpec, SpecError
@@ -197,9 +199,10 @@ def _stopped(
     return JobStopped(summary)
 
 
-# Ray restarts a crashed model actor this many times before it is dead for good; the executor
+# Ray restarts a crashed model actor this many times before it is dead for good; the pool
 # then starts a new one. A crash (OOM kill, lost node) is survived this way, a model that can
-# never load (corrupt weights, too big for the device) is not retried forever: see below.
+# never load (corrupt weights, too big for the device) is not retried forever: see
+# pipeline.job.pool.CannotStart.
 ACTOR_RESTARTS = 2
 
 
@@ -240,6 +243,15 @@ def find_duplicates(spec: JobSpec, shards: list[tuple[str, str]], out: Storage) 
     return read_duplicates(out)
 
 
+@dataclass(frozen=True)
+class ShardAttempt:
+    """One try at one shard: what the queue holds and what the pool hands back with its outcome."""
+
+    url: str
+    name: str
+    attempt: int
+
+
 def _run_shards(
     spec: JobSpec,
     todo: list[tuple[str, str]],
@@ -250,105 +262,97 @@ def _run_shards(
     duplicates: dict[str, dict[str, str]],
     lease: Lease,
 ) -> None:
-    ex = spec.execution
+    """Dispatch the planned shards to the model actors and record each outcome as it comes back
+    (done, retried or failed for good), until none is queued or running."""
+    queue = deque(ShardAttempt(url, name, 1) for url, name in todo)
+    shown = ShardProgress(len(todo), show_bar=_show_progress(progress))
+    record = _Recorder(spec, out, result, shown, queue)
+    start_actor = partial(_model_actor_class(spec).remote, spec)
+    with ModelActorPool(start_actor, min(spec.execution.num_actors, len(todo))) as pool:
+        while queue or pool.busy:
+            _dispatch(pool, queue, input_schema, duplicates)
+            outcome = pool.next()
+            lease.check()
+            if isinstance(outcome, Finished):
+                record.finished(outcome.task, outcome.value, outcome.error)
+            elif isinstance(outcome, CannotStart) and queue:
+                record.give_up(f"model actors cannot start: {_reason(outcome.error)}")
+    shown.close()
 
-    def fail(url: str, name: str, attempts: int, reason: str) -> None:
+
+def _model_actor_class(spec: JobSpec):
+    """The Ray actor class of the job's model actors, with its resources and restart budget."""
+    ex = spec.execution
+    return ray.remote(ModelWorker).options(
+        num_cpus=ex.num_cpus,
+        num_gpus=ex.num_gpus,
+        max_restarts=ACTOR_RESTARTS,
+        max_task_retries=0,  # the driver retries shards itself, counting attempts per shard
+    )
+
+
+def _dispatch(
+    pool: ModelActorPool,
+    queue: deque[ShardAttempt],
+    input_schema: pa.Schema | None,
+    duplicates: dict[str, dict[str, str]],
+) -> None:
+    """Hand queued shards, in order, to the pool's free actors."""
+    while queue and pool.has_free():
+        shard = queue.popleft()
+        args = (shard.url, shard.name, shard.attempt, input_schema, duplicates.get(shard.name))
+        pool.submit(shard, lambda actor, args=args: actor.process.remote(*args))
+
+
+class _Recorder:
+    """What each shard's outcome leaves behind: the job result, failed/ records, the Ray metrics
+    and the progress lines; a failed attempt with attempts left goes back on the queue."""
+
+    def __init__(
+        self, spec: JobSpec, out: Storage, result: JobResult, shown: ShardProgress, queue: deque[ShardAttempt]
+    ):
+        self.spec, self.out, self.result, self.shown, self.queue = spec, out, result, shown, queue
+
+    def finished(self, shard: ShardAttempt, stats: dict | None, error: Exception | None) -> None:
+        if error is None:
+            self.done(stats)
+            return
+        reason = _reason(error)
+        if is_complete(self.out, shard.name):  # died after writing its completion marker: done
+            self.done(self.out.read_json(shard_paths(shard.name)["stats"]))
+        elif shard.attempt <= self.spec.execution.max_retries:
+            metrics.record_failure(self.spec.name, shard.name, reason, final=False)
+            self.queue.append(ShardAttempt(shard.url, shard.name, shard.attempt + 1))
+            self.shown.note(f"shard {shard.name}: attempt {shard.attempt} failed ({reason}); retrying")
+        else:
+            self.fail(shard, shard.attempt, reason)
+            self.shown.shard_failed(f"shard {shard.name}: FAILED after {shard.attempt} attempts: {reason}")
+
+    def done(self, stats: dict) -> None:
+        self.result.done.append(stats)
+        metrics.record_shard(stats, self.spec.name)
+        self.shown.shard_done(stats)
+
+    def give_up(self, reason: str) -> None:
+        """No actor can start: every queued shard fails now, with the attempts it has had."""
+        self.shown.note(f"giving up on {len(self.queue)} shard(s): {reason}")
+        while self.queue:
+            shard = self.queue.popleft()
+            self.fail(shard, shard.attempt - 1, reason)
+            self.shown.shard_failed(f"shard {shard.name}: FAILED: {reason}")
+
+    def fail(self, shard: ShardAttempt, attempts: int, reason: str) -> None:
         """A shard out of attempts: recorded now (failed/, read by `pipeline status`), not at the end.
 
         An actor killed between writing the shard's outputs and its stats (the completion
         marker) leaves files behind; they go, so that outputs/ holds finished shards only and a
         failed shard's rows are in no output until a re-run redoes it.
         """
-        remove_partial(out, name)
-        record = {"shard": name, "input_url": url, "attempts": attempts, "reason": reason}
-        result.failed.append(record)
-        out.write_json(failed_path(name), record)
-        metrics.record_failure(spec.name, name, reason, final=True)
-
-    actor_class = ray.remote(ModelWorker).options(
-        num_cpus=ex.num_cpus,
-        num_gpus=ex.num_gpus,
-        max_restarts=ACTOR_RESTARTS,
-        max_task_retries=0,  # the driver retries shards itself, counting attempts per shard
-    )
-    pool = min(ex.num_actors, len(todo))
-    actors = [actor_class.remote(spec) for _ in range(pool)]
-    queue: deque[tuple[str, str, int]] = deque((url, name, 1) for url, name in todo)
-    running: dict = {}  # shard task -> (actor, url, name, attempt)
-    # Ping -> actor, for actors coming back from a crash: Ray restarts them, but a shard sent
-    # while one restarts fails at once and would burn an attempt, so shards wait for the ping.
-    warming: dict = {}
-    # Actors that answered at least once (a ping or a shard). One that dies for good after
-    # answering (killed more often than Ray restarts it, over a long job) is simply replaced.
-    # One that dies for good without ever answering could not start; when as many as the pool
-    # have, in a row, no actor can start (corrupt weights, model too big) and the job stops.
-    answered: set = set()
-    dead_in_a_row = 0
-    shown = ShardProgress(len(todo), show_bar=_show_progress(progress))
-    idle = list(actors)
-    while queue or running:
-        while queue and idle:
-            actor = idle.pop()
-            url, name, attempt = queue.popleft()
-            call = actor.process.remote(url, name, attempt, input_schema, duplicates.get(name))
-            running[call] = (actor, url, name, attempt)
-        ready, _ = ray.wait(list(running) + list(warming), num_returns=1)
-        lease.check()
-        ref = ready[0]
-        if ref in warming:
-            actor = warming.pop(ref)
-            try:
-                ray.get(ref)
-                idle.append(actor)
-                answered.add(actor)
-                dead_in_a_row = 0
-            except (RayActorError, RayTaskError) as exc:  # dead for good
-                dead_in_a_row += actor not in answered
-                if dead_in_a_row < pool:
-                    actor = actor_class.remote(spec)
-                    warming[_ping(actor)] = actor
-                elif queue:
-                    reason = f"model actors cannot start: {_reason(exc)}"
-                    shown.note(f"giving up on {len(queue)} shard(s): {reason}")
-                    while queue:
-                        url, name, attempt = queue.popleft()
-                        fail(url, name, attempt - 1, reason)
-                        shown.shard_failed(f"shard {name}: FAILED: {reason}")
-            continue
-        actor, url, name, attempt = running.pop(ref)
-        try:
-            stats = ray.get(ref)
-        except (RayActorError, RayTaskError) as exc:
-            reason = _reason(exc)
-            if isinstance(exc, RayActorError):
-                warming[_ping(actor)] = actor
-            else:
-                idle.append(actor)
-                answered.add(actor)
-            if is_complete(out, name):  # died after writing its completion marker: done
-                stats = out.read_json(shard_paths(name)["stats"])
-            elif attempt <= ex.max_retries:
-                metrics.record_failure(spec.name, name, reason, final=False)
-                queue.append((url, name, attempt + 1))
-                shown.note(f"shard {name}: attempt {attempt} failed ({reason}); retrying")
-                continue
-            else:
-                fail(url, name, attempt, reason)
-                shown.shard_failed(f"shard {name}: FAILED after {attempt} attempts: {reason}")
-                continue
-        else:
-            idle.append(actor)
-            answered.add(actor)
-            dead_in_a_row = 0
-        result.done.append(stats)
-        metrics.record_shard(stats, spec.name)
-        shown.shard_done(stats)
-    shown.close()
-
-
-def _ping(actor):
-    """A call that Ray retries until the (restarting) actor answers."""
-    return actor.info.options(max_task_retries=-1).remote()
+        remove_partial(self.out, shard.name)
+        failure = {"shard": shard.name, "input_url": shard.url, "attempts": attempts, "reason": reason}
+        self.result.failed.append(failure)
+        self.out.write_json(failed_path(shard.name), failure)
+        metrics.record_failure(self.spec.name, shard.name, reason, final=True)
 
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception)\b[^:]*:")

@@ -1,0 +1,138 @@
+"""The job's model actors: a pool that hands a shard to a free actor, gives back each outcome
+with the shard it belongs to, brings crashed actors back before they get work again, and
+replaces those that die for good.
+
+Why not `ray.util.ActorPool`: it fits the happy path (an idle list, the calls in flight) but
+not the three things a night of shards needs.
+
+* Its results come back alone, and a call that fails raises without naming its value; the
+  driver must know which shard failed, on which attempt, to retry or fail that shard.
+* A crashed actor that Ray is restarting (`max_restarts`) goes straight back to its idle list,
+  so the next shard sent to it fails at once and burns an attempt. Here it is pinged first (a
+  call that Ray retries until the actor answers) and gets work once the ping comes back.
+* It drops an actor that died for good and never starts another, so a long job that loses
+  actors (OOM kills, lost nodes) shrinks to nothing. Here a fresh actor takes its place, unless
+  actors keep dying before they ever answered: then none can start (`CannotStart`).
+
+What is left to reuse is a list and a dict, so the pool is a small class of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A submitted call came back: `task` as submitted, with the value the call returned, or
+    the error it ended with (RayActorError: its actor died mid-call; RayTaskError: it raised)."""
+
+    task: Any
+    value: Any = None
+    error: RayActorError | RayTaskError | None = None
+
+
+@dataclass(frozen=True)
+class CannotStart:
+    """As many actors as the pool holds died for good in a row without ever answering: no actor
+    can start (corrupt weights, a model too big for the device). `error` is the last death's.
+    The pool starts no more; actors still running or coming back keep working."""
+
+    error: RayActorError | RayTaskError
+
+
+class ModelActorPool:
+    """`size` actors from `start_actor()`; `ping` names a cheap method of theirs that answers
+    once an actor is up (it waits for a restarting actor, see the module docstring)."""
+
+    def __init__(self, start_actor: Callable[[], Any], size: int, ping: str = "info"):
+        self.size = size
+        self._start_actor = start_actor
+        self._ping_method = ping
+        self._idle = [start_actor() for _ in range(size)]
+        self._alive = list(self._idle)  # every actor not known dead for good, for shutdown
+        self._running: dict[ray.ObjectRef, tuple[Any, Any]] = {}  # call -> (actor, task)
+        self._warming: dict[ray.ObjectRef, Any] = {}  # ping -> actor coming back from a crash
+        # Actors that answered at least once (a ping or a call). One that dies for good after
+        # answering (killed more often than Ray restarts it, over a long job) is replaced;
+        # `_dead_in_a_row` counts those that died without ever answering (see CannotStart).
+        self._answered: set = set()
+        self._dead_in_a_row = 0
+
+    def __enter__(self) -> ModelActorPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def has_free(self) -> bool:
+        return bool(self._idle)
+
+    @property
+    def busy(self) -> bool:
+        """Calls in flight or actors coming back: `next` has something to wait for."""
+        return bool(self._running or self._warming)
+
+    def submit(self, task: Any, call: Callable[[Any], ray.ObjectRef]) -> None:
+        """Start `call(actor)` on a free actor (the last one freed); `task` comes back with it."""
+        actor = self._idle.pop()
+        self._running[call(actor)] = (actor, task)
+
+    def next(self) -> Finished | CannotStart | None:
+        """Wait for the next call or ping to end. None when that was an actor coming back (now
+        free) or one replaced after dying for good: nothing for the caller but more free room."""
+        ready, _ = ray.wait([*self._running, *self._warming], num_returns=1)
+        ref = ready[0]
+        if ref in self._warming:
+            return self._came_back(ref)
+        actor, task = self._running.pop(ref)
+        try:
+            value = ray.get(ref)
+        except RayActorError as exc:  # Ray restarts it (or it is dead for good): ping it
+            self._warm(actor)
+            return Finished(task, error=exc)
+        except RayTaskError as exc:  # the call raised; its actor is fine
+            self._free(actor)
+            return Finished(task, error=exc)
+        self._free(actor)
+        self._dead_in_a_row = 0
+        return Finished(task, value)
+
+    def shutdown(self) -> None:
+        """Kill every actor of the pool (Ray would once their handles go; now, and for good)."""
+        for actor in self._alive:
+            ray.kill(actor, no_restart=True)
+        self._alive.clear()
+        self._idle.clear()
+        self._running.clear()
+        self._warming.clear()
+
+    def _free(self, actor: Any) -> None:
+        self._idle.append(actor)
+        self._answered.add(actor)
+
+    def _warm(self, actor: Any) -> None:
+        ping = getattr(actor, self._ping_method).options(max_task_retries=-1).remote()
+        self._warming[ping] = actor
+
+    def _came_back(self, ping: ray.ObjectRef) -> CannotStart | None:
+        actor = self._warming.pop(ping)
+        try:
+            ray.get(ping)
+        except (RayActorError, RayTaskError) as exc:  # dead for good
+            self._alive.remove(actor)
+            self._dead_in_a_row += actor not in self._answered
+            if self._dead_in_a_row >= self.size:
+                return CannotStart(exc)
+            fresh = self._start_actor()
+            self._alive.append(fresh)
+            self._warm(fresh)
+            return None
+        self._free(actor)
+        self._dead_in_a_row = 0
+        return None
