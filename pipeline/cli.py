@@ -262,7 +262,8 @@ def stats(output_url, as_json, storage_options):
     Exits 1 when the run failed (shards out of attempts, listed) or is not complete (no
     _SUCCESS: still running, or killed), so scripts can trust exit 0.
     """
-    from pipeline.job.layout import is_job_complete, read_failed, read_stats, totals
+    from pipeline.job.layout import is_job_complete, read_failed, read_stats
+    from pipeline.job.stats import job_totals
     from pipeline.report.results import print_shard_table
     from pipeline.storage import Storage
 
@@ -276,7 +277,7 @@ def stats(output_url, as_json, storage_options):
         click.echo(f"pipeline stats: no stats under {store.url}", err=True)
         sys.exit(EXIT_FAILED)
     if as_json:
-        summary = {**totals(shard_stats), "complete": complete, "failed": failed}
+        summary = {**job_totals(shard_stats), "complete": complete, "failed": failed}
         click.echo(json.dumps(summary, indent=2))
     else:
         print_shard_table(shard_stats, failed)

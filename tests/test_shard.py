@@ -16,8 +16,8 @@ from pipeline.cli import main
 from pipeline.decode.engine import RowOutput
 from pipeline.decode.policy import DraftingGate
 from pipeline.decode.stats import BatchStats, RowStats
-from pipeline.job.layout import totals
 from pipeline.job.shard import ShardProcessor
+from pipeline.job.stats import job_totals
 from pipeline.job.worker import build_processor
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage
@@ -121,6 +121,7 @@ def test_the_speedup_sample_pairs_both_modes_and_its_interval_is_the_ratio_of_me
     # the shard decodes in 10 s; then (speculative, target-only) seconds (1, 2), (2, 3), (2, 4)
     engine = ClockedEngine([10.0, 1.0, 2.0, 3.0, 2.0, 2.0, 4.0])
     processor = ShardProcessor(spec_from_dict(data), engine, tiny_models[2])
+    processor.warm_paths.add(("none", 2))  # an earlier shard ran target-only at 2 rows
     speedup = processor.process(str(tmp_path / "in" / "part-000.parquet"), "part-000")["speedup"]
 
     # alternating order: speculative first in even pairs, target-only first in odd ones
@@ -139,6 +140,24 @@ def test_the_speedup_sample_pairs_both_modes_and_its_interval_is_the_ratio_of_me
         assert speedup["ci95"] == pytest.approx([1.8 - half, 1.8 + half], abs=1e-3)
         assert speedup["verdict"] == "faster"
     assert speedup["pair_seconds"] == [[1.0, 2.0], [2.0, 3.0], [2.0, 4.0]][:pairs]
+    assert speedup["cold_pairs"] == 0
+
+
+def test_a_pair_timed_on_a_cold_path_is_left_out_and_replaced(tiny_pair_dirs, tiny_models, tmp_path):
+    """The actor's first target-only decode at this batch size runs cold (110 s against 26 s
+    for its twin in a demo shard): that pair is counted apart, and two warm pairs are measured."""
+    clean_corpus(Storage(str(tmp_path / "in")), shards=1, rows=4)
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), batch_size=2)
+    data["input"]["keep_columns"] = []
+    data["execution"].update(speedup_sample=0.5, speedup_sample_tokens=0, speedup_sample_budget=0.0)
+    # the shard in 10 s; a cold pair (1, 9); then warm pairs (2, 3) and (2, 4)
+    engine = ClockedEngine([10.0, 1.0, 9.0, 2.0, 3.0, 4.0, 2.0])
+    processor = ShardProcessor(spec_from_dict(data), engine, tiny_models[2])
+    speedup = processor.process(str(tmp_path / "in" / "part-000.parquet"), "part-000")["speedup"]
+    assert speedup["cold_pairs"] == 1 and speedup["pairs"] == 2
+    assert speedup["pair_seconds"] == [[2.0, 3.0], [2.0, 4.0]]
+    assert speedup["median_pair_ratio"] == pytest.approx(1.75)
+    assert speedup["sample_rows"] == 6 and speedup["identical_rows"] == 6  # cold rows are checked too
 
 
 def test_a_shard_that_drafted_nothing_records_no_acceptance_rate(tiny_pair_dirs, tmp_path):
@@ -153,7 +172,7 @@ def test_a_shard_that_drafted_nothing_records_no_acceptance_rate(tiny_pair_dirs,
     assert stats["drafted"] == 0 and stats["alpha"] is None and stats["alpha_leviathan"] is None
     rows = Storage(str(tmp_path / "out")).read_parquet("outputs/part-000.parquet")
     assert rows.column("alpha").to_pylist() == [None, None]
-    assert totals([stats])["alpha"] is None
+    assert job_totals([stats])["alpha"] is None
     printed = CliRunner().invoke(main, ["stats", str(tmp_path / "out")])
     assert printed.exit_code == 1 and "incomplete" in printed.output  # (no _SUCCESS: no job ran)
     assert "no round drafted" in printed.output

@@ -13,9 +13,22 @@ def test_t975_matches_the_printed_tables(df, table):
 
 
 def test_pairs_that_agree_give_a_point_and_one_pair_no_interval():
-    assert paired_speedup([[1.0, 1.5], [2.0, 3.0]]) == {"measured": 1.5, "ci95": [1.5, 1.5], "pairs": 2}
+    assert paired_speedup([[1.0, 1.5], [2.0, 3.0]]) == {
+        "measured": 1.5,
+        "ci95": [1.5, 1.5],
+        "pairs": 2,
+        "median_pair_ratio": 1.5,
+    }
     assert paired_speedup([[1.0, 1.5]])["ci95"] is None
-    assert paired_speedup([]) == {"measured": None, "ci95": None, "pairs": 0}
+    assert paired_speedup([]) == {"measured": None, "ci95": None, "pairs": 0, "median_pair_ratio": None}
+
+
+def test_median_of_pair_ratios_stands_beside_the_ratio_of_sums():
+    # one pair slowed 5x on its target-only half moves the ratio of sums, not the median
+    pairs = [[10.0, 12.0], [10.0, 13.0], [10.0, 60.0]]
+    result = paired_speedup(pairs)
+    assert result["measured"] == pytest.approx(85 / 30)
+    assert result["median_pair_ratio"] == pytest.approx(1.3)
 
 
 def test_a_sampled_pair_compares_seconds_for_the_same_tokens():

@@ -142,7 +142,8 @@ def _update_bar(bar, info: dict) -> None:
 
 def job_status(address: str, job_id: str) -> dict:
     """State of a submitted job plus progress read from its output's stats files."""
-    from pipeline.job.layout import read_failed, totals
+    from pipeline.job.layout import read_failed
+    from pipeline.job.stats import JobTotals
     from pipeline.report.results import load_stats
     from pipeline.storage import Storage
 
@@ -155,7 +156,8 @@ def job_status(address: str, job_id: str) -> dict:
         return result
     result["output_url"] = output_url
     stats = load_stats(output_url)
-    t = totals(stats)
+    totals = JobTotals.of(stats)
+    decoded = totals.decoded
     done = len(stats)
     failed = len(read_failed(Storage(output_url)))
     result["shards_done"] = done
@@ -171,12 +173,12 @@ def job_status(address: str, job_id: str) -> dict:
     if end and info.start_time:
         elapsed = end - info.start_time / 1000
     if elapsed:
-        result["rows_per_second"] = round(t["rows_out"] / elapsed, 3)
-        result["tokens_per_second"] = round(t["tokens_out"] / elapsed, 2)
+        result["rows_per_second"] = round(decoded.rows / elapsed, 3)
+        result["tokens_per_second"] = round(decoded.new_tokens / elapsed, 2)
         remaining = result.get("shards_remaining")
         if remaining and done:
             result["eta_seconds"] = round(elapsed / done * remaining)
-    result["alpha"] = None if t["alpha"] is None else round(t["alpha"], 3)
-    result["tau"] = round(t["tau"], 3)
-    result["rows_error"] = t["rows_error"]
+    result["alpha"] = None if decoded.alpha is None else round(decoded.alpha, 3)
+    result["tau"] = round(decoded.tau, 3)
+    result["rows_error"] = sum(s.rows_error for s in totals.shards)
     return result

@@ -39,11 +39,11 @@ from pipeline.job.layout import (
     remove_partial,
     save_manifest,
     shard_paths,
-    totals,
 )
 from pipeline.job.lease import DEFAULT_TIMEOUT_MINUTES, Lease
 from pipeline.job.pool import CannotStart, Finished, ModelActorPool
 from pipeline.job.progress import ShardProgress
+from pipeline.job.stats import job_totals
 from pipeline.job.worker import ModelWorker
 from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import ShardReadError, Storage, StorageError, list_shards, open_shard
@@ -380,7 +380,7 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float,
     before its end still records the spec fingerprint a resume is checked against.
     """
     stats = read_stats(out)
-    job_totals = totals(stats)
+    totals = job_totals(stats)
     models = next((s["models"] for s in stats if s.get("models")), {})
     manifest = {
         "job": spec.name,
@@ -395,6 +395,6 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float,
         "shards_total": result.shards_total,
         "shards_skipped": result.shards_skipped,
         "failed": result.failed,
-        "totals": job_totals,
+        "totals": totals,
     }
-    save_manifest(out, manifest, complete=final and result.ok and job_totals["shards"] == result.shards_total)
+    save_manifest(out, manifest, complete=final and result.ok and totals["shards"] == result.shards_total)

@@ -1,6 +1,7 @@
 """The output layout, its one owner: where a shard's outputs, errors and stats go, when a shard
 and a job are complete, what a job owns under its output prefix (and deleting only that), its
-records read back (stats, failures, manifest.json, _SUCCESS) and the totals over them.
+records read back (stats, failures, manifest.json, _SUCCESS); the totals over the stats are
+`pipeline.job.stats`'s.
 
     OUTPUT/outputs/<shard>.parquet   errors/<shard>.parquet   stats/<shard>.json
            failed/<shard>.json       manifest.json            _SUCCESS    _LEASE.json
@@ -20,9 +21,7 @@ from __future__ import annotations
 
 import re
 
-from pipeline.decode.rounds import Rounds, row_tau
 from pipeline.job.lease import LEASE_NAME
-from pipeline.job.speedup import paired_speedup, verdict
 from pipeline.storage import Storage
 from pipeline.storage.urls import glob_root, has_glob
 
@@ -139,51 +138,6 @@ def save_manifest(out: Storage, manifest: dict, complete: bool) -> None:
     out.write_json(MANIFEST, manifest)
     if complete:
         out.write_bytes(SUCCESS, b"")
-
-
-# -- figures over stats: the one set of totals -------------------------------------------------
-
-
-def totals(stats: list[dict]) -> dict:
-    """Job-wide figures over shards' stats (manifest.json, `pipeline stats`, the report).
-
-    Rates are ratios of sums (token-weighted), not means of shard rates; the speedup and its
-    interval pool every shard's pairs, and acceptance by position every shard's rounds.
-    `rows_in` counts the rows of unreadable shards too (under one error record each);
-    `rows_in_unreadable` says how many.
-    """
-    ok = [s for s in stats if s.get("status") == "ok"]
-    unreadable = [s for s in stats if s.get("status") != "ok"]
-    tokens = sum(s["tokens_out"] for s in ok)
-    seconds = sum(s["decode_seconds"] for s in ok)
-    drafted = sum(s["drafted"] for s in ok)
-    row_passes = sum(s["tokens_out"] / s["tau"] for s in ok if s["tau"])
-    sampled = [s["speedup"] for s in ok if s.get("speedup")]
-    speedup = paired_speedup([pair for x in sampled for pair in x.get("pair_seconds", [])])
-    identical = [x["identical_rows"] for x in sampled if x.get("identical_rows") is not None]
-    rounds = Rounds()
-    for s in ok:
-        rounds.add(Rounds.from_stats(s))
-    return {
-        "shards": len(stats),
-        "shards_unreadable": len(unreadable),
-        "rows_in": sum(s.get("rows_in", 0) for s in stats),
-        "rows_in_unreadable": sum(s.get("rows_in", 0) for s in unreadable),
-        "rows_out": sum(s.get("rows_out", 0) for s in stats),
-        "rows_error": sum(s.get("rows_error", 0) for s in stats),
-        "tokens_out": tokens,
-        "alpha": sum(s["accepted"] for s in ok) / drafted if drafted else None,
-        "tau": row_tau(tokens, row_passes),
-        **rounds.to_dict(),
-        "tokens_per_second": tokens / seconds if seconds else 0.0,
-        "speedup": speedup["measured"],
-        "speedup_ci95": speedup["ci95"],
-        "speedup_verdict": verdict(speedup["ci95"]),
-        "speedup_pairs": speedup["pairs"],
-        "sample_tokens": sum(x.get("sample_tokens", 0) for x in sampled),
-        "sample_rows": sum(x["sample_rows"] for x in sampled),
-        "sample_identical_rows": sum(identical) if identical else None,
-    }
 
 
 def output_files(out: Storage) -> list[tuple[str, str]]:

@@ -13,12 +13,16 @@ import time
 
 from tqdm import tqdm
 
+from pipeline.decode.stats import BatchStats
+from pipeline.job.stats import ShardStats
+
 
 class ShardProgress:
     def __init__(self, total: int, show_bar: bool):
         self.total = total
         self.finished = 0
-        self.rows = self.errors = self.tokens = self.drafted = self.accepted = 0
+        self.rows = self.errors = 0
+        self.decoded = BatchStats()  # every finished shard's counters, added
         self.began = time.monotonic()
         self.bar = tqdm(total=total, unit="shard", dynamic_ncols=True, file=sys.stderr) if show_bar else None
 
@@ -29,21 +33,21 @@ class ShardProgress:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    def shard_done(self, stats: dict) -> None:
+    def shard_done(self, record: dict) -> None:
+        """A shard's stats file (`pipeline.job.stats`) is in: count it and show the figures."""
+        stats = ShardStats.from_json(record)
         self.finished += 1
-        self.rows += stats.get("rows_out", 0)
-        self.errors += stats.get("rows_error", 0)
-        self.tokens += stats.get("tokens_out", 0)
-        self.drafted += stats.get("drafted", 0)
-        self.accepted += stats.get("accepted", 0)
+        self.rows += stats.rows_out
+        self.errors += stats.rows_error
+        if stats.ok:
+            self.decoded.add(stats.decoded)
         figures = self._figures()
         if self.bar is not None:
             self.bar.set_postfix_str(figures, refresh=False)
             self.bar.update(1)
             return
-        status = stats.get("status", "ok")
-        what = "" if status == "ok" else f" ({status})"
-        line = f"[{self.finished}/{self.total}] shard {stats.get('shard')} done{what}; job so far: {figures}"
+        what = "" if stats.ok else f" ({stats.status})"
+        line = f"[{self.finished}/{self.total}] shard {stats.shard} done{what}; job so far: {figures}"
         print(line, file=sys.stderr, flush=True)
 
     def shard_failed(self, line: str) -> None:
@@ -56,10 +60,11 @@ class ShardProgress:
 
     def _figures(self) -> str:
         elapsed = time.monotonic() - self.began
-        alpha = f"{self.accepted / self.drafted:.2f}" if self.drafted else "-"
+        alpha = "-" if self.decoded.alpha is None else f"{self.decoded.alpha:.2f}"
+        tokens = self.decoded.new_tokens
         return (
-            f"rows {self.rows} (+{self.errors} err), tokens {self.tokens}, "
-            f"{self.tokens / elapsed if elapsed > 0 else 0:.1f} tok/s since start, α {alpha}"
+            f"rows {self.rows} (+{self.errors} err), tokens {tokens}, "
+            f"{tokens / elapsed if elapsed > 0 else 0:.1f} tok/s since start, α {alpha}"
         )
 
     def close(self) -> None:

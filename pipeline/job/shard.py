@@ -24,7 +24,8 @@ from pipeline.decode.stats import BatchStats
 from pipeline.job.ids import id_key
 from pipeline.job.layout import shard_paths
 from pipeline.job.prompts import OverlongDocument, PromptBuilder
-from pipeline.job.speedup import pair_seconds, paired_speedup, verdict
+from pipeline.job.speedup import pair_seconds
+from pipeline.job.stats import UNREADABLE, ShardStats, SpeedupSample
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
 
@@ -90,6 +91,9 @@ class ShardProcessor:
         self.model_info = model_info or {}
         self.output = Storage(spec.output.url, spec.output.storage_options)
         self.oom_splits = 0  # batches halved after an out-of-memory error (reported per shard)
+        # (drafter, rows) this actor has decoded with before: a pair whose half runs a path for
+        # the first time (kernels built, pages read, graphs captured) is timed cold
+        self.warm_paths: set[tuple[str | None, int]] = set()
 
     # -- the unit of work ---------------------------------------------------------------------
 
@@ -132,6 +136,7 @@ class ShardProcessor:
             good.append(row)
 
         decoded, totals = self._decode_sorted([p.ids for p in prompts])
+        self.warm_paths.add((None, min(self.spec.execution.batch_size, len(prompts))))
         sample = self._speedup_sample(prompts, decoded, totals)
 
         out_rows = []
@@ -160,10 +165,11 @@ class ShardProcessor:
         paths = shard_paths(name)
         self.output.write_parquet(paths["outputs"], pa.Table.from_pylist(out_rows, schema=schema))
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist(errors, schema=ERROR_SCHEMA))
-        stats = self._stats(shard_url, name, rows, errors, decoded, totals, truncated, tokens_in, sample)
-        stats.update(attempt=attempt, started=started, finished=time.time())
-        self.output.write_json(paths["stats"], stats)
-        return stats
+        stats = self._stats(shard_url, name, rows, errors, totals, truncated, tokens_in, sample)
+        stats.context.update(attempt=attempt, started=started, finished=time.time())
+        record = stats.to_json()
+        self.output.write_json(paths["stats"], record)
+        return record
 
     # -- reading and checking rows ------------------------------------------------------------
 
@@ -253,21 +259,18 @@ class ShardProcessor:
         self.output.write_parquet(paths["outputs"], schema.empty_table())
         error = _error(None, -1, "unreadable_shard", reason)
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist([error], schema=ERROR_SCHEMA))
-        stats = {
-            "shard": name,
-            "input_url": shard_url,
-            "status": "unreadable",
-            "error": reason,
-            "rows_in": unreadable.rows,
-            "rows_out": 0,
-            "rows_error": 0,
-            "errors_by_reason": {"unreadable_shard": 1},
-            "started": started,
-            "finished": time.time(),
-            "attempt": attempt,
-        }
-        self.output.write_json(paths["stats"], stats)
-        return stats
+        stats = ShardStats(
+            shard=name,
+            input_url=shard_url,
+            status=UNREADABLE,
+            error=reason,
+            rows_in=unreadable.rows,
+            errors_by_reason={"unreadable_shard": 1},
+            context={"started": started, "finished": time.time(), "attempt": attempt},
+        )
+        record = stats.to_json()
+        self.output.write_json(paths["stats"], record)
+        return record
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -317,7 +320,7 @@ class ShardProcessor:
             self.oom_splits += 1
             return self._generate_fitting(prompts, drafter, corpus, size // 2)
 
-    def _speedup_sample(self, prompts, decoded, totals: BatchStats) -> dict:
+    def _speedup_sample(self, prompts, decoded, totals: BatchStats) -> SpeedupSample:
         """Decode rows again both ways on this actor, in matched pairs, to measure the speedup.
 
         Pairs are added until three floors are met: `speedup_sample` of the rows, two pairs (an
@@ -328,10 +331,12 @@ class ShardProcessor:
         and target-only back to back, which goes first alternating from pair to pair, so that
         drift in the machine's speed hits both alike (`pipeline.job.speedup`). For greedy
         decoding the sample doubles as a losslessness check: speculative, main-pass and
-        target-only outputs must be identical.
+        target-only outputs must be identical. A pair with a half that ran its path (drafter,
+        rows) for the first time on this actor is timed cold: it is left out of the figures and
+        counted (`cold_pairs`), and another pair takes its place.
         """
         if not prompts or self.spec.drafter.kind == "none":
-            return {}
+            return SpeedupSample()
         execution = self.spec.execution
         floor = max(1, math.ceil(execution.speedup_sample * len(prompts)))
         step = len(prompts) / floor
@@ -341,7 +346,7 @@ class ShardProcessor:
         budget = execution.speedup_sample_budget * totals.wall_seconds
         spec, base = BatchStats(), BatchStats()
         pairs: list[list[float]] = []
-        rows = identical = 0
+        rows = identical = cold = 0
         while (
             rows < floor
             or len(pairs) < 2
@@ -356,6 +361,16 @@ class ShardProcessor:
             modes = (None, "none") if len(pairs) % 2 == 0 else ("none", None)
             runs = {mode: self._decode_sorted(sample, drafter=mode, corpus=False) for mode in modes}
             (spec_out, spec_pair), (base_out, base_pair) = runs[None], runs["none"]
+            paths = {(mode, len(sample)) for mode in modes}
+            identical += sum(
+                b.tokens == s.tokens == decoded[i][0].tokens
+                for i, (b, _), (s, _) in zip(chunk, base_out, spec_out)
+            )
+            rows += size
+            if not paths <= self.warm_paths:
+                self.warm_paths |= paths
+                cold += 1
+                continue
             pairs.append(
                 pair_seconds(
                     (spec_pair.new_tokens, spec_pair.wall_seconds),
@@ -364,77 +379,47 @@ class ShardProcessor:
             )
             spec.add(spec_pair)
             base.add(base_pair)
-            identical += sum(
-                b.tokens == s.tokens == decoded[i][0].tokens
-                for i, (b, _), (s, _) in zip(chunk, base_out, spec_out)
-            )
-            rows += size
-        measured = paired_speedup(pairs)
-        return {
-            **measured,
-            "verdict": verdict(measured["ci95"]),
-            "predicted": totals.predicted_speedup,
-            "sample_rows": rows,
-            "sample_tokens": spec.new_tokens,
-            "pair_seconds": pairs,
-            "speculative_seconds": spec.wall_seconds,
-            "speculative_tokens_per_second": spec.tokens_per_second,
-            "target_only_seconds": base.wall_seconds,
-            "target_only_tokens_per_second": base.tokens_per_second,
-            "identical_rows": identical if self.sampling.greedy else None,
-        }
+        return SpeedupSample(
+            pair_seconds=pairs,
+            predicted=totals.predicted_speedup,
+            sample_rows=rows,
+            sample_tokens=spec.new_tokens,
+            speculative_seconds=spec.wall_seconds,
+            target_only_seconds=base.wall_seconds,
+            speculative_tokens_per_second=spec.tokens_per_second,
+            target_only_tokens_per_second=base.tokens_per_second,
+            identical_rows=identical if self.sampling.greedy else None,
+            cold_pairs=cold,
+        )
 
     # -- statistics -----------------------------------------------------------------------------
 
     def _stats(
-        self, shard_url, name, rows, errors, decoded, totals: BatchStats, truncated, tokens_in, sample
-    ) -> dict:
-        """Per-shard statistics (each figure is explained in docs/stats.md)."""
-        outs = [o for o, _ in decoded]
-        reasons = Counter(e["reason"] for e in errors)
-        return {
-            "shard": name,
-            "input_url": shard_url,
-            "status": "ok",
-            "rows_in": len(rows) + len(errors),
-            "rows_out": len(outs),
-            "rows_error": len(errors),
-            "errors_by_reason": dict(reasons),
-            "duplicates": reasons.get("duplicate_id", 0),
-            "truncated": truncated,
-            "oom_splits": self.oom_splits,
-            "tokens_in": tokens_in,
-            "tokens_out": totals.new_tokens,
-            # null, not 0, when nothing was drafted: nothing was rejected either
-            "alpha": totals.alpha,
-            "alpha_leviathan": totals.alpha_leviathan,
-            "tau": totals.tau,
-            **totals.rounds.to_dict(),
-            "gamma_max": self.spec.drafter.gamma_max,
-            "mean_gamma": totals.mean_gamma,
-            "drafter": self.spec.drafter.kind,
-            "drafted": totals.drafted,
-            "drafted_by": totals.drafted_by,  # by draft source: draft_model, prompt_lookup, suffix
-            "accepted_by": totals.accepted_by,
-            "accepted": totals.accepted,
-            "target_passes": totals.target_passes,
-            "draft_passes": totals.draft_passes,
-            "target_seconds": totals.target_seconds,
-            "draft_seconds": totals.draft_seconds,
-            # the target's prefills (part of target_seconds): the same with or without a drafter,
-            # so they bound any speedup; tokens computed, a shared template's start not counted
-            "prefill_seconds": totals.prefill_seconds,
-            "prefill_tokens": totals.prefill_tokens,
-            "draft_prefill_seconds": totals.draft_prefill_seconds,
-            "decode_seconds": totals.wall_seconds,
-            "tokens_per_second": totals.tokens_per_second,
-            "speedup": sample,
-            "batch_size": self.spec.execution.batch_size,
-            "drafting_gate": self.engine.gate.record(),
-            "static_passes": self.engine.static_record(),
-            "models": self.model_info,
-            "worker": {"host": socket.gethostname(), "pid": os.getpid()},
-        }
+        self, shard_url, name, rows, errors, totals: BatchStats, truncated, tokens_in, sample: SpeedupSample
+    ) -> ShardStats:
+        """The shard's record (`pipeline.job.stats`; each figure is explained in docs/stats.md)."""
+        return ShardStats(
+            shard=name,
+            input_url=shard_url,
+            rows_in=len(rows) + len(errors),
+            rows_out=totals.rows,
+            rows_error=len(errors),
+            errors_by_reason=dict(Counter(e["reason"] for e in errors)),
+            truncated=truncated,
+            oom_splits=self.oom_splits,
+            tokens_in=tokens_in,
+            decoded=totals,
+            gamma_max=self.spec.drafter.gamma_max,
+            drafter=self.spec.drafter.kind,
+            batch_size=self.spec.execution.batch_size,
+            speedup=sample,
+            context={
+                "drafting_gate": self.engine.gate.record(),
+                "static_passes": self.engine.static_record(),
+                "models": self.model_info,
+                "worker": {"host": socket.gethostname(), "pid": os.getpid()},
+            },
+        )
 
 
 class _Unreadable(Exception):

@@ -14,6 +14,7 @@ come out too narrow. The job's figure pools every shard's pairs the same way.
 from __future__ import annotations
 
 import math
+import statistics
 
 FASTER, SLOWER, NO_DIFFERENCE = "faster", "slower", "no measurable difference"
 
@@ -26,17 +27,21 @@ def pair_seconds(speculative: tuple[int, float], target_only: tuple[int, float])
 
 
 def paired_speedup(pairs: list[list[float]]) -> dict:
-    """{"measured", "ci95", "pairs"} from [speculative, target-only] seconds per pair.
+    """{"measured", "ci95", "pairs", "median_pair_ratio"} from [speculative, target-only]
+    seconds per pair.
 
     measured R = Σx / Σy (x target-only, y speculative seconds). Its standard error by the delta
     method is sqrt(Σ(x_i - R·y_i)² / (n(n-1))) / ȳ; the interval is R ± t(0.975, n-1)·se, cut
-    at 0. One pair gives no interval (None).
+    at 0. One pair gives no interval (None). Beside it, the median of the pairs' own ratios
+    x_i / y_i: one pair slowed by a passing spell moves a ratio of sums, not the median.
     """
     n = len(pairs)
     spec = sum(y for y, _ in pairs)
     base = sum(x for _, x in pairs)
+    ratios = [x / y for y, x in pairs if y]
+    median = statistics.median(ratios) if ratios else None
     if not spec:
-        return {"measured": None, "ci95": None, "pairs": n}
+        return {"measured": None, "ci95": None, "pairs": n, "median_pair_ratio": median}
     ratio = base / spec
     ci95 = None
     if n > 1:
@@ -44,7 +49,7 @@ def paired_speedup(pairs: list[list[float]]) -> dict:
         se = math.sqrt(residuals / (n * (n - 1))) / (spec / n)
         half = t975(n - 1) * se
         ci95 = [max(ratio - half, 0.0), ratio + half]  # a ratio of times is never below 0
-    return {"measured": ratio, "ci95": ci95, "pairs": n}
+    return {"measured": ratio, "ci95": ci95, "pairs": n, "median_pair_ratio": median}
 
 
 def verdict(ci95: list[float] | None) -> str | None:

@@ -1,5 +1,6 @@
 """Reading a job's results back: per-shard stats, per-row records and the terminal table (the
-paths, the stats files and the totals over them are `pipeline.job.layout`'s)."""
+paths and the stats files are `pipeline.job.layout`'s, the record and its totals
+`pipeline.job.stats`')."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from functools import cached_property
 import click
 import pyarrow as pa
 
-from pipeline.job.layout import is_job_complete, output_files, read_manifest, read_stats, totals
+from pipeline.job.layout import is_job_complete, output_files, read_manifest, read_stats
 from pipeline.job.speedup import verdict
+from pipeline.job.stats import JobTotals, ShardStats, job_totals
 from pipeline.storage import Storage
 
 # the per-row columns the report plots; `generated` and the reference only when scoring quality.
@@ -36,8 +38,8 @@ class RunData:
 
     @cached_property
     def totals(self) -> dict:
-        """The job's figures over every shard (`pipeline.job.layout.totals`)."""
-        return totals(self.stats)
+        """The job's figures over every shard (`pipeline.job.stats.JobTotals`)."""
+        return job_totals(self.stats)
 
     @property
     def task_kind(self) -> str | None:
@@ -78,6 +80,23 @@ def _interval(ci95: list[float] | None) -> str:
     return f"[{ci95[0]:.2f}, {ci95[1]:.2f}]" if ci95 else "-"
 
 
+def _failed_line(failed: dict) -> str:
+    reason = failed.get("reason", "")[:80]
+    return f"{failed['shard']:<24} {'':>5} {'':>4} FAILED after {failed.get('attempts')} attempt(s): {reason}"
+
+
+def _shard_line(s: ShardStats) -> str:
+    if not s.ok:
+        return f"{s.shard:<24} {'':>5} {'':>4} unreadable: {(s.error or '')[:80]}"
+    d, sp = s.decoded, s.speedup.measured
+    return (
+        f"{s.shard:<24} {s.rows_out:>5} {s.rows_error:>4} {d.new_tokens:>7} "
+        f"{_share(d.alpha):>6} {d.tau:>5.2f} {d.tokens_per_second:>7.2f} "
+        f"{_ratio(sp['measured']):>8}  {_interval(sp['ci95']):<13} {_ratio(s.speedup.predicted):>9} "
+        f"{verdict(sp['ci95']) or ''}"
+    ).rstrip()
+
+
 def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bool:
     """Print one line per shard (failed ones too, with their reason) and a totals line; False when
     there is nothing to show yet. A speedup is printed with its 95% interval and what the
@@ -89,39 +108,30 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
         f"{'shard':<24} {'rows':>5} {'err':>4} {'tokens':>7} {'alpha':>6} {'tau':>5} {'tok/s':>7} "
         f"{'speedup':>8}  {'95% interval':<13} {'predicted':>9}"
     )
-    for s in sorted([*stats, *({**f, "status": "failed"} for f in failed)], key=lambda s: s["shard"]):
-        if s.get("status") == "failed":
-            reason = s.get("reason", "")[:80]
-            attempts = s.get("attempts")
-            click.echo(f"{s['shard']:<24} {'':>5} {'':>4} FAILED after {attempts} attempt(s): {reason}")
-            continue
-        if s.get("status") != "ok":
-            click.echo(f"{s['shard']:<24} {'':>5} {'':>4} unreadable: {s.get('error', '')[:80]}")
-            continue
-        sp = s.get("speedup") or {}
-        ci95 = sp.get("ci95")
-        click.echo(
-            f"{s['shard']:<24} {s['rows_out']:>5} {s['rows_error']:>4} {s['tokens_out']:>7} "
-            f"{_share(s['alpha']):>6} {s['tau']:>5.2f} {s['tokens_per_second']:>7.2f} "
-            f"{_ratio(sp.get('measured')):>8}  {_interval(ci95):<13} {_ratio(sp.get('predicted')):>9} "
-            f"{verdict(ci95) or ''}".rstrip()
-        )
-    t = totals(stats)
-    click.echo(
-        f"{'TOTAL':<24} {t['rows_out']:>5} {t['rows_error']:>4} {t['tokens_out']:>7} "
-        f"{_share(t['alpha']):>6} {t['tau']:>5.2f} {t['tokens_per_second']:>7.2f} {_ratio(t['speedup']):>8} "
-        f" {_interval(t['speedup_ci95']):<13} {'':>9} {t['speedup_verdict'] or ''}".rstrip()
+    lines = [(f["shard"], _failed_line(f)) for f in failed]
+    records = [ShardStats.from_json(r) for r in stats]
+    lines += [(s.shard, _shard_line(s)) for s in records]
+    for _, line in sorted(lines):
+        click.echo(line)
+    totals = JobTotals(records)
+    d, sample = totals.decoded, totals.speedup
+    sp = sample.measured
+    line = (
+        f"{'TOTAL':<24} {sum(s.rows_out for s in records):>5} {sum(s.rows_error for s in records):>4} "
+        f"{d.new_tokens:>7} {_share(d.alpha):>6} {d.tau:>5.2f} {d.tokens_per_second:>7.2f} "
+        f"{_ratio(sp['measured']):>8}  {_interval(sp['ci95']):<13} {'':>9} {verdict(sp['ci95']) or ''}"
     )
-    if t["rounds_by_drafter"]:
+    click.echo(line.rstrip())
+    if d.rounds.by_drafter:
         click.echo(
-            f"rounds that drafted nothing: {t['undrafted_share']:.0%}; tokens per target pass "
-            f"{t['tau']:.2f} over all passes, {t['tau_drafted_rounds']:.2f} over rounds that drafted"
+            f"rounds that drafted nothing: {d.rounds.undrafted_share:.0%}; tokens per target pass "
+            f"{d.tau:.2f} over all passes, {d.rounds.tau_drafted:.2f} over rounds that drafted"
         )
-    elif t["undrafted_rounds"]:
+    elif d.rounds.undrafted:
         click.echo("no round drafted: target-only decoding throughout")
-    if t["sample_identical_rows"] is not None:
+    if sample.identical_rows is not None:
         click.echo(
-            f"target-only check: {t['sample_identical_rows']}/{t['sample_rows']} sampled rows identical "
+            f"target-only check: {sample.identical_rows}/{sample.sample_rows} sampled rows identical "
             f"to target-only decoding"
         )
     return True
