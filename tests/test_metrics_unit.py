@@ -19,12 +19,13 @@ STATS = {
     "drafted": 300,
     "accepted": 240,
     "target_passes": 90,
+    "row_passes": 140,
     "alpha": 0.8,
-    "tau": 3.1,
-    "tokens_per_second": 55.5,
-    "decode_seconds": 7.6,
-    "tau_drafted_rounds": 3.4,
-    "speedup": {"measured": 1.9, "ci95": [1.7, 2.1], "predicted": 2.1},
+    "tau": 3.0,
+    "tokens_per_second": 420 / 7.5,
+    "decode_seconds": 7.5,
+    "tau_drafted_rounds": 270 / 80,
+    "speedup": {"pair_seconds": [[1.0, 1.8], [1.0, 2.0]], "predicted": 2.1},
     "undrafted_rounds": 9,
     "rounds_by_drafter": {
         "draft_model": {"rounds": 80, "tokens": 270, "drafted": [80, 70], "accepted": [60, 0]}
@@ -115,16 +116,17 @@ def test_record_shard(fake_metrics):
     ]
     expected_gauges = {
         "pipeline_alpha": 0.8,
-        "pipeline_tau": 3.1,
-        "pipeline_tau_drafted_rounds": 3.4,
-        "pipeline_tokens_per_second": 55.5,
-        "pipeline_speedup": 1.9,
-        "pipeline_speedup_ci95_low": 1.7,
-        "pipeline_speedup_ci95_high": 2.1,
+        "pipeline_tau": 3.0,
+        "pipeline_tau_drafted_rounds": 270 / 80,
+        "pipeline_tokens_per_second": 56.0,
+        "pipeline_speedup": 1.9,  # from the pairs, as the stats file's figure is
+        "pipeline_speedup_ci95_low": 1.9 - 12.706 * 0.1 / 1.0,
+        "pipeline_speedup_ci95_high": 1.9 + 12.706 * 0.1 / 1.0,
     }
     for name, value in expected_gauges.items():
-        assert _calls(fake_metrics, name) == [("set", value, shard)], name
-    assert _calls(fake_metrics, "pipeline_shard_decode_seconds") == [("observe", 7.6, job)]
+        [(verb, got, tags)] = _calls(fake_metrics, name)
+        assert (verb, tags) == ("set", shard) and got == pytest.approx(value, abs=1e-3), name
+    assert _calls(fake_metrics, "pipeline_shard_decode_seconds") == [("observe", 7.5, job)]
     assert fake_metrics["pipeline_shard_decode_seconds"].boundaries == list(metrics.DECODE_SECONDS_BOUNDARIES)
     assert _calls(fake_metrics, "pipeline_shard_failures_total") == []
 
@@ -132,6 +134,7 @@ def test_record_shard(fake_metrics):
 def test_zero_missing_and_unreadable_values(fake_metrics):
     stats = {**STATS, "rows_error": 0, "drafted": 0, "accepted": 0, "alpha": float("nan"), "speedup": {}}
     stats.pop("tau")
+    stats.pop("row_passes")
     metrics.record_shard(stats, "j")
     assert _calls(fake_metrics, "pipeline_rows_error_total") == []  # Ray counters reject 0
     assert _calls(fake_metrics, "pipeline_drafted_tokens_total") == []

@@ -38,6 +38,9 @@ import sys
 import threading
 from typing import Any
 
+from pipeline.decode.rounds import Rounds
+from pipeline.job.stats import ShardStats
+
 log = logging.getLogger(__name__)
 
 PREFIX = "pipeline_"
@@ -193,53 +196,62 @@ def _set(metric: Any, value: Any, tags: dict[str, str]) -> None:
         metric.set(number, tags=tags)
 
 
-def record_shard(stats: dict, job: str) -> None:
-    """Record one finished shard from its stats dict (``stats/<shard>.json``). Never raises."""
+def record_shard(record: dict, job: str) -> None:
+    """Record one finished shard from its stats file (``stats/<shard>.json``, read through
+    `pipeline.job.stats.ShardStats`). Never raises."""
     metrics = _get()
     if metrics is None:
         return
     try:
+        stats = ShardStats.from_json(record)
         job_tags = {"pipeline_job": str(job)}
-        status = "ok" if stats.get("status", "ok") == "ok" else "unreadable"
+        status = "ok" if stats.ok else "unreadable"
         metrics["pipeline_shards_done_total"].inc(1, tags={**job_tags, "status": status})
-        _inc(metrics["pipeline_rows_total"], stats.get("rows_out"), job_tags)
-        _inc(metrics["pipeline_rows_error_total"], stats.get("rows_error"), job_tags)
-        if status != "ok":
+        _inc(metrics["pipeline_rows_total"], stats.rows_out, job_tags)
+        _inc(metrics["pipeline_rows_error_total"], stats.rows_error, job_tags)
+        if not stats.ok:
             return  # an unreadable shard has no decoding statistics
-        _inc(metrics["pipeline_tokens_total"], stats.get("tokens_out"), job_tags)
-        _inc(metrics["pipeline_drafted_tokens_total"], stats.get("drafted"), job_tags)
-        _inc(metrics["pipeline_accepted_tokens_total"], stats.get("accepted"), job_tags)
-        _inc(metrics["pipeline_target_passes_total"], stats.get("target_passes"), job_tags)
-        _record_rounds(metrics, stats, job_tags)
-        seconds = _number(stats.get("decode_seconds"))
-        if seconds is not None and seconds >= 0:
-            metrics["pipeline_shard_decode_seconds"].observe(seconds, tags=job_tags)
-        shard_tags = {**job_tags, "shard": str(stats.get("shard", ""))}
-        _set(metrics["pipeline_alpha"], stats.get("alpha"), shard_tags)
-        _set(metrics["pipeline_tau"], stats.get("tau"), shard_tags)
-        _set(metrics["pipeline_tau_drafted_rounds"], stats.get("tau_drafted_rounds"), shard_tags)
-        _set(metrics["pipeline_tokens_per_second"], stats.get("tokens_per_second"), shard_tags)
-        speedup = stats.get("speedup")
-        if isinstance(speedup, dict):
-            _set(metrics["pipeline_speedup"], speedup.get("measured"), shard_tags)
-            low, high = speedup.get("ci95") or (None, None)
-            _set(metrics["pipeline_speedup_ci95_low"], low, shard_tags)
-            _set(metrics["pipeline_speedup_ci95_high"], high, shard_tags)
+        _record_decoding(metrics, stats, job_tags)
     except Exception as exc:
-        log.warning("could not record metrics for shard %s: %s", stats.get("shard"), exc)
+        log.warning("could not record metrics for shard %s: %s", record.get("shard"), exc)
 
 
-def _record_rounds(metrics: dict[str, Any], stats: dict, job_tags: dict[str, str]) -> None:
+def _record_decoding(metrics: dict[str, Any], stats: ShardStats, job_tags: dict[str, str]) -> None:
+    """The shard's decoding counters, rounds, and its figures as gauges tagged with the shard."""
+    d = stats.decoded
+    _inc(metrics["pipeline_tokens_total"], d.new_tokens, job_tags)
+    _inc(metrics["pipeline_drafted_tokens_total"], d.drafted, job_tags)
+    _inc(metrics["pipeline_accepted_tokens_total"], d.accepted, job_tags)
+    _inc(metrics["pipeline_target_passes_total"], d.target_passes, job_tags)
+    _record_rounds(metrics, d.rounds, job_tags)
+    if d.wall_seconds > 0:
+        metrics["pipeline_shard_decode_seconds"].observe(d.wall_seconds, tags=job_tags)
+    shard_tags = {**job_tags, "shard": stats.shard}
+    _set(metrics["pipeline_alpha"], d.alpha, shard_tags)
+    if d.row_passes:
+        _set(metrics["pipeline_tau"], d.tau, shard_tags)
+    if d.rounds.drafted:
+        _set(metrics["pipeline_tau_drafted_rounds"], d.rounds.tau_drafted, shard_tags)
+    if d.wall_seconds:
+        _set(metrics["pipeline_tokens_per_second"], d.tokens_per_second, shard_tags)
+    speedup = stats.speedup.measured
+    _set(metrics["pipeline_speedup"], speedup["measured"], shard_tags)
+    low, high = speedup["ci95"] or (None, None)
+    _set(metrics["pipeline_speedup_ci95_low"], low, shard_tags)
+    _set(metrics["pipeline_speedup_ci95_high"], high, shard_tags)
+
+
+def _record_rounds(metrics: dict[str, Any], rounds: Rounds, job_tags: dict[str, str]) -> None:
     """The shard's rounds per drafter, and per drafter and position (`pipeline.decode.rounds`)."""
-    _inc(metrics["pipeline_rounds_total"], stats.get("undrafted_rounds"), {**job_tags, "drafter": "none"})
-    for drafter, counts in (stats.get("rounds_by_drafter") or {}).items():
+    _inc(metrics["pipeline_rounds_total"], rounds.undrafted, {**job_tags, "drafter": "none"})
+    for drafter, counts in sorted(rounds.by_drafter.items()):
         tags = {**job_tags, "drafter": str(drafter)}
-        _inc(metrics["pipeline_rounds_total"], counts.get("rounds"), tags)
-        for name, key in (
-            ("pipeline_drafted_by_position_total", "drafted"),
-            ("pipeline_accepted_by_position_total", "accepted"),
+        _inc(metrics["pipeline_rounds_total"], counts.rounds, tags)
+        for name, per_position in (
+            ("pipeline_drafted_by_position_total", counts.drafted),
+            ("pipeline_accepted_by_position_total", counts.accepted),
         ):
-            for position, count in enumerate(counts.get(key) or [], start=1):
+            for position, count in enumerate(per_position, start=1):
                 _inc(metrics[name], count, {**tags, "position": str(position)})
 
 
