@@ -2,8 +2,9 @@
 
 Timings on these machines differ by 2x with the CPU's instruction set (AVX512-BF16 or AVX2
 only), the dtype, the thread count and the engine's commit, and a number without them cannot
-be compared with anything. `pipeline calibrate` and `pipeline bench --report` both record
-`describe_machine()`, so their results name the same fields.
+be compared with anything. `pipeline calibrate`, `pipeline bench` and `pipeline distill` all
+record `describe_machine()`, so their results name the same fields, and their reports show
+it as one table (`machine_table`).
 """
 
 from __future__ import annotations
@@ -108,3 +109,29 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
             },
         )
     return described
+
+
+def _yes(value: bool | None) -> str:
+    return "?" if value is None else ("yes" if value else "no")
+
+
+def machine_table(machine: dict) -> list[str]:
+    """The machine as `describe_machine` records it, as a two-column Markdown table."""
+    flags = ", ".join(f"{flag} {_yes(has)}" for flag, has in machine["cpu_flags"].items())
+    kernels = machine.get("kernels", {})
+    commit = machine["git_commit"] or "unknown (not a git checkout)"
+    if machine["git_commit"]:
+        dirty = machine["git_dirty"]
+        commit += {True: " (uncommitted changes)", False: " (clean)", None: " (a copied tree)"}[dirty]
+    rows = [
+        ("CPU", machine["cpu_model"]),
+        ("CPU flags", flags),
+        ("cores, threads", f"{machine['cores']}, {machine['threads']}"),
+        ("GPU", machine["gpu"] or "none"),
+        ("dtype, device", f"{machine.get('dtype', '?')}, {machine.get('device', '?')}"),
+        ("kernels", ", ".join(f"{name} {_yes(on)}" for name, on in kernels.items()) or "?"),
+        ("torch, transformers", f"{machine['torch']}, {machine['transformers']}"),
+        ("spec-pipeline", f"{machine['package']}, commit {commit}"),
+        ("platform", f"{machine['platform']}, Python {machine['python']}"),
+    ]
+    return ["| | |", "| --- | --- |"] + [f"| {name} | {value} |" for name, value in rows]

@@ -15,7 +15,8 @@ import torch
 from click.testing import CliRunner
 from pipeline_helpers import write_models_config
 
-from pipeline.calibrate import (
+from pipeline.cli import main
+from pipeline.decode.calibration import (
     CALIBRATION_FORMAT,
     best_gamma,
     cache_path,
@@ -26,7 +27,6 @@ from pipeline.calibrate import (
     predictions,
     save_cached,
 )
-from pipeline.cli import main
 from pipeline.machine import CPU_FLAGS
 from pipeline.models import streamed as streamed_kernel
 from pipeline.models.loading import ModelRef, load_pair

@@ -95,7 +95,7 @@ def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(cas
 
 
 def _calibration(widths: dict[int, float], draft_step: float) -> dict:
-    """What `pipeline.calibrate.measure` records (string keys, as read back from JSON)."""
+    """What `pipeline.decode.calibration.measure` records (string keys, as read back from JSON)."""
     return {
         "target_pass_seconds_by_batch": {"1": {str(w): s for w, s in widths.items()}},
         "draft_step_seconds_by_batch": {"1": {"1": draft_step}},

@@ -7,9 +7,10 @@ dtypes, thread counts and batch sizes, and the engine otherwise learns them only
 first rounds. `measure` times them directly with the engine's own runner (`BatchedLM`, so the
 packing and kernels are those a job uses): the seconds of a pass where each of b rows feeds w
 new tokens over `context` cached tokens, for every batch size b and width w, and each model's
-prefill seconds per token. `pipeline calibrate` prints them with what Leviathan et al.'s
-formula predicts from them, and caches them under a key of everything they depend on
-(`calibration_key`) for an actor to reuse at start-up.
+prefill seconds per token, with what Leviathan et al.'s formula predicts from them. A model
+actor seeds its cost model (`costs.CostModel.seed`) from them at start-up, cached under a key
+of everything they depend on (`calibration_key`); `pipeline calibrate` (`pipeline.lab.calibrate`)
+measures them at length and prints and records them.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import torch
 from pipeline.decode import static_lm
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig
-from pipeline.job.worker import pad_id
 from pipeline.machine import CPU_FLAGS, cpu_info, describe_machine
 from pipeline.models import streamed
-from pipeline.models.loading import LoadedPair
+from pipeline.models.loading import LoadedPair, pad_id
 from pipeline.models.pairs import cache_dir
 
 # Bumped when what `measure` records, or how, changes: older cache entries are then ignored.
@@ -254,61 +254,6 @@ def summary(
     }
 
 
-_PASSES = (("target", "target_pass_seconds_by_batch"), ("draft", "draft_step_seconds_by_batch"))
-
-
-def measure_alternating(pairs: list[LoadedPair], *args, runs: int = 3, **kwargs) -> list[dict[str, Any]]:
-    """`measure` each of `pairs` `runs` times in turn (A B A B ...), one timed pass per shape
-    each time, and give each pair the median of its rounds: two settings' pass costs compared
-    in one process, where a shared machine's drifting speed hits both alike."""
-    rounds: list[list[dict]] = [[] for _ in pairs]
-    began = time.perf_counter()
-    for _ in range(runs):
-        for done, pair in zip(rounds, pairs):
-            done.append(measure(pair, *args, runs=1, **kwargs))
-    merged = []
-    for pair, done in zip(pairs, rounds):
-        first = done[0]
-        passes = {
-            role: {
-                batch: {w: statistics.median(d[key][batch][w] for d in done) for w in by_width}
-                for batch, by_width in first[key].items()
-            }
-            for role, key in _PASSES
-            if first[key]
-        }
-        prefill = {
-            role: statistics.median(d["prefill_seconds_per_token"][role] for d in done)
-            if rate is not None
-            else None
-            for role, rate in first["prefill_seconds_per_token"].items()
-        }
-        kept = {k: first[k] for k in ("context", "draft_vocab")}
-        result = summary(pair, passes, prefill, runs=runs, pair_name=first["pair"]["name"], **kept)
-        result["seconds"] = time.perf_counter() - began
-        merged.append(result)
-    return merged
-
-
-def against_record(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """What `pipeline calibrate --against` adds to a record: the other weights' target passes,
-    prefill and bandwidth, and our passes over theirs by batch and width."""
-    mine, other = ours["target_pass_seconds_by_batch"], theirs["target_pass_seconds_by_batch"]
-    return {
-        "weights": theirs["weights"],
-        "target_pass_seconds_by_batch": other,
-        "prefill_seconds_per_token": theirs["prefill_seconds_per_token"]["target"],
-        "weight_bytes": theirs["weight_bytes"]["target"],
-        "bandwidth_gb_s": theirs["bandwidth_gb_s"]["target"],
-        "target_pass_ratio_by_batch": {
-            batch: {w: mine[batch][w] / other[batch][w] for w in by_width}
-            for batch, by_width in other.items()
-        },
-        "prefill_ratio": ours["prefill_seconds_per_token"]["target"]
-        / theirs["prefill_seconds_per_token"]["target"],
-    }
-
-
 def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineConfig.draft_vocab) -> str:
     """A name for the measurements of this pair on this machine: a hash of everything a pass's
     cost depends on (the CPU and its features, the GPU, the models and their revisions, dtype,
@@ -362,107 +307,3 @@ def save_cached(key: str, data: dict[str, Any]) -> Path:
     partial.write_text(json.dumps(data, indent=2))
     os.replace(partial, path)
     return path
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The measurements as text: passes in milliseconds, batch sizes as rows and widths (new
-    tokens per row) as columns; then prefill rates and the predicted speedups."""
-    widths = [str(w) for w in result["widths"]]
-    lines = [
-        f"context {result['context']} cached tokens per row, median of {result['runs']} run(s), milliseconds"
-    ]
-
-    def grid(title: str, by_batch: dict[str, dict[str, float]]) -> None:
-        lines.append("")
-        lines.append(f"{title:<22}" + "".join(f"{'w=' + w:>9}" for w in widths))
-        for batch, by_width in by_batch.items():
-            cells = "".join(f"{1000 * by_width[w]:>9.2f}" for w in widths)
-            lines.append(f"{'batch ' + batch:<22}{cells}")
-
-    grid("target pass", result["target_pass_seconds_by_batch"])
-    against = result.get("against")
-    if against:  # the same passes on other weights, measured in alternation with these
-        grid(f"target ({against['weights']})", against["target_pass_seconds_by_batch"])
-        lines.append("")
-        lines.append(f"{'ours / ' + against['weights']:<22}" + "".join(f"{'w=' + w:>9}" for w in widths))
-        for batch, by_width in against["target_pass_ratio_by_batch"].items():
-            lines.append(f"{'batch ' + batch:<22}" + "".join(f"{by_width[w]:>8.2f}x" for w in widths))
-    if result["draft_step_seconds_by_batch"]:
-        grid("draft pass", result["draft_step_seconds_by_batch"])
-    rates = result["prefill_seconds_per_token"]
-    if result.get("weight_bytes"):
-        lines.append("")
-        lines.append(
-            f"weights read per pass ({result.get('weights', 'dense')}), "
-            "bandwidth achieved at width 1, batch 1: "
-            + ", ".join(
-                f"{role} {size / 1e9:.2f} GB at {result['bandwidth_gb_s'][role]:.1f} GB/s"
-                for role, size in result["weight_bytes"].items()
-            )
-            + (
-                f"; target on {against['weights']} {against['weight_bytes'] / 1e9:.2f} GB at "
-                f"{against['bandwidth_gb_s']:.1f} GB/s"
-                if against
-                else ""
-            )
-        )
-    for role, graphs in (result.get("static_passes") or {}).items():
-        lines.append(
-            f"static passes ({role}): {graphs['slots']} slots of {graphs['slot_length']} positions, "
-            + (
-                f"graphs of widths {','.join(map(str, graphs['graphs']))} captured in "
-                f"{graphs['capture_seconds']:.2f} s, {graphs['graph_bytes'] / 1e6:.0f} MB"
-                if graphs["graphs"]
-                else f"eager ({graphs['eager_because']})"
-            )
-        )
-    lines.append("")
-    lines.append(
-        "prefill per token: "
-        + ", ".join(f"{role} {1000 * rate:.3f}" for role, rate in rates.items() if rate is not None)
-        + (
-            f"; target on {against['weights']} {1000 * against['prefill_seconds_per_token']:.3f} "
-            f"({against['prefill_ratio']:.2f}x)"
-            if against
-            else ""
-        )
-    )
-    by_batch = result["predicted_speedup_by_batch"]
-    if by_batch:
-        lines.append("")
-        lines.append("predicted speedup (Leviathan et al., measured pass widths), best gamma:")
-        lines.append(f"{'':<22}" + "".join(f"{'alpha ' + a:>16}" for a in by_batch["1"]))
-        for batch, by_alpha in by_batch.items():
-            cells = "".join(f"{p['speedup']:>10.2f}x g={p['gamma']:<2}" for p in by_alpha.values())
-            lines.append(f"{'batch ' + batch:<22}{cells}")
-    return "\n".join(lines)
-
-
-def write_report(path: str, result: dict[str, Any], command: str, json_path: str) -> None:
-    """A Markdown record of one calibration for docs/benchmarks/: the command and the machine
-    beside the table, since pass costs hold for the machine, dtype and threads they came from."""
-    from pipeline.bench import machine_table
-
-    pair = result["pair"]
-    lines = [
-        f"# Calibration: {pair['name']} ({pair['target']} + {pair['draft']})",
-        "",
-        f"Run {result['measured_at']}. Measurements: [{os.path.basename(json_path)}]"
-        f"({os.path.relpath(json_path, os.path.dirname(os.path.abspath(path)))}).",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
-        "## Machine",
-        "",
-        *machine_table(result["machine"]),
-        "",
-        "## Pass costs",
-        "",
-        "```",
-        format_table(result),
-        "```",
-    ]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("\n".join(lines) + "\n")

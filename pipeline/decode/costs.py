@@ -254,7 +254,7 @@ class CostModel:
         self.prefill[model] = ema(self.prefill.get(model), seconds / max(tokens, 1), self.smoothing)
 
     def seed(self, calibration: dict) -> None:
-        """Start from a calibration's measured passes (`pipeline.calibrate.measure`) instead of
+        """Start from a calibration's measured passes (`pipeline.decode.calibration.measure`) instead of
         priors: a fresh engine otherwise runs its first documents on guesses, and a draft
         prior far above the measured ratio can keep it from ever trying the draft.
 

@@ -44,30 +44,13 @@ def model_refs(spec: JobSpec) -> tuple[ModelRef, ModelRef | None]:
     return target, draft
 
 
-def eos_ids(tokenizer, model) -> list[int]:
-    """Every token that ends a reply: the tokenizer's EOS and the generation config's (chat models
-    often end turns with a different token than the tokenizer's EOS)."""
-    ids = set()
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return sorted(ids)
-
-
-def pad_id(tokenizer, model) -> int:
-    """Padding never reaches the model unmasked, so any id works; prefer the tokenizer's."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
-
-
 def build_processor(spec: JobSpec) -> ShardProcessor:
     """Load the models a spec names and wire them into an engine and a shard processor."""
     import transformers
 
     from pipeline.decode.engine import EngineConfig, SpeculativeEngine
     from pipeline.job.shard import ShardProcessor
-    from pipeline.models.loading import load_pair
+    from pipeline.models.loading import eos_ids, load_pair, pad_id
 
     target_ref, draft_ref = model_refs(spec)
     # Load bars, one line per refresh per actor, would drown the driver's own progress.
@@ -144,17 +127,17 @@ def seed_costs(engine: SpeculativeEngine, pair, draft_vocab: int) -> dict:
     or an earlier actor), else measured now with a cheap calibration and cached."""
     import torch
 
-    from pipeline import calibrate
+    from pipeline.decode import calibration
 
     began = time.perf_counter()
-    key = calibrate.calibration_key(pair, torch.get_num_threads(), draft_vocab)
-    data = calibrate.load_cached(key)
+    key = calibration.calibration_key(pair, torch.get_num_threads(), draft_vocab)
+    data = calibration.load_cached(key)
     cached = data is not None
     if data is None:
-        data = calibrate.measure(
+        data = calibration.measure(
             pair, widths=STARTUP_WIDTHS, context=STARTUP_CONTEXT, draft_vocab=draft_vocab
         )
-        calibrate.save_cached(key, data)
+        calibration.save_cached(key, data)
     engine.costs.seed(data)
     return {
         "key": key,

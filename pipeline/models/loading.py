@@ -6,6 +6,7 @@ Public API (the engine and the pipeline use these names):
 * `resolve_device(name)`, `resolve_dtype(name, device)`
 * `load_tokenizer(ref)`, `load_model(ref, dtype=, device=)`
 * `check_vocab_match(...)` / `VocabMismatchError`
+* `eos_ids(tokenizer, model)`, `pad_id(tokenizer, model)`: the ids that end a reply, and padding
 * `load_pair(target, draft, dtype=, device=)` -> `LoadedPair`; `load_draft` for a draft alone
 
 Errors meant for users derive from `ModelError` (re-exported here) and carry a message that is
@@ -51,11 +52,13 @@ __all__ = [
     "VocabMismatchError",
     "cache_dir",
     "check_vocab_match",
+    "eos_ids",
     "load_draft",
     "load_model",
     "load_pair",
     "load_pair_tokenizer",
     "load_tokenizer",
+    "pad_id",
     "resolve_device",
     "resolve_dtype",
     "resolve_pair",
@@ -373,6 +376,23 @@ def load_pair_tokenizer(target: ModelRef, draft: ModelRef | None, trust_remote_c
     return tokenizer
 
 
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every token that ends a reply: the tokenizer's EOS and the generation config's (chat models
+    often end turns with a different token than the tokenizer's EOS)."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def pad_id(tokenizer, model) -> int:
+    """Padding never reaches the model unmasked, so any id works; prefer the tokenizer's."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids(tokenizer, model)[0]
+
+
 def _quantize(draft_model, dtype: torch.dtype, device: str, asked: bool | None) -> bool:
     """Give the draft's decode steps int8 weights where asked (None: where wanted); returns
     whether it did. A kernel that fails its check here leaves the draft as loaded."""
@@ -445,6 +465,64 @@ def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: in
     return blocks if usable else None
 
 
+@dataclass
+class _TargetKernels:
+    """The kernels the target gets: GGUF blocks to stream (None: dense weights), streamed Linear
+    layers, batch-invariant numerics."""
+
+    blocks: dict | None
+    streamed_linears: bool
+    batch_invariant: bool
+
+
+def _target_kernels(
+    target: ModelRef,
+    weights: str,
+    dtype: torch.dtype,
+    device: str,
+    batch: int | None,
+    streamed_linears: bool | None,
+    batch_invariant: bool | None,
+) -> _TargetKernels:
+    """Choose the target's kernels as `load_pair` documents, before any weights are read."""
+    blocks = _target_blocks(target, weights, dtype, device, batch)
+    if streamed_linears is False and weights != "gguf-blocks":
+        blocks = None  # blocks stream through the same kernel
+    if streamed_linears is None:
+        streamed_linears = streamed.wanted(dtype, device)
+    elif streamed_linears and not (device == "cpu" and dtype == torch.float32 and streamed.library()):
+        log.warning("streamed linears need float32 on a CPU with AVX2 and a C++ compiler: not used")
+        streamed_linears = False
+    if batch_invariant is None:
+        batch_invariant = streamed_linears or invariant.wanted(dtype, device)
+    return _TargetKernels(blocks, streamed_linears, batch_invariant)
+
+
+def _apply_target_kernels(
+    model, target: ModelRef, kernels: _TargetKernels, weights: str, dtype: torch.dtype, device: str
+) -> dict[str, int]:
+    """Give the loaded target its kernels: GGUF blocks, streamed Linear layers for the rest,
+    batch invariance; the block layers used, by type."""
+    block_layers = streamed.use_blocks(model, kernels.blocks) if kernels.blocks else {}
+    kernels.blocks = None  # the blocks' memory back once the layers hold them
+    if weights == "gguf-blocks" and not block_layers:
+        raise ModelError(
+            f"models.weights is gguf-blocks, but none of {target.display!r}'s blocks could be used "
+            "(types the kernel does not read, or a failed check: see the log above); use weights: dense"
+        )
+    if kernels.streamed_linears:
+        streamed.stream_linears(model)  # the Linear layers the blocks did not replace
+    if kernels.batch_invariant:
+        invariant.make_batch_invariant(model)
+        if device == "cpu" and not kernels.streamed_linears and not invariant.linear_is_row_invariant(dtype):
+            log.warning(
+                "this CPU's %s matrix products round a row differently with the number of rows: "
+                "speculative output may differ from target-only decoding at near-ties",
+                str(dtype).removeprefix("torch."),
+            )
+    return block_layers
+
+
 def _static_passes(asked: bool | None, device: str, target, draft) -> bool:
     """Mark the models whose passes go through `static_lm` (None: on GPUs); whether the target's
     do. Asked for a target it cannot run is an error; a draft it cannot run stays dynamic."""
@@ -503,16 +581,8 @@ def load_pair(
     if weights == "gguf-blocks" and dtype in (None, "auto") and device == "cpu":
         dtype = torch.float32  # the block kernel's activations
     torch_dtype = resolve_dtype(dtype, device)
-    blocks = _target_blocks(target, weights, torch_dtype, device, batch)
-    if streamed_linears is False and weights != "gguf-blocks":
-        blocks = None  # blocks stream through the same kernel
-    if streamed_linears is None:
-        streamed_linears = streamed.wanted(torch_dtype, device)
-    elif streamed_linears and not (device == "cpu" and torch_dtype == torch.float32 and streamed.library()):
-        log.warning("streamed linears need float32 on a CPU with AVX2 and a C++ compiler: not used")
-        streamed_linears = False
-    if batch_invariant is None:
-        batch_invariant = streamed_linears or invariant.wanted(torch_dtype, device)
+    kernels = _target_kernels(target, weights, torch_dtype, device, batch, streamed_linears, batch_invariant)
+    streamed_linears, batch_invariant = kernels.streamed_linears, kernels.batch_invariant
     times: dict[str, float] = {}
     t = time.perf_counter()
     tokenizer = load_pair_tokenizer(target, draft, trust_remote_code=trust_remote_code)
@@ -522,23 +592,7 @@ def load_pair(
     target_model = load_model(target, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     times["target_s"] = time.perf_counter() - t
     _check_embeddings(target_model, tokenizer, target, "target")
-    block_layers = streamed.use_blocks(target_model, blocks) if blocks else {}
-    del blocks
-    if weights == "gguf-blocks" and not block_layers:
-        raise ModelError(
-            f"models.weights is gguf-blocks, but none of {target.display!r}'s blocks could be used "
-            "(types the kernel does not read, or a failed check: see the log above); use weights: dense"
-        )
-    if streamed_linears:
-        streamed.stream_linears(target_model)  # the Linear layers the blocks did not replace
-    if batch_invariant:
-        invariant.make_batch_invariant(target_model)
-        if device == "cpu" and not streamed_linears and not invariant.linear_is_row_invariant(torch_dtype):
-            log.warning(
-                "this CPU's %s matrix products round a row differently with the number of rows: "
-                "speculative output may differ from target-only decoding at near-ties",
-                str(torch_dtype).removeprefix("torch."),
-            )
+    block_layers = _apply_target_kernels(target_model, target, kernels, weights, torch_dtype, device)
     draft_model = None
     if draft is not None:
         t = time.perf_counter()
