@@ -33,14 +33,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import hf_generate, task_prompts
-from pipeline.calibrate import interpolate
+from pipeline.decode.calibration import interpolate
 from pipeline.decode.drafters import PromptLookupDrafter
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
 from pipeline.decode.suffix import Reflow, SuffixDrafter
-from pipeline.job.worker import eos_ids, pad_id
-from pipeline.models.loading import load_pair, resolve_pair
+from pipeline.lab.bench import hf_generate, task_prompts
+from pipeline.models.loading import eos_ids, load_pair, pad_id, resolve_pair
 
 
 def target_outputs(pair_name: str, task: str, count: int, max_new: int) -> dict:

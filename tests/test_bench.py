@@ -11,8 +11,9 @@ import json
 from click.testing import CliRunner
 from pipeline_helpers import write_models_config
 
-from pipeline.bench import HEADER, Benchmark, Row, job_prediction, markdown_table, write_report
 from pipeline.cli import main
+from pipeline.decode.stats import BatchStats
+from pipeline.lab.bench import HEADER, Benchmark, Row, job_prediction, markdown_table, write_report
 from pipeline.machine import describe_machine
 from pipeline.models.loading import resolve_dtype
 
@@ -86,10 +87,11 @@ def test_bench_runs_every_configuration_and_checks_outputs(tiny_pair_dirs, tmp_p
 def test_the_job_prediction_speeds_up_only_the_decoding_and_adds_the_prefills_back():
     # target-only: 10 s, of which 2 s prefill; speculative: the same prefill plus 1 s of draft
     # prefill, and decoding predicted 2x faster: 2 + 1 + 8 / 2 = 7 s, so 10 / 7
-    base = {"wall_seconds": 10.0, "prefill_seconds": 2.0, "draft_prefill_seconds": 0.0}
-    spec = {"wall_seconds": 6.5, "prefill_seconds": 2.0, "draft_prefill_seconds": 1.0}
+    base = BatchStats(wall_seconds=10.0, prefill_seconds=2.0, draft_prefill_seconds=0.0)
+    spec = BatchStats(wall_seconds=6.5, prefill_seconds=2.0, draft_prefill_seconds=1.0)
     assert abs(job_prediction(spec, base, 2.0) - 10 / 7) < 1e-12
-    assert job_prediction(spec, {}, 2.0) is None and job_prediction(spec, base, None) is None
+    assert job_prediction(spec, None, 2.0) is None and job_prediction(spec, base, None) is None
+    assert job_prediction(spec, BatchStats(), 2.0) is None  # a baseline that measured nothing
 
 
 def _row(task: str, method: str, batch: int, speedup: float, alpha: float | None) -> Row:
@@ -179,8 +181,7 @@ def test_the_report_records_command_machine_pair_settings_and_a_table_per_task(t
 def test_a_copied_tree_names_its_commit_whatever_git_says(monkeypatch):
     """A GPU machine's copy of the checkout once carried a stale .git: the commit the tree was
     copied from, when given, is the one a report names, and its cleanliness is unknown."""
-    from pipeline.bench import machine_table
-    from pipeline.machine import git_state
+    from pipeline.machine import git_state, machine_table
 
     monkeypatch.setenv("PIPELINE_SOURCE_COMMIT", "0123abc")
     assert git_state() == ("0123abc", None)
@@ -198,14 +199,14 @@ class _FakeLlamaCpp:
         self.target, self.pad = target, pad
 
     def generate(self, prompts, max_new, eos, lookup=False):
-        from pipeline.bench import hf_generate
+        from pipeline.lab.bench import hf_generate
 
         outputs, _ = hf_generate(self.target, prompts, max_new, eos, self.pad)
         return ([o[:-1] + [o[-1] + 1] if o else o for o in outputs] if lookup else outputs), {}
 
 
 def test_llama_cpp_rows_and_every_rows_speed_against_them(tiny_pair_dirs):
-    from pipeline.bench import run_benchmark
+    from pipeline.lab.bench import run_benchmark
     from pipeline.models.loading import ModelRef, load_pair
 
     loaded = load_pair(*(ModelRef(str(d)) for d in tiny_pair_dirs), dtype="float32", device="cpu")
@@ -237,7 +238,7 @@ def test_llama_cpp_rows_and_every_rows_speed_against_them(tiny_pair_dirs):
 
 
 def test_agreement_is_the_share_of_tokens_before_the_first_difference():
-    from pipeline.bench import _agreement
+    from pipeline.lab.bench import _agreement
 
     assert _agreement([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == 1.0
     assert _agreement([[1, 2, 9, 4], [5]], [[1, 2, 3, 4], [5, 6]]) == (0.5 + 0.5) / 2

@@ -23,11 +23,11 @@ from transformers import LlamaForCausalLM
 
 from pipeline.cli import main
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.distill import DISTILL_FILE, split_holdout
 from pipeline.job.executor import JobResult, write_manifest
 from pipeline.job.layout import name_shards
-from pipeline.job.worker import build_processor, eos_ids, pad_id
-from pipeline.models.loading import load_pair, resolve_pair
+from pipeline.job.worker import build_processor
+from pipeline.lab.distill import DISTILL_FILE, split_holdout
+from pipeline.models.loading import eos_ids, load_pair, pad_id, resolve_pair
 from pipeline.spec import spec_from_dict
 from pipeline.storage import Storage, list_shards
 

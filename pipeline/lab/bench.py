@@ -11,25 +11,28 @@ kernels, so they must be equal) and with Hugging Face greedy `generate` of the t
 from __future__ import annotations
 
 import json
-import os
 import resource
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from pipeline.decode.costs import predicted_speedup
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.decode.rounds import Rounds, row_tau
+from pipeline.decode.stats import BatchStats
 from pipeline.demo_data import CORPORA
 from pipeline.job.prompts import PromptBuilder
-from pipeline.job.worker import eos_ids, pad_id
+from pipeline.lab.record import write_record
 from pipeline.models.draft_int8 import loaded_weights
-from pipeline.models.loading import LoadedPair
+from pipeline.models.loading import LoadedPair, eos_ids, pad_id
 from pipeline.spec import TaskSpec
 
 
@@ -111,7 +114,7 @@ def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwarg
             **kwargs,
         )
         outputs.append(out[0, len(prompt) :].tolist())
-    return outputs, {}
+    return outputs, None
 
 
 class LlamaCpp:
@@ -155,7 +158,7 @@ class LlamaCpp:
                 if len(tokens) >= max_new:
                     break
             outputs.append(tokens)
-        return outputs, {}
+        return outputs, None
 
 
 def bench_config(kind: str, draft_vocab: int) -> EngineConfig:
@@ -169,31 +172,43 @@ def bench_config(kind: str, draft_vocab: int) -> EngineConfig:
     return EngineConfig(drafter="auto", draft_vocab=draft_vocab, auto_sources=tuple(sources.split("+")))
 
 
+@dataclass
+class EngineRun:
+    """Our engine's counters over one run, or several added up (`add`): the engine's own
+    `BatchStats`, whose properties give α, τ and mean γ, and the cost ratio (a draft step over a
+    1-token target pass) it had measured, summed over the runs for their mean."""
+
+    stats: BatchStats = field(default_factory=BatchStats)
+    cost_ratio: float = 0.0
+    runs: int = 0
+
+    def add(self, other: EngineRun) -> None:
+        self.stats.add(other.stats)
+        self.cost_ratio += other.cost_ratio
+        self.runs += other.runs
+
+
 def ours(
     engine: SpeculativeEngine, prompts, max_new: int, batch: int, drafter: str, warm: list | None = None
-):
+) -> tuple[list[list[int]], EngineRun]:
     """Our engine over `prompts`; `warm`: earlier outputs its suffix drafter starts from."""
     engine.forget_outputs()  # each run decodes the same documents: not from its last run's outputs
     engine.remember_outputs(warm or [])
     rows, total = engine.generate(prompts, max_new, drafter=drafter, batch_size=batch)
-    outputs = [r.tokens for r in rows]
-    stats = {
-        "cost_ratio": engine.cost_ratio(batch) or 0.0,  # averaged over the runs in _row
-        "draft_passes": total.draft_passes,
-        "drafted": total.drafted,
-        "accepted": total.accepted,
-        "passes": total.target_passes,
-        "row_passes": total.row_passes,
-        "gamma": total.drafted,  # γ offered summed over rounds: every drafted token
-        "tokens": total.new_tokens,
-        "target_seconds": total.target_seconds,
-        "draft_seconds": total.draft_seconds,
-        "prefill_seconds": total.prefill_seconds,
-        "draft_prefill_seconds": total.draft_prefill_seconds,
-        "wall_seconds": total.wall_seconds,
-        "rounds": total.rounds,
-    }
-    return outputs, stats
+    return [r.tokens for r in rows], EngineRun(total, engine.cost_ratio(batch) or 0.0, runs=1)
+
+
+@dataclass
+class _Decoding:
+    """What every configuration of a benchmark decodes with: the token limit, the ids that end
+    a reply and pad, and the models HF's and llama.cpp's rows run."""
+
+    max_new_tokens: int
+    eos: list[int]
+    pad: int
+    hf_target: object
+    hf_draft: object
+    llama_cpp: LlamaCpp | None
 
 
 def run_benchmark(
@@ -233,21 +248,10 @@ def run_benchmark(
             log("no draft model in this pair: the draft_model and hf assisted rows are left out")
         hf_assistant_tokens = ()
     tok = pair.tokenizer
-    eos = eos_ids(tok, pair.target)
-    pad = pad_id(tok, pair.target)
-    engines = {
-        kind: SpeculativeEngine(
-            pair.target,
-            pair.draft,
-            eos_token_ids=eos,
-            pad_token_id=pad,
-            decode_text=tok.decode,
-            encode_text=partial(tok.encode, add_special_tokens=False),
-            vocab_size=pair.vocab_size,
-            config=bench_config(kind, draft_vocab),
-        )
-        for kind in dict.fromkeys(("none", "auto", *drafters))
-    }
+    decoding = _Decoding(
+        max_new_tokens, eos_ids(tok, pair.target), pad_id(tok, pair.target), hf_target, hf_draft, llama_cpp
+    )
+    engines = _engines(pair, drafters, draft_vocab, decoding)
     rows: list[Row] = []
     for task in tasks:
         prompts = task_prompts(tok, task, docs, max_input_tokens, corpus)
@@ -261,58 +265,97 @@ def run_benchmark(
         bench = TaskBench(task)
         # the first configuration is also the reference every output is compared with
         if hf:
-            bench.add(
-                "hf target-only", 1, lambda p=prompts: hf_generate(hf_target, p, max_new_tokens, eos, pad)
-            )
-        # HF's assisted generation as its users run it: the draft as loaded; and, where our
-        # engine's draft steps use int8 weights, also with those, the same draft as ours
-        for k, int8 in [(k, False) for k in hf_assistant_tokens if hf] + [
-            (k, True) for k in hf_assistant_tokens if pair.draft_int8 and hf
-        ]:
-            bench.add(
-                f"hf assisted k={k}" + (" int8" if int8 else ""),
-                1,
-                lambda k=k, i=int8, p=prompts: hf_assisted(
-                    hf_target, pair.draft if i else hf_draft, p, max_new_tokens, eos, pad, k, i
-                ),
-                base="hf target-only",
-            )
-        for k in hf_lookup_tokens if hf else ():
-            bench.add(
-                f"hf prompt lookup k={k}",
-                1,
-                lambda k=k, p=prompts: hf_generate(
-                    hf_target, p, max_new_tokens, eos, pad, prompt_lookup_num_tokens=k
-                ),
-                base="hf target-only",
-            )
+            _add_hf_rows(bench, prompts, decoding, hf_assistant_tokens, hf_lookup_tokens, pair)
         if llama_cpp is not None:
-            bench.add("llama.cpp target-only", 1, partial(llama_cpp.generate, prompts, max_new_tokens, eos))
-            bench.add(
-                f"llama.cpp prompt lookup k={llama_cpp.lookup_tokens}",
-                1,
-                partial(llama_cpp.generate, prompts, max_new_tokens, eos, lookup=True),
-                base="llama.cpp target-only",
-            )
-        for batch in batches:
-            bench.add(
-                "ours target-only",
-                batch,
-                lambda b=batch, p=prompts: ours(engines["none"], p, max_new_tokens, b, "none"),
-            )
-            for kind in drafters:
-                engine = engines[kind]
-                # the drafters that draft from earlier outputs run cold, and warm where asked
-                suffix = "suffix" in engine.sources(engine.config.drafter)
-                for earlier in (None, warm) if warm and suffix else (None,):
-                    bench.add(
-                        f"ours {kind}" + (" warm" if earlier else ""),
-                        batch,
-                        partial(ours, engine, prompts, max_new_tokens, batch, engine.config.drafter, earlier),
-                        base="ours target-only",
-                    )
+            _add_llama_cpp_rows(bench, prompts, decoding)
+        _add_our_rows(bench, prompts, decoding, engines, drafters, batches, warm)
         rows += bench.run(runs, log)
     return Benchmark(rows, {kind: engine.costs.profile() for kind, engine in engines.items()})
+
+
+def _engines(
+    pair: LoadedPair, drafters, draft_vocab: int, decoding: _Decoding
+) -> dict[str, SpeculativeEngine]:
+    """One engine of ours per drafter, and target-only's (`none`) and `auto`'s whatever is asked."""
+    tok = pair.tokenizer
+    return {
+        kind: SpeculativeEngine(
+            pair.target,
+            pair.draft,
+            eos_token_ids=decoding.eos,
+            pad_token_id=decoding.pad,
+            decode_text=tok.decode,
+            encode_text=partial(tok.encode, add_special_tokens=False),
+            vocab_size=pair.vocab_size,
+            config=bench_config(kind, draft_vocab),
+        )
+        for kind in dict.fromkeys(("none", "auto", *drafters))
+    }
+
+
+def _add_hf_rows(
+    bench: TaskBench, prompts, decoding: _Decoding, assistant_tokens, lookup_tokens, pair
+) -> None:
+    """HF target-only greedy, the reference, then HF's assisted generation as its users run it:
+    the draft as loaded; and, where our engine's draft steps use int8 weights, also with those,
+    the same draft as ours; then HF's prompt lookup. All at batch 1."""
+    d = decoding
+    bench.add(
+        "hf target-only", 1, lambda p=prompts: hf_generate(d.hf_target, p, d.max_new_tokens, d.eos, d.pad)
+    )
+    assisted = [(k, False) for k in assistant_tokens] + [
+        (k, True) for k in assistant_tokens if pair.draft_int8
+    ]
+    for k, int8 in assisted:
+        bench.add(
+            f"hf assisted k={k}" + (" int8" if int8 else ""),
+            1,
+            lambda k=k, i=int8, p=prompts: hf_assisted(
+                d.hf_target, pair.draft if i else d.hf_draft, p, d.max_new_tokens, d.eos, d.pad, k, i
+            ),
+            base="hf target-only",
+        )
+    for k in lookup_tokens:
+        bench.add(
+            f"hf prompt lookup k={k}",
+            1,
+            lambda k=k, p=prompts: hf_generate(
+                d.hf_target, p, d.max_new_tokens, d.eos, d.pad, prompt_lookup_num_tokens=k
+            ),
+            base="hf target-only",
+        )
+
+
+def _add_llama_cpp_rows(bench: TaskBench, prompts, decoding: _Decoding) -> None:
+    """llama.cpp target-only and its prompt lookup, batch 1."""
+    llama_cpp, max_new, eos = decoding.llama_cpp, decoding.max_new_tokens, decoding.eos
+    bench.add("llama.cpp target-only", 1, partial(llama_cpp.generate, prompts, max_new, eos))
+    bench.add(
+        f"llama.cpp prompt lookup k={llama_cpp.lookup_tokens}",
+        1,
+        partial(llama_cpp.generate, prompts, max_new, eos, lookup=True),
+        base="llama.cpp target-only",
+    )
+
+
+def _add_our_rows(bench: TaskBench, prompts, decoding: _Decoding, engines, drafters, batches, warm) -> None:
+    """At every batch size: ours target-only, then every drafter; the drafters that draft from
+    earlier outputs run cold, and also warm where `warm` outputs are given."""
+    max_new = decoding.max_new_tokens
+    for batch in batches:
+        bench.add(
+            "ours target-only", batch, lambda b=batch, p=prompts: ours(engines["none"], p, max_new, b, "none")
+        )
+        for kind in drafters:
+            engine = engines[kind]
+            suffix = "suffix" in engine.sources(engine.config.drafter)
+            for earlier in (None, warm) if warm and suffix else (None,):
+                bench.add(
+                    f"ours {kind}" + (" warm" if earlier else ""),
+                    batch,
+                    partial(ours, engine, prompts, max_new, batch, engine.config.drafter, earlier),
+                    base="ours target-only",
+                )
 
 
 def _assistant(draft, k: int):
@@ -336,11 +379,11 @@ def hf_assisted(target, draft, prompts, max_new: int, eos, pad, k: int, int8: bo
 class _Config:
     method: str
     batch: int
-    fn: Callable[[], tuple[list[list[int]], dict]]
+    fn: Callable[[], tuple[list[list[int]], EngineRun | None]]
     base: str | None  # method whose time at the same batch size is this one's 1.0x
     times: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)  # our engine's counters, summed over the runs
+    stats: EngineRun | None = None  # our engine's counters, added up over the runs
 
 
 @dataclass
@@ -362,9 +405,11 @@ class TaskBench:
         for _ in range(runs):
             for c in self.configs:
                 began = time.perf_counter()
-                c.outputs, stats = c.fn()
+                c.outputs, counted = c.fn()
                 c.times.append(time.perf_counter() - began)
-                c.stats = _summed(c.stats, stats)
+                if counted:  # our engine's rows
+                    c.stats = c.stats or EngineRun()
+                    c.stats.add(counted)
         reference = self.configs[0].outputs
         medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
         stats = {(c.method, c.batch): c.stats for c in self.configs}
@@ -373,7 +418,7 @@ class TaskBench:
         for c in self.configs:
             seconds = medians[(c.method, c.batch)]
             base = medians.get((c.base, c.batch)) if c.base else None
-            base_stats = stats.get((c.base, c.batch), {}) if c.base else {}
+            base_stats = stats.get((c.base, c.batch)) if c.base else None
             own = outputs.get((c.base, c.batch), reference) if c.base else reference
             same = (c.outputs == own, c.outputs == reference)
             rows.append(_row(self.task, c, seconds, base, base_stats, same))
@@ -395,18 +440,9 @@ def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
     return sum(shares) / max(len(shares), 1)
 
 
-def _summed(total: dict, more: dict) -> dict:
-    """One more run's counters added to those of the runs before (its rounds pooled)."""
-    summed = dict(total)
-    for key, value in more.items():
-        if isinstance(value, Rounds):
-            summed.setdefault(key, Rounds()).add(value)
-        else:
-            summed[key] = summed.get(key, 0) + value
-    return summed
-
-
-def job_prediction(spec: dict, base: dict, decode_speedup: float | None) -> float | None:
+def job_prediction(
+    spec: BatchStats | None, base: BatchStats | None, decode_speedup: float | None
+) -> float | None:
     """Leviathan's decode-only speedup carried to the whole job.
 
     His formula covers the decoding rounds; a job also pays the target's prefill (the same with
@@ -414,55 +450,60 @@ def job_prediction(spec: dict, base: dict, decode_speedup: float | None) -> floa
     is split into prefill and decoding as measured; the prediction speeds up only the decoding
     and adds the speculative run's measured prefills back. Counters are sums over the same runs.
     """
-    if not (spec and base and decode_speedup and base.get("wall_seconds")):
+    if not (spec and base and decode_speedup and base.wall_seconds):
         return None
-    base_decode = base["wall_seconds"] - base["prefill_seconds"]
-    prefills = spec["prefill_seconds"] + spec["draft_prefill_seconds"]
-    return base["wall_seconds"] / (prefills + base_decode / decode_speedup)
+    base_decode = base.wall_seconds - base.prefill_seconds
+    prefills = spec.prefill_seconds + spec.draft_prefill_seconds
+    return base.wall_seconds / (prefills + base_decode / decode_speedup)
+
+
+def _engine_columns(run: EngineRun | None, base: EngineRun | None) -> dict:
+    """Row's columns from our engine's counters over all runs (None for HF and llama.cpp rows):
+    α, τ and mean γ as `BatchStats` computes them, Leviathan's prediction from the runs' τ, draft
+    steps per target pass and mean cost ratio, and where the wall time went."""
+    if run is None:
+        none = ("predicted", "predicted_job", "alpha", "tau", "mean_gamma", "target_passes_per_token")
+        return dict.fromkeys(none + ("target_share", "draft_share", "other_share")) | {
+            "acceptance_by_position": {}
+        }
+    s, wall = run.stats, run.stats.wall_seconds
+    predicted = predicted_speedup(s.tau, s.draft_passes / max(s.target_passes, 1), run.cost_ratio / run.runs)
+    return {
+        "predicted": predicted,
+        "predicted_job": job_prediction(s, base.stats if base else None, predicted),
+        "alpha": s.alpha,
+        "tau": s.tau,
+        "mean_gamma": s.mean_gamma,
+        "target_passes_per_token": s.target_passes / s.new_tokens,
+        "target_share": s.target_seconds / wall if wall else None,
+        "draft_share": s.draft_seconds / wall if wall else None,
+        "other_share": (1 - (s.target_seconds + s.draft_seconds) / wall) if wall else None,
+        "acceptance_by_position": {name: d.by_position() for name, d in sorted(s.rounds.by_drafter.items())},
+    }
 
 
 def _row(
-    task: str, c: _Config, seconds: float, base: float | None, base_stats: dict, same: tuple[bool, bool]
+    task: str,
+    c: _Config,
+    seconds: float,
+    base: float | None,
+    base_stats: EngineRun | None,
+    same: tuple[bool, bool],
 ) -> Row:
-    s, runs = c.stats, len(c.times)
     tokens = sum(len(o) for o in c.outputs)
-    drafted = s.get("drafted")
-    wall = s.get("wall_seconds") or 0.0
-    tau = row_tau(s["tokens"], s["row_passes"]) if s else None
-    predicted = None
-    if s:
-        # Leviathan's prediction from the runs' tau, draft steps per target pass and cost ratio
-        steps = s["draft_passes"] / max(s["passes"], 1)
-        predicted = predicted_speedup(tau, steps, s["cost_ratio"] / runs)
-
-    def share(key: str) -> float | None:
-        return s[key] / wall if wall else None
-
     return Row(
         task=task,
         method=c.method,
         batch=c.batch,
         tokens_per_second=tokens / seconds,
         speedup=base / seconds if base else 1.0,
-        predicted=predicted,
-        predicted_job=job_prediction(s, base_stats, predicted),
-        alpha=(s["accepted"] / drafted if drafted else None) if s else None,
-        tau=tau,
-        # each row's first pass is its prefill, which drafts nothing
-        mean_gamma=(s["gamma"] / max(s["row_passes"] - runs * len(c.outputs), 1)) if s else None,
-        target_passes_per_token=(s["passes"] / s["tokens"]) if s else None,
         identical=same[0],
         identical_to_hf=same[1],
         seconds_median=seconds,
         seconds_runs=c.times,
-        target_share=share("target_seconds"),
-        draft_share=share("draft_seconds"),
-        other_share=(1 - (s["target_seconds"] + s["draft_seconds"]) / wall) if wall else None,
         tokens=tokens,
         peak_rss_mb=_peak_rss_mb(),
-        acceptance_by_position=(
-            {name: d.by_position() for name, d in sorted(s["rounds"].by_drafter.items())} if s else {}
-        ),
+        **_engine_columns(c.stats, base_stats),
     )
 
 
@@ -581,32 +622,6 @@ SETTINGS = (
 )
 
 
-def _yes(value: bool | None) -> str:
-    return "?" if value is None else ("yes" if value else "no")
-
-
-def machine_table(machine: dict) -> list[str]:
-    """The machine as a two-column Markdown table (see `pipeline.machine.describe_machine`)."""
-    flags = ", ".join(f"{flag} {_yes(has)}" for flag, has in machine["cpu_flags"].items())
-    kernels = machine.get("kernels", {})
-    commit = machine["git_commit"] or "unknown (not a git checkout)"
-    if machine["git_commit"]:
-        dirty = machine["git_dirty"]
-        commit += {True: " (uncommitted changes)", False: " (clean)", None: " (a copied tree)"}[dirty]
-    rows = [
-        ("CPU", machine["cpu_model"]),
-        ("CPU flags", flags),
-        ("cores, threads", f"{machine['cores']}, {machine['threads']}"),
-        ("GPU", machine["gpu"] or "none"),
-        ("dtype, device", f"{machine.get('dtype', '?')}, {machine.get('device', '?')}"),
-        ("kernels", ", ".join(f"{name} {_yes(on)}" for name, on in kernels.items()) or "?"),
-        ("torch, transformers", f"{machine['torch']}, {machine['transformers']}"),
-        ("spec-pipeline", f"{machine['package']}, commit {commit}"),
-        ("platform", f"{machine['platform']}, Python {machine['python']}"),
-    ]
-    return ["| | |", "| --- | --- |"] + [f"| {name} | {value} |" for name, value in rows]
-
-
 def _model(model: dict | None) -> str:
     if not model:
         return "none"
@@ -618,20 +633,7 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
     commit, the machine, the pair, the settings) beside what it measured, so that a number can
     be compared with another run's, or rerun, without asking anyone how it was made."""
     models = meta["models"]
-    lines = [
-        f"# Benchmark: {meta['pair']}, {_setting(meta['tasks'])}, batch {_setting(meta['batches'])}",
-        "",
-        f"Run {meta['date']}. Measurements: [{os.path.basename(json_path)}]"
-        f"({os.path.relpath(json_path, os.path.dirname(os.path.abspath(path)))}).",
-        "",
-        "```bash",
-        meta["command"],
-        "```",
-        "",
-        "## Machine",
-        "",
-        *machine_table(meta["machine"]),
-        "",
+    body = [
         "## Pair",
         "",
         f"`{meta['pair']}`: target {_model(models['target'])}, draft {_model(models['draft'])}.",
@@ -654,11 +656,170 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
         "target-only's (where llama.cpp ran), and peak RSS.",
     ]
     for task in dict.fromkeys(r.task for r in result.rows):
-        lines += ["", f"### {task}", "", markdown_table([r for r in result.rows if r.task == task])]
-    lines += ["", "Measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]) + "."]
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+        body += ["", f"### {task}", "", markdown_table([r for r in result.rows if r.task == task])]
+    body += ["", "Measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]) + "."]
+    title = f"Benchmark: {meta['pair']}, {_setting(meta['tasks'])}, batch {_setting(meta['batches'])}"
+    write_record(
+        path,
+        title,
+        date=meta["date"],
+        command=meta["command"],
+        machine=meta["machine"],
+        json_path=json_path,
+        body=body,
+    )
 
 
 def _setting(value) -> str:
     return ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """`pipeline bench`'s options, parsed (comma lists as tuples)."""
+
+    pair: str
+    tasks: tuple[str, ...]
+    docs: int
+    corpus: str
+    batches: tuple[int, ...]
+    max_new_tokens: int
+    runs: int
+    dtype: str
+    threads: int | None
+    batch_invariant: bool | None
+    static_passes: bool | None
+    draft_int8: bool | None
+    hf_assistant_tokens: tuple[int, ...]
+    hf_lookup_tokens: tuple[int, ...]
+    hf: bool
+    drafters: tuple[str, ...]
+    draft_vocab: int
+    warm_docs: int
+    weights: str
+    llama_cpp: bool
+    llama_cpp_gguf: str | None
+    out_path: str | None
+    report_path: str | None
+
+
+def _gguf(options: BenchOptions, target) -> str | None:
+    """The GGUF file llama.cpp's rows run, checked before minutes of model loading (None: no
+    llama.cpp rows); click.UsageError where it is missing."""
+    if not options.llama_cpp:
+        return None
+    gguf = options.llama_cpp_gguf or str(Path(target.path).parent / "target.gguf")
+    if not Path(gguf).is_file():
+        import click
+
+        raise click.UsageError(
+            f"--llama-cpp: no GGUF file at {gguf}; give --llama-cpp-gguf, or install the pair "
+            f"again keeping it: pipeline models install {options.pair} --force --keep-gguf"
+        )
+    return gguf
+
+
+def _describe_loaded(pair: str, loaded: LoadedPair) -> str:
+    """The pair as loaded, in a line: models, dtype, device, threads and kernels."""
+    return (
+        f"{pair}: {loaded.target_id} + {loaded.draft_id}, {loaded.dtype}, {loaded.device}, "
+        f"{torch.get_num_threads()} threads, "
+        + ("batch-invariant target" if loaded.batch_invariant else "stock kernels")
+        + (", int8 draft steps" if loaded.draft_int8 else "")
+        + (", streamed linears" if loaded.streamed else "")
+        + (", target on its GGUF blocks" if loaded.weights == "gguf-blocks" else "")
+        + (", static passes" if loaded.static_passes else "")
+    )
+
+
+def _meta(options: BenchOptions, loaded: LoadedPair, started: dict, runner: LlamaCpp | None, gguf) -> dict:
+    """The JSON's `meta`: the pair, the machine, the command and every setting of the run.
+    `started`: the machine, the command and the date as the run started."""
+    o = options
+    return {
+        "pair": o.pair,
+        "models": loaded.manifest(),
+        "machine": started["machine"],
+        "command": started["command"],
+        "date": started["date"],
+        "tasks": list(o.tasks),
+        "corpus": o.corpus,
+        "docs": o.docs,
+        "batches": list(o.batches),
+        "max_new_tokens": o.max_new_tokens,
+        "runs": o.runs,
+        "drafters": list(o.drafters),
+        "draft_vocab": o.draft_vocab,
+        "warm_docs": o.warm_docs,
+        "hf_assistant_tokens": list(o.hf_assistant_tokens),
+        "hf_lookup_tokens": list(o.hf_lookup_tokens),
+        "weights": loaded.weights,
+        "llama_cpp": f"llama-cpp-python {runner.version}, {Path(gguf).name}" if runner else "no",
+    }
+
+
+def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
+    """The command: load the pair as a job would, run the benchmark, print its table, and write
+    the JSON and, where asked, the Markdown record."""
+    from pipeline.machine import describe_machine
+    from pipeline.models.loading import load_model, load_pair, resolve_pair
+
+    o = options
+    # argv[0] is whichever entry point ran the CLI (the script, or -m pipeline.cli)
+    command = shlex.join(["pipeline", *sys.argv[1:]])
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out_path = o.out_path or (
+        str(Path(o.report_path).with_suffix(".json")) if o.report_path else "bench.json"
+    )
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    target, draft = resolve_pair(o.pair)
+    gguf = _gguf(o, target)
+    kernels = {
+        "batch_invariant": o.batch_invariant,
+        "draft_int8": o.draft_int8,
+        "static_passes": o.static_passes,
+    }
+    loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)
+    echo(_describe_loaded(o.pair, loaded))
+    runner = LlamaCpp(gguf, torch.get_num_threads(), context=2048) if gguf else None
+    # HF's rows run the models as `transformers` loads them, not on our kernels
+    hf_models = None
+    if loaded.streamed:
+        hf_models = tuple(
+            load_model(r, dtype=loaded.dtype, device=loaded.device) if r else None for r in (target, draft)
+        )
+    # now: the commit that runs, whatever the tree becomes during the run
+    started = {"machine": describe_machine(loaded), "command": command, "date": date}
+    echo(HEADER)
+    result = run_benchmark(
+        loaded,
+        tasks=o.tasks,
+        docs=o.docs,
+        corpus=o.corpus,
+        batches=o.batches,
+        max_new_tokens=o.max_new_tokens,
+        runs=o.runs,
+        hf_assistant_tokens=o.hf_assistant_tokens,
+        hf_lookup_tokens=o.hf_lookup_tokens,
+        drafters=o.drafters,
+        draft_vocab=o.draft_vocab,
+        warm_docs=o.warm_docs,
+        hf_models=hf_models,
+        llama_cpp=runner,
+        hf=o.hf,
+        log=echo,
+    )
+    meta = _meta(o, loaded, started, runner, gguf)
+    echo("measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]))
+    for path in (out_path, o.report_path or out_path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_json(result, out_path, meta)
+    echo(f"wrote {out_path}")
+    if o.report_path:
+        write_report(o.report_path, result, meta, out_path)
+        echo(f"wrote {o.report_path}")

@@ -19,7 +19,7 @@ are a labelled data set of exactly what the target says about documents like tom
    which on a CPU costs more than the draft's own training step.
 4. The tuned draft is installed as a local pair (`install_local_pair`): the target referenced,
    not copied; `distill.json` beside it records where it came from.
-5. `evaluate`: one interleaved bench run (`pipeline.bench.TaskBench`) over the held-out prompts:
+5. `evaluate`: one interleaved bench run (`pipeline.lab.bench.TaskBench`) over the held-out prompts:
    target-only, then the old and the new draft each under the run's own `draft_model` and `auto`
    settings, at batch 1, greedy; α, acceptance by position, τ, predicted and measured speedup,
    and every output checked equal to target-only. Beside it, `top1_agreement`: how often the
@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from pipeline.lab.record import write_record
 from pipeline.models.pairs import ModelError, ModelRef
 
 DISTILL_FILE = "distill.json"  # the provenance and evaluation, beside the new pair's pair.json
@@ -385,9 +386,9 @@ def evaluate(
     under each of DRAFTERS with the run's engine settings, at batch 1, `max_new` tokens per
     document, in one interleaved bench run of `runs` rounds over `prompts`; speedups over
     target-only, outputs checked equal to it."""
-    from pipeline.bench import TaskBench, ours
     from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-    from pipeline.job.worker import eos_ids, pad_id
+    from pipeline.lab.bench import TaskBench, ours
+    from pipeline.models.loading import eos_ids, pad_id
 
     def engine(draft, kind: str) -> SpeculativeEngine:
         return SpeculativeEngine(
@@ -485,31 +486,23 @@ def _copy_tokenizer(draft: ModelRef, tokenizer, into: Path) -> None:
         tokenizer.save_pretrained(into)
 
 
-def distill(
-    run_url: str,
-    pair: str,
-    out: str,
-    settings: Settings,
-    *,
-    storage_options: dict | None = None,
-    command: str = "",
-    log: Callable[[str], None] = print,
-) -> dict:
-    """Fine-tune `pair`'s draft on the run at `run_url`, install it as the local pair `out`, and
-    evaluate both drafts on the held-out documents; return the provenance and evaluation that
-    is also written as `distill.json` beside the new pair."""
-    from pipeline.job.worker import pad_id
-    from pipeline.machine import describe_machine, git_state
-    from pipeline.models.install import check_local_pair_name, install_local_pair, staging_dir
-    from pipeline.models.loading import (
-        ModelLoadError,
-        load_draft,
-        load_model,
-        load_pair,
-        load_pair_tokenizer,
-        resolve_device,
-        resolve_pair,
-    )
+@dataclass
+class _Source:
+    """What a distill run starts from: the run, the pair's models, and the commit that runs."""
+
+    run: RunOutputs
+    target: ModelRef
+    draft: ModelRef
+    commit: str | None
+    dirty: bool | None
+
+
+def _source(run_url: str, pair: str, out: str, settings: Settings, storage_options: dict | None) -> _Source:
+    """Check the settings, the new pair's name, the pair and the run before minutes of training;
+    DistillError with what to do where any is unusable."""
+    from pipeline.machine import git_state
+    from pipeline.models.install import check_local_pair_name
+    from pipeline.models.loading import resolve_pair
 
     if settings.steps is not None and settings.epochs is not None:
         raise DistillError("give --steps or --epochs, not both")
@@ -524,26 +517,32 @@ def distill(
             f"the run's target {run.target.get('id')!r} ({run.target.get('path')}) is not pair {pair!r}'s "
             f"target {target_ref.display!r} ({target_ref.path}): a draft must learn its own target's outputs"
         )
-    models = run.spec.models
-    tokenizer = load_pair_tokenizer(target_ref, draft_ref, trust_remote_code=models.trust_remote_code)
+    return _Source(run, target_ref, draft_ref, commit, dirty)
+
+
+def _training_draft(source: _Source, pair: str):
+    """The pair's tokenizer and its draft as training loads it: float32 wherever it runs, since
+    bf16 weights would round small updates away; (tokenizer, draft, device)."""
+    from pipeline.models.loading import ModelLoadError, load_model, load_pair_tokenizer, resolve_device
+
+    models = source.run.spec.models
+    tokenizer = load_pair_tokenizer(source.target, source.draft, trust_remote_code=models.trust_remote_code)
     device = resolve_device(models.device)
     try:
-        # trained in float32 wherever it runs: bf16 weights would round small updates away
         draft = load_model(
-            draft_ref, dtype=torch.float32, device=device, trust_remote_code=models.trust_remote_code
+            source.draft, dtype=torch.float32, device=device, trust_remote_code=models.trust_remote_code
         )
     except ModelLoadError as exc:
         raise DistillError(
             f"pair {pair!r}'s draft cannot be loaded as a causal language model: {exc}"
         ) from None
-    examples = build_examples(run, tokenizer, end_of_turn(tokenizer, draft))
-    train_ids, holdout_ids = split_holdout([e.id for e in examples], settings.holdout)
-    held = set(holdout_ids)
-    train = [e for e in examples if e.id not in held]
-    log(
-        f"{run.url}: {len(examples)} documents, {len(train)} to train on "
-        f"({sum(len(e.completion) for e in train)} completion tokens), {len(holdout_ids)} held out"
-    )
+    return tokenizer, draft, device
+
+
+def _train(draft, tokenizer, train, held_examples, settings: Settings, device: str, log):
+    """Fine-tune `draft` on `train` as `settings` say; (the tuned model, its Training record,
+    the held-out top-1 agreement before and after)."""
+    from pipeline.models.loading import pad_id
 
     training = Training(
         mode="full" if settings.full else "lora",
@@ -553,7 +552,6 @@ def distill(
         seed=settings.seed,
         device=device,
     )
-    held_examples = [e for e in examples if e.id in held]
     agreement = {"before": top1_agreement(draft, held_examples, device)}
     tuned = fine_tune(
         draft,
@@ -573,12 +571,14 @@ def distill(
         f"stopped by {training.stopped_by}; loss {training.loss[0]:.3f} -> {training.loss[-1]:.3f}; "
         f"held-out top-1 agreement {agreement['before']:.3f} -> {agreement['after']:.3f}"
     )
-    staged = staging_dir(out)
-    tuned.save_pretrained(staged / "draft")
-    _copy_tokenizer(draft_ref, tokenizer, staged / "draft")
-    del tuned, draft
-    gc.collect()  # the training copy's memory back (adapters hold cycles) before the pair loads
-    result: dict[str, Any] = {
+    return tuned, training, agreement
+
+
+def _provenance(source: _Source, pair: str, out: str, command: str, settings: Settings, **parts) -> dict:
+    """distill.json before the evaluation: where the new draft came from and how it was trained.
+    `parts`: examples, train, train_ids, holdout_ids, training, agreement."""
+    run, train = source.run, parts["train"]
+    return {
         "format": DISTILL_FORMAT,
         "pair": out,
         "source_pair": pair,
@@ -590,38 +590,48 @@ def distill(
             "job": run.job,
             "task": run.spec.task.model_dump(),
         },
-        "target": {"path": target_ref.path, "revision": target_ref.revision, "name": target_ref.name},
-        "draft_from": {"path": draft_ref.path, "revision": draft_ref.revision, "name": draft_ref.name},
+        "target": {
+            "path": source.target.path,
+            "revision": source.target.revision,
+            "name": source.target.name,
+        },
+        "draft_from": {
+            "path": source.draft.path,
+            "revision": source.draft.revision,
+            "name": source.draft.name,
+        },
         "data": {
             "sha256": data_hash(train),
-            "documents": len(examples),
-            "train_ids": train_ids,
-            "holdout_ids": holdout_ids,
+            "documents": len(parts["examples"]),
+            "train_ids": parts["train_ids"],
+            "holdout_ids": parts["holdout_ids"],
             "holdout_share": settings.holdout,
             "completion_tokens": sum(len(e.completion) for e in train),
         },
-        "training": asdict(training),
+        "training": asdict(parts["training"]),
         # on the held-out documents: the draft's top token equal to the target's, teacher-forced
-        "top1_agreement": agreement,
+        "top1_agreement": parts["agreement"],
         "evaluation": None,
     }
-    (staged / DISTILL_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    name = f"{draft_ref.display} distilled on {run.job} {run.run_id}"
-    path = install_local_pair(out, staged, target_ref, name, force=settings.force)
-    log(f"installed pair {out!r} at {path}")
 
-    # the evaluation loads the pair as the run's actors did, then the tuned draft beside it
+
+def _evaluate_installed(source: _Source, out: str, prompts: list[list[int]], settings: Settings, log):
+    """Load the pair as the run's actors did, the tuned draft `out` beside it, and evaluate both
+    drafts on the held-out `prompts`; (the loaded pair, the measured rows, max_new_tokens)."""
+    from pipeline.models.loading import load_draft, load_pair, resolve_pair
+
+    models = source.run.spec.models
     _, new_draft = resolve_pair(out)
     loaded = load_pair(
-        target_ref,
-        draft_ref,
+        source.target,
+        source.draft,
         dtype=models.dtype,
         device=models.device,
         trust_remote_code=models.trust_remote_code,
         batch_invariant=models.batch_invariant,
         draft_int8=models.draft_int8,
         weights=models.weights,
-        batch=run.spec.execution.batch_size,
+        batch=source.run.spec.execution.batch_size,
     )
     after, _ = load_draft(
         new_draft,
@@ -632,16 +642,71 @@ def distill(
         draft_int8=models.draft_int8,
         trust_remote_code=models.trust_remote_code,
     )
-    builder_prompts = {e.id: e.prompt for e in examples}
-    prompts = [builder_prompts[i] for i in holdout_ids]
-    max_new = settings.eval_max_new_tokens or run.spec.generation.max_new_tokens
+    max_new = settings.eval_max_new_tokens or source.run.spec.generation.max_new_tokens
     log(
         f"held-out evaluation: {len(prompts)} documents, batch 1, greedy, "
         f"max_new_tokens {max_new}, {settings.runs} run(s)"
     )
     log(EVAL_HEADER)
     drafts = {"before": loaded.draft, "after": after}
-    measured = evaluate(loaded, drafts, prompts, run.spec, max_new, settings.runs, log)
+    measured = evaluate(loaded, drafts, prompts, source.run.spec, max_new, settings.runs, log)
+    return loaded, measured, max_new
+
+
+def distill(
+    run_url: str,
+    pair: str,
+    out: str,
+    settings: Settings,
+    *,
+    storage_options: dict | None = None,
+    command: str = "",
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Fine-tune `pair`'s draft on the run at `run_url`, install it as the local pair `out`, and
+    evaluate both drafts on the held-out documents; return the provenance and evaluation that
+    is also written as `distill.json` beside the new pair."""
+    from pipeline.machine import describe_machine
+    from pipeline.models.install import install_local_pair, staging_dir
+
+    source = _source(run_url, pair, out, settings, storage_options)
+    tokenizer, draft, device = _training_draft(source, pair)
+    examples = build_examples(source.run, tokenizer, end_of_turn(tokenizer, draft))
+    train_ids, holdout_ids = split_holdout([e.id for e in examples], settings.holdout)
+    held = set(holdout_ids)
+    train = [e for e in examples if e.id not in held]
+    log(
+        f"{source.run.url}: {len(examples)} documents, {len(train)} to train on "
+        f"({sum(len(e.completion) for e in train)} completion tokens), {len(holdout_ids)} held out"
+    )
+    held_examples = [e for e in examples if e.id in held]
+    tuned, training, agreement = _train(draft, tokenizer, train, held_examples, settings, device, log)
+    staged = staging_dir(out)
+    tuned.save_pretrained(staged / "draft")
+    _copy_tokenizer(source.draft, tokenizer, staged / "draft")
+    del tuned, draft
+    gc.collect()  # the training copy's memory back (adapters hold cycles) before the pair loads
+    result = _provenance(
+        source,
+        pair,
+        out,
+        command,
+        settings,
+        examples=examples,
+        train=train,
+        train_ids=train_ids,
+        holdout_ids=holdout_ids,
+        training=training,
+        agreement=agreement,
+    )
+    (staged / DISTILL_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    name = f"{source.draft.display} distilled on {source.run.job} {source.run.run_id}"
+    path = install_local_pair(out, staged, source.target, name, force=settings.force)
+    log(f"installed pair {out!r} at {path}")
+
+    prompts_by_id = {e.id: e.prompt for e in examples}
+    prompts = [prompts_by_id[i] for i in holdout_ids]
+    loaded, measured, max_new = _evaluate_installed(source, out, prompts, settings, log)
     result["evaluation"] = {
         "documents": holdout_ids,
         "batch": 1,
@@ -650,7 +715,7 @@ def distill(
         "rows": [asdict(m) for m in measured],
         "alpha_gain": alpha_gains(measured),
     }
-    result["machine"] = describe_machine(loaded) | {"git_commit": commit, "git_dirty": dirty}
+    result["machine"] = describe_machine(loaded) | {"git_commit": source.commit, "git_dirty": source.dirty}
     (path / DISTILL_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
@@ -669,35 +734,36 @@ def write_report(path: str, result: dict) -> str:
     """A Markdown record of one distill run for docs/benchmarks/: the command, the machine, the
     source run, the training (its loss curve) and the held-out evaluation, as the tool measured
     them; `distill.json`'s copy beside it (PATH.json), whose path is returned."""
-    from pipeline.bench import machine_table
-
     json_path = Path(path).with_suffix(".json")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    training, data, evaluation = result["training"], result["data"], result["evaluation"]
+    write_record(
+        path,
+        f"Distill: {result['source_pair']} -> {result['pair']}",
+        date=result["date"],
+        command=result["command"],
+        machine=result["machine"],
+        json_path=str(json_path),
+        body=[*_data_and_training(result), "", *_evaluation_lines(result)],
+        linked="Provenance and measurements",
+        link_note=", a copy of `distill.json` beside the pair (`pipeline models list` shows where)",
+    )
+    return str(json_path)
+
+
+def _data_and_training(result: dict) -> list[str]:
+    """The report's Data and Training sections: what was trained on, how, and the loss curve."""
+    training, data, source = result["training"], result["data"], result["source_run"]
     loss = training["loss"]
     every = max(1, math.ceil(len(loss) / 40))  # at most ~40 points of the curve
     curve = [f"{step + 1:>5} {loss[step]:.4f}" for step in range(0, len(loss), every)]
     if loss and (len(loss) - 1) % every:
         curve.append(f"{len(loss):>5} {loss[-1]:.4f}")
-    lines = [
-        f"# Distill: {result['source_pair']} -> {result['pair']}",
-        "",
-        f"Run {result['date']}. Provenance and measurements: [{json_path.name}]({json_path.name}), "
-        "a copy of `distill.json` beside the pair (`pipeline models list` shows where).",
-        "",
-        "```bash",
-        result["command"],
-        "```",
-        "",
-        "## Machine",
-        "",
-        *machine_table(result["machine"]),
-        "",
+    return [
         "## Data",
         "",
-        f"Source run `{result['source_run']['run_id']}` of job `{result['source_run']['job']}` "
-        f"({result['source_run']['url']}), task `{result['source_run']['task']['kind']}`: "
+        f"Source run `{source['run_id']}` of job `{source['job']}` "
+        f"({source['url']}), task `{source['task']['kind']}`: "
         f"{data['documents']} documents, {len(data['train_ids'])} trained on "
         f"({data['completion_tokens']} completion tokens, sha256 `{data['sha256'][:16]}`), "
         f"{len(data['holdout_ids'])} held out and never trained on.",
@@ -715,11 +781,17 @@ def write_report(path: str, result: dict) -> str:
         "```",
         *curve,
         "```",
-        "",
+    ]
+
+
+def _evaluation_lines(result: dict) -> list[str]:
+    """The report's held-out evaluation: top-1 agreement, the bench table, α's gain."""
+    evaluation, agreement = result["evaluation"], result["top1_agreement"]
+    return [
         "## Held-out evaluation",
         "",
         f"Top-1 agreement with the target's tokens (teacher-forced, every completion token): "
-        f"{result['top1_agreement']['before']:.3f} before, {result['top1_agreement']['after']:.3f} after.",
+        f"{agreement['before']:.3f} before, {agreement['after']:.3f} after.",
         "",
         f"{len(evaluation['documents'])} held-out documents, batch {evaluation['batch']}, greedy, "
         f"max_new_tokens {evaluation['max_new_tokens']}, {evaluation['runs']} interleaved run(s); "
@@ -737,5 +809,3 @@ def write_report(path: str, result: dict) -> str:
         )
         + ".",
     ]
-    Path(path).write_text("\n".join(lines) + "\n")
-    return str(json_path)
