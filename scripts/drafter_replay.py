@@ -58,7 +58,7 @@ def replay(drafter, prompts, outputs, width: int, warm: list[list[int]]) -> tupl
         for output in warm:
             drafter.corpus.add(output)
     greedy, generator = SamplingParams(), torch.Generator()
-    tokens = passes = drafted = accepted = 0
+    tokens = passes = drafting_rounds = accepted = 0
     for prompt, output in zip(prompts, outputs):
         drafter.start([prompt])
         at = 0
@@ -66,11 +66,11 @@ def replay(drafter, prompts, outputs, width: int, warm: list[list[int]]) -> tupl
             limit = min(width, len(output) - at - 1)
             draft = drafter.propose([prompt + output[:at]], limit, greedy, generator).tokens[0]
             kept = next((i for i, (d, t) in enumerate(zip(draft, output[at:])) if d != t), len(draft))
-            drafted, accepted = drafted + bool(draft), accepted + kept
+            drafting_rounds, accepted = drafting_rounds + bool(draft), accepted + kept
             at, passes = at + kept + 1, passes + 1
         tokens += len(output)
         drafter.evict([], [output])  # finished: the suffix drafter's corpus takes it
-    return tokens / passes, accepted / max(drafted, 1), drafted / passes
+    return tokens / passes, accepted / max(drafting_rounds, 1), drafting_rounds / passes
 
 
 def draft_predictions(pair_name: str, prompts, outputs) -> list[list[int]]:
