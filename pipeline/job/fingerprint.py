@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from pipeline.job.layout import shard_paths
+from pipeline.job.layout import shard_paths, shards_with_stats
 from pipeline.job.shard import GENERATED_FIELDS
 from pipeline.spec import JobSpec, SpecError
 from pipeline.storage import Storage, open_shard
@@ -138,11 +138,9 @@ def check_resume(spec: JobSpec, manifest: dict) -> None:
 def check_resume_outputs(spec: JobSpec, out: Storage, manifest: dict) -> None:
     """Raise SpecError when the run's complete shards hold other generated columns than this
     version writes (GENERATED_FIELDS), naming them and the version that wrote them."""
-    for stats in out.list("stats", suffix=".json"):
-        outputs = shard_paths(stats.removeprefix("stats/").removesuffix(".json"))["outputs"]
-        if out.exists(outputs):
-            break
-    else:
+    committed = (shard_paths(name)["outputs"] for name in shards_with_stats(out))
+    outputs = next((path for path in committed if out.exists(path)), None)  # a complete shard's
+    if outputs is None:
         return  # nothing complete yet: nothing to mix with
     carried = 1 + len(spec.input.keep_columns)
     schema = open_shard(out.url_for(outputs), out.storage_options).schema_arrow

@@ -6,7 +6,8 @@ read from the id column, whatever that row's fate). The same id in a later shard
 the order in which actors finish, so a re-run or a resume finds the same duplicates.
 
 Shards are decoded in parallel, so this is settled before decoding, in two passes of Ray
-tasks whose files live under OUTPUT/_ids/ (hidden from listings, deleted by --overwrite):
+tasks whose files live under OUTPUT/_ids/ (hidden from listings, deleted by --overwrite; their
+paths are pipeline.job.layout's):
 
 * map, one task per shard: its ids and a 32-bit hash of each -> `_ids/map/<shard>.parquet`;
 * reduce, one task per hash partition: the ids of one partition from every map file, the first
@@ -25,10 +26,10 @@ import zlib
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.job.layout import DUPLICATES_DIR, duplicates_path, id_map_path
 from pipeline.storage import ShardReadError, Storage
 
 PARTITION_ROWS = 4_000_000
-DUPS_DIR = "_ids/dups"
 DUPS_SCHEMA = pa.schema([("shard", pa.string()), ("id", pa.string()), ("kept_in", pa.string())])
 
 
@@ -44,7 +45,7 @@ def map_ids(shard_url: str, name: str, output: Storage, storage_options: dict, c
     A shard that cannot be decoded (unreadable, a needed column missing) holds no id: its rows
     all go to errors/ anyway.
     """
-    done = f"_ids/map/{name}.parquet"
+    done = id_map_path(name)
     if output.exists(done):  # indexed by an earlier run of this job
         return output.read_parquet(done, columns=["id"]).num_rows
     parent, _, base = shard_url.rpartition("/")
@@ -74,7 +75,7 @@ def reduce_ids(part: int, parts: int, names: list[str], output: Storage) -> int:
     """Find the ids of hash partition `part` that an earlier shard holds; write and count them."""
     tables = []
     for ordinal, name in enumerate(names):  # the listing's order, which decides who keeps an id
-        table = output.read_parquet(f"_ids/map/{name}.parquet")
+        table = output.read_parquet(id_map_path(name))
         mine = table.filter(pa.array([h % parts == part for h in table["hash"].to_pylist()], pa.bool_()))
         ordinals = pa.array([ordinal] * len(mine), pa.int32())
         tables.append(mine.select(["id"]).append_column("ordinal", ordinals))
@@ -90,19 +91,19 @@ def reduce_ids(part: int, parts: int, names: list[str], output: Storage) -> int:
         },
         schema=DUPS_SCHEMA,
     )
-    output.write_parquet(f"{DUPS_DIR}/p-{part:05d}.parquet", dups)
+    output.write_parquet(duplicates_path(part), dups)
     return dups.num_rows
 
 
 def clear_duplicates(output: Storage) -> None:
     """Delete the reduce files of an earlier run (which may have used more partitions)."""
-    output.delete_prefix(DUPS_DIR)
+    output.delete_prefix(DUPLICATES_DIR)
 
 
 def read_duplicates(output: Storage) -> dict[str, dict[str, str]]:
     """{shard: {id: shard holding it}} from the reduce files."""
     duplicates: dict[str, dict[str, str]] = {}
-    for file in output.list(DUPS_DIR, suffix=".parquet"):
+    for file in output.list(DUPLICATES_DIR, suffix=".parquet"):
         for row in output.read_parquet(file).to_pylist():
             duplicates.setdefault(row["shard"], {})[row["id"]] = row["kept_in"]
     return duplicates

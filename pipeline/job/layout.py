@@ -5,7 +5,11 @@ records read back (stats, failures, manifest.json, _SUCCESS); the totals over th
 
     OUTPUT/outputs/<shard>.parquet   errors/<shard>.parquet   stats/<shard>.json
            failed/<shard>.json       manifest.json            _SUCCESS    _LEASE.json
-           report/                   _ids/ (duplicate ids across shards, pipeline.job.ids)
+           report/                   _ids/map/<shard>.parquet   _ids/dups/p-<n>.parquet
+                                     (duplicate ids across shards, pipeline.job.ids)
+
+Every path under the prefix is built here (and read back from here: stats listed, a warm
+start's outputs found), so that the layout above is the whole of it.
 
 A shard is committed in order: its outputs, its errors, then its stats file as the commit
 record, so a shard is complete when its stats and outputs are both there (`is_complete`).
@@ -27,9 +31,15 @@ from pipeline.storage.urls import glob_root, has_glob
 
 MANIFEST = "manifest.json"
 SUCCESS = "_SUCCESS"
+OUTPUTS_DIR = "outputs"
+ERRORS_DIR = "errors"
+STATS_DIR = "stats"
+FAILED_DIR = "failed"
 REPORT_DIR = "report"
+IDS_DIR = "_ids"
+DUPLICATES_DIR = f"{IDS_DIR}/dups"
 # Directories and files a job writes directly under its output prefix (see docs/reliability.md).
-JOB_DIRS = ("outputs", "errors", "stats", "failed", REPORT_DIR, "_ids")
+JOB_DIRS = (OUTPUTS_DIR, ERRORS_DIR, STATS_DIR, FAILED_DIR, REPORT_DIR, IDS_DIR)
 # The lease is the running driver's own: overwrite leaves it in place.
 JOB_FILES = (MANIFEST, SUCCESS, LEASE_NAME)
 # an atomic write's temporary name next to its target (pipeline.storage.filesystem._write_local_atomic)
@@ -45,10 +55,25 @@ def shard_name(shard_url: str, input_root: str) -> str:
 
 def shard_paths(name: str) -> dict[str, str]:
     return {
-        "outputs": f"outputs/{name}.parquet",
-        "errors": f"errors/{name}.parquet",
-        "stats": f"stats/{name}.json",
+        "outputs": f"{OUTPUTS_DIR}/{name}.parquet",
+        "errors": f"{ERRORS_DIR}/{name}.parquet",
+        "stats": f"{STATS_DIR}/{name}.json",
     }
+
+
+def _shard_of(path: str, suffix: str) -> str:
+    """The shard a per-shard file is named after (`shard_paths`, in reverse)."""
+    return path.rsplit("/", 1)[-1].removesuffix(suffix)
+
+
+def id_map_path(name: str) -> str:
+    """A shard's ids and their hashes: the map pass of pipeline.job.ids (kept for a resume)."""
+    return f"{IDS_DIR}/map/{name}.parquet"
+
+
+def duplicates_path(partition: int) -> str:
+    """One hash partition's duplicate ids: the reduce pass of pipeline.job.ids."""
+    return f"{DUPLICATES_DIR}/p-{partition:05d}.parquet"
 
 
 def is_complete(out: Storage, name: str) -> bool:
@@ -73,7 +98,7 @@ def clear_job_output(out: Storage) -> None:
     """Delete what a job wrote: the completion marker and commit records (stats) first, so that a
     delete interrupted half-way never leaves a shard that looks complete without its rows."""
     out.delete(SUCCESS)
-    for sub in ("stats", "errors", "outputs", "failed", REPORT_DIR, "_ids"):
+    for sub in (STATS_DIR, ERRORS_DIR, OUTPUTS_DIR, FAILED_DIR, REPORT_DIR, IDS_DIR):
         out.delete_prefix(sub)
     out.delete(MANIFEST)
 
@@ -94,12 +119,12 @@ def name_shards(urls: list[str], input_url: str) -> list[tuple[str, str]]:
 
 def failed_path(name: str) -> str:
     """A shard that ran out of attempts: its failure record (read by `pipeline status`)."""
-    return f"failed/{name}.json"
+    return f"{FAILED_DIR}/{name}.json"
 
 
 def clear_failed(out: Storage) -> None:
     """Delete the failure records of an earlier run (its failed shards are retried now)."""
-    out.delete_prefix("failed")
+    out.delete_prefix(FAILED_DIR)
 
 
 def remove_partial(out: Storage, name: str) -> None:
@@ -113,14 +138,24 @@ def remove_partial(out: Storage, name: str) -> None:
 # -- the job's own records: stats read back, failures, the manifest and _SUCCESS ---------------
 
 
+def stats_files(out: Storage) -> list[str]:
+    """The path of every shard's stats file (its commit record) under a job's output."""
+    return out.list(STATS_DIR, suffix=".json")
+
+
+def shards_with_stats(out: Storage) -> list[str]:
+    """The shards that have a stats file, in the order of `stats_files`."""
+    return [_shard_of(path, ".json") for path in stats_files(out)]
+
+
 def read_stats(out: Storage) -> list[dict]:
     """Every shard's stats file under a job's output."""
-    return [out.read_json(name) for name in out.list("stats", suffix=".json")]
+    return [out.read_json(path) for path in stats_files(out)]
 
 
 def read_failed(out: Storage) -> list[dict]:
     """The failure records of shards that ran out of attempts (failed/<shard>.json)."""
-    return [out.read_json(name) for name in out.list("failed", suffix=".json")]
+    return [out.read_json(name) for name in out.list(FAILED_DIR, suffix=".json")]
 
 
 def read_manifest(out: Storage) -> dict | None:
@@ -142,7 +177,10 @@ def save_manifest(out: Storage, manifest: dict, complete: bool) -> None:
 
 def output_files(out: Storage) -> list[tuple[str, str]]:
     """(shard name, path) of every shard's outputs file."""
-    return [
-        (path.rsplit("/", 1)[-1].removesuffix(".parquet"), path)
-        for path in out.list("outputs", suffix=".parquet")
-    ]
+    return [(_shard_of(path, ".parquet"), path) for path in out.list(OUTPUTS_DIR, suffix=".parquet")]
+
+
+def warm_start_outputs(storage: Storage) -> Storage:
+    """Where the outputs files of a warm start's earlier run are: OUTPUT/outputs/ when `storage`
+    is a run's output prefix, else `storage` itself (any directory of Parquet files)."""
+    return storage.child(OUTPUTS_DIR) if storage.exists(OUTPUTS_DIR) else storage

@@ -95,13 +95,12 @@ def warm_suffix(engine, tokenizer, url: str, storage_options: dict) -> dict:
     files) into the engine's suffix corpus. A nightly job's outputs recur from night to night
     (terms, phrasing), so drafting from them pays from the first shard. Unreadable: a log line,
     the reason in the stats, and the job goes on cold, since drafts never change outputs."""
+    from pipeline.job.layout import warm_start_outputs
     from pipeline.storage import Storage, StorageError
 
     began = time.perf_counter()
     try:
-        storage = Storage(url, storage_options)
-        if storage.exists("outputs"):
-            storage = storage.child("outputs")
+        storage = warm_start_outputs(Storage(url, storage_options))
         texts = []
         for name in storage.list(suffix=".parquet"):
             table = storage.read_parquet(name)
