@@ -49,7 +49,8 @@ def test_out_of_memory_halves_the_batch(tiny_models, processor, monkeypatch):
     monkeypatch.setattr(processor.engine, "generate", generate_within_memory)
     stats = processor.process(str(root / "in" / "part-000.parquet"), "part-000")
     assert stats["oom_splits"] >= 1 and stats["rows_out"] == 5
-    assert sizes[:2] == [4, 2] and sizes[-1] < 4  # halved until it fit, then the speedup sample
+    first = sizes.index(4)  # the rows outside the speedup sample's pairs, at the job's batch
+    assert sizes[first + 1] == 2  # halved until it fit
     table = Storage(str(root / "out")).read_parquet("outputs/part-000.parquet")
     for row_id, text in zip(table.column("id").to_pylist(), table.column("generated").to_pylist()):
         doc = DOCS[int(row_id[-1]) % 5]
@@ -75,18 +76,21 @@ def test_missing_column_is_a_shard_error_naming_the_columns(processor):
 
 class ClockedEngine:
     """An engine on a fake clock: every row decodes to the same 8 tokens, and each call takes
-    the next scripted number of seconds. Records which drafter each call asked for."""
+    the next scripted number of seconds (a path's 2-token warm-up takes none). Records each
+    call's drafter and rows."""
 
     def __init__(self, seconds: list[float]):
         self.seconds = list(seconds)
-        self.drafters: list[str | None] = []
+        self.calls: list[tuple[str | None, int]] = []
+        self.warmups: list[tuple[str | None, int]] = []
         self.gate = DraftingGate()
 
     def static_record(self) -> None:
         return None
 
     def generate(self, prompts, max_new_tokens, sampling, *, drafter=None, **kwargs):
-        self.drafters.append(drafter)
+        warmup = max_new_tokens == 2
+        (self.warmups if warmup else self.calls).append((drafter, len(prompts)))
         rows = [
             RowOutput([5] * 8, "length", len(p), 0, RowStats(new_tokens=8, target_passes=8)) for p in prompts
         ]
@@ -94,7 +98,7 @@ class ClockedEngine:
             rows=len(prompts),
             new_tokens=8 * len(prompts),
             row_passes=8 * len(prompts),
-            wall_seconds=self.seconds.pop(0),
+            wall_seconds=0.0 if warmup else self.seconds.pop(0),
             prefill_seconds=1.0,
             priced_seconds=5.0,
             priced_plain_seconds=6.0,
@@ -102,62 +106,90 @@ class ClockedEngine:
         return rows, stats
 
 
+def _sampled(tiny_pair_dirs, tiny_models, tmp_path, seconds, rows=5, **execution):
+    clean_corpus(Storage(str(tmp_path / "in")), shards=1, rows=rows)
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), batch_size=2)
+    data["input"]["keep_columns"] = []
+    data["execution"].update(execution)
+    engine = ClockedEngine(seconds)
+    processor = ShardProcessor(spec_from_dict(data), engine, tiny_models[2])
+    stats = processor.process(str(tmp_path / "in" / "part-000.parquet"), "part-000")
+    return engine, stats
+
+
+def test_the_sampled_rows_are_decoded_in_pairs_and_only_the_target_only_halves_cost(
+    tiny_pair_dirs, tiny_models, tmp_path
+):
+    # 5 rows, a share of 0.5: rows 0, 1 and 3 in chunks [0, 1] and [3]; rows 2 and 4 decoded after
+    # (speculative, target-only) seconds (1, 2), then (3, 2) target-only first; the rest 4 s
+    engine, stats = _sampled(
+        tiny_pair_dirs,
+        tiny_models,
+        tmp_path,
+        [1.0, 2.0, 3.0, 2.0, 4.0],
+        speedup_sample=0.5,
+        speedup_sample_tokens=0,
+        speedup_sample_budget=0.0,
+    )
+    speedup = stats["speedup"]
+    assert engine.calls == [(None, 2), ("none", 2), ("none", 1), (None, 1), (None, 2)]
+    assert engine.warmups == [(None, 2), ("none", 2), ("none", 1), (None, 1)]  # each path once
+    assert speedup["pair_seconds"] == [[1.0, 2.0], [2.0, 3.0]] and speedup["rows_per_pair"] == 2
+    assert speedup["sample_rows"] == 3 and speedup["identical_rows"] == 3
+    # the target-only halves (and the warm-ups, real time here): the speculative halves are outputs
+    assert speedup["seconds"] == pytest.approx(5.0, abs=0.05)
+    assert stats["decode_seconds"] == 1.0 + 2.0 + 4.0 and stats["rows_out"] == 5
+    assert speedup["measured"] == pytest.approx(5 / 3) and speedup["median_pair_ratio"] == 1.75
+    assert speedup["predicted"] == pytest.approx((6.0 * 3 + 1.0 * 3) / (5.0 * 3 + 1.0 * 3))
+    half = 12.706 * math.sqrt((2 / 9) / 2) / 1.5  # residuals 2 - R = 1/3, 3 - 2R = -1/3; t(1)
+    assert speedup["ci95"] == pytest.approx([0.0, 5 / 3 + half], abs=1e-3)  # cut at 0
+    assert speedup["verdict"] == "no measurable difference"
+
+
 @pytest.mark.parametrize(
-    "execution, pairs",
+    "execution, again",
     [
-        ({}, 3),  # the token floor: 2 pairs of 2 rows x 8 tokens make 32 < 40, a third makes 48
-        ({"speedup_sample_budget": 0.5}, 2),  # 2 pairs took 8 s, over 0.5 x 10 s: stop short of 40
-        ({"speedup_sample": 1.0, "speedup_sample_budget": 0.0}, 3),  # the row floor: 5 rows
+        ({"speedup_sample_tokens": 40, "speedup_sample_budget": 3.0}, 1),  # 24 tokens < 40: one more
+        ({"speedup_sample_tokens": 40, "speedup_sample_budget": 1.0}, 0),  # 4 s + 3 s > 1 x 7 s: none
+        ({"speedup_sample_tokens": 0, "speedup_sample_budget": 0.0}, 0),  # two pairs suffice
     ],
 )
-def test_the_speedup_sample_pairs_both_modes_and_its_interval_is_the_ratio_of_means(
-    tiny_pair_dirs, tiny_models, tmp_path, execution, pairs
+def test_pairs_are_decoded_again_for_the_token_floor_within_the_budget(
+    tiny_pair_dirs, tiny_models, tmp_path, execution, again
 ):
-    clean_corpus(Storage(str(tmp_path / "in")), shards=1, rows=5)
-    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), batch_size=2)
-    data["input"]["keep_columns"] = []
-    data["execution"].update(speedup_sample=0.5, speedup_sample_tokens=40, speedup_sample_budget=3.0)
-    data["execution"].update(execution)
-    # the shard decodes in 10 s; then (speculative, target-only) seconds (1, 2), (2, 3), (2, 4)
-    engine = ClockedEngine([10.0, 1.0, 2.0, 3.0, 2.0, 2.0, 4.0])
-    processor = ShardProcessor(spec_from_dict(data), engine, tiny_models[2])
-    processor.warm_paths.add(("none", 2))  # an earlier shard ran target-only at 2 rows
-    speedup = processor.process(str(tmp_path / "in" / "part-000.parquet"), "part-000")["speedup"]
-
-    # alternating order: speculative first in even pairs, target-only first in odd ones
-    assert engine.drafters == [None, None, "none", "none", None, None, "none"][: 1 + 2 * pairs]
-    assert speedup["pairs"] == pairs and speedup["sample_rows"] == 2 * pairs
-    assert speedup["sample_tokens"] == 16 * pairs and speedup["identical_rows"] == 2 * pairs
-    assert speedup["predicted"] == pytest.approx((6.0 + 1.0) / (5.0 + 1.0))
-    if pairs == 2:  # (1, 2), (2, 3): R = 5/3; residuals 2 - R = 1/3, 3 - 2R = -1/3; t(1) = 12.706
-        half = 12.706 * math.sqrt((2 / 9) / 2) / 1.5
-        assert speedup["measured"] == pytest.approx(5 / 3)
-        assert speedup["ci95"] == pytest.approx([0.0, 5 / 3 + half], abs=1e-3)  # cut at 0
-        assert speedup["verdict"] == "no measurable difference"
-    else:  # R = 9/5 = 1.8; residuals 0.2, -0.6, 0.4; se = sqrt(0.56 / 6) / (5/3); t(2) = 4.303
-        half = 4.3027 * math.sqrt(0.56 / 6) / (5 / 3)
-        assert speedup["measured"] == pytest.approx(1.8)
-        assert speedup["ci95"] == pytest.approx([1.8 - half, 1.8 + half], abs=1e-3)
-        assert speedup["verdict"] == "faster"
-    assert speedup["pair_seconds"] == [[1.0, 2.0], [2.0, 3.0], [2.0, 4.0]][:pairs]
-    assert speedup["cold_pairs"] == 0
+    engine, stats = _sampled(
+        tiny_pair_dirs,
+        tiny_models,
+        tmp_path,
+        [1.0, 2.0, 3.0, 2.0, 4.0, 2.0, 2.0],
+        speedup_sample=0.5,
+        **execution,
+    )
+    speedup = stats["speedup"]
+    assert speedup["pairs"] == 2 + again
+    if again:  # the first chunk again, both halves now the sample's cost; 3 pairs make 40 tokens
+        assert engine.calls[-2:] == [(None, 2), ("none", 2)]
+        assert speedup["seconds"] == pytest.approx(5.0 + 4.0, abs=0.05) and speedup["identical_rows"] == 5
+    assert stats["decode_seconds"] == 7.0  # the shard's own decoding, whatever was sampled
 
 
-def test_a_pair_timed_on_a_cold_path_is_left_out_and_replaced(tiny_pair_dirs, tiny_models, tmp_path):
-    """The actor's first target-only decode at this batch size runs cold (110 s against 26 s
-    for its twin in a demo shard): that pair is counted apart, and two warm pairs are measured."""
-    clean_corpus(Storage(str(tmp_path / "in")), shards=1, rows=4)
-    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), batch_size=2)
-    data["input"]["keep_columns"] = []
-    data["execution"].update(speedup_sample=0.5, speedup_sample_tokens=0, speedup_sample_budget=0.0)
-    # the shard in 10 s; a cold pair (1, 9); then warm pairs (2, 3) and (2, 4)
-    engine = ClockedEngine([10.0, 1.0, 9.0, 2.0, 3.0, 4.0, 2.0])
-    processor = ShardProcessor(spec_from_dict(data), engine, tiny_models[2])
-    speedup = processor.process(str(tmp_path / "in" / "part-000.parquet"), "part-000")["speedup"]
-    assert speedup["cold_pairs"] == 1 and speedup["pairs"] == 2
-    assert speedup["pair_seconds"] == [[2.0, 3.0], [2.0, 4.0]]
-    assert speedup["median_pair_ratio"] == pytest.approx(1.75)
-    assert speedup["sample_rows"] == 6 and speedup["identical_rows"] == 6  # cold rows are checked too
+def test_one_sampled_row_makes_one_pair_and_the_budget_decides_a_second(
+    tiny_pair_dirs, tiny_models, tmp_path
+):
+    """A share that samples one row makes one pair; a second (that row again, both ways) only
+    within the budget: no interval rather than a measurement that costs more than the work."""
+    engine, stats = _sampled(
+        tiny_pair_dirs,
+        tiny_models,
+        tmp_path,
+        [1.0, 2.0, 6.0],
+        rows=4,
+        speedup_sample=0.25,
+        speedup_sample_tokens=0,
+        speedup_sample_budget=0.5,
+    )
+    assert stats["speedup"]["pairs"] == 1 and stats["speedup"]["ci95"] is None
+    assert engine.calls == [(None, 1), ("none", 1), (None, 3)]  # 2 + 3 s > 0.5 x 7 s: no second pair
 
 
 def test_a_shard_that_drafted_nothing_records_no_acceptance_rate(tiny_pair_dirs, tmp_path):

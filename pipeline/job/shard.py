@@ -8,7 +8,7 @@ is complete only when its stats exist, and a re-run redoes any shard without the
 
 from __future__ import annotations
 
-import math
+import itertools
 import os
 import socket
 import time
@@ -24,7 +24,7 @@ from pipeline.decode.stats import BatchStats
 from pipeline.job.ids import id_key
 from pipeline.job.layout import shard_paths
 from pipeline.job.prompts import OverlongDocument, PromptBuilder
-from pipeline.job.speedup import pair_seconds
+from pipeline.job.speedup import sample_chunks
 from pipeline.job.stats import UNREADABLE, ShardStats, SpeedupSample
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
@@ -35,6 +35,10 @@ ERROR_SCHEMA = pa.schema(
 
 
 # What every outputs/ record holds after the id and the kept input columns.
+# Prompt tokens a path's warm-up decode feeds per row (with 2 new tokens): enough to run every
+# kernel of the path once, a fraction of a real prefill.
+WARM_TOKENS = 16
+
 GENERATED_FIELDS = [
     ("generated", pa.string()),
     ("prompt_tokens", pa.int64()),
@@ -91,8 +95,8 @@ class ShardProcessor:
         self.model_info = model_info or {}
         self.output = Storage(spec.output.url, spec.output.storage_options)
         self.oom_splits = 0  # batches halved after an out-of-memory error (reported per shard)
-        # (drafter, rows) this actor has decoded with before: a pair whose half runs a path for
-        # the first time (kernels built, pages read, graphs captured) is timed cold
+        # (drafter, rows) this actor has decoded with before: a pair's half that ran a path for
+        # the first time (kernels built, pages read, graphs captured) would be timed cold
         self.warm_paths: set[tuple[str | None, int]] = set()
 
     # -- the unit of work ---------------------------------------------------------------------
@@ -135,9 +139,7 @@ class ShardProcessor:
             prompts.append(prompt)
             good.append(row)
 
-        decoded, totals = self._decode_sorted([p.ids for p in prompts])
-        self.warm_paths.add((None, min(self.spec.execution.batch_size, len(prompts))))
-        sample = self._speedup_sample(prompts, decoded, totals)
+        decoded, totals, sample = self._decode_measured([p.ids for p in prompts])
 
         out_rows = []
         for row, prompt, (output, latency) in zip(good, prompts, decoded):
@@ -320,76 +322,83 @@ class ShardProcessor:
             self.oom_splits += 1
             return self._generate_fitting(prompts, drafter, corpus, size // 2)
 
-    def _speedup_sample(self, prompts, decoded, totals: BatchStats) -> SpeedupSample:
-        """Decode rows again both ways on this actor, in matched pairs, to measure the speedup.
+    def _decode_measured(self, prompts: list[list[int]]) -> tuple[list, BatchStats, SpeedupSample]:
+        """Decode every row, the speedup sample's rows in matched pairs; return (output, latency)
+        per row in input order, the shard's counters and the sample.
 
-        Pairs are added until three floors are met: `speedup_sample` of the rows, two pairs (an
-        interval needs them), and `speedup_sample_tokens` speculative tokens, unless reaching
-        that would take more than `speedup_sample_budget` times the shard's decode time. So a
-        shard of a few short rows decodes its rows again in turn rather than trust one pair.
-        A pair is one chunk of rows, as many as the shard decoded at once, decoded speculatively
-        and target-only back to back, which goes first alternating from pair to pair, so that
-        drift in the machine's speed hits both alike (`pipeline.job.speedup`). For greedy
-        decoding the sample doubles as a losslessness check: speculative, main-pass and
-        target-only outputs must be identical. A pair with a half that ran its path (drafter,
-        rows) for the first time on this actor is timed cold: it is left out of the figures and
-        counted (`cold_pairs`), and another pair takes its place.
+        The sampled rows (`speedup.sample_chunks`) are decoded chunk by chunk speculatively, as
+        their outputs, and target-only back to back, which half goes first alternating from
+        pair to pair, so that drift in the machine's speed hits both alike; only the target-only
+        halves are the measurement's cost. The other rows are then decoded together. Where that
+        made fewer than two pairs, or fewer than `speedup_sample_tokens` speculative tokens,
+        sampled chunks are decoded again both ways while the measurement's cost stays within
+        `speedup_sample_budget` times the shard's decode time. For greedy decoding the pairs
+        double as a losslessness check: both halves' outputs must be identical.
         """
-        if not prompts or self.spec.drafter.kind == "none":
-            return SpeedupSample()
         execution = self.spec.execution
-        floor = max(1, math.ceil(execution.speedup_sample * len(prompts)))
-        step = len(prompts) / floor
-        picked = sorted({int(i * step) for i in range(floor)})  # spread over the shard
-        order = picked + sorted(set(range(len(prompts))) - set(picked))
-        size = min(execution.batch_size, len(prompts))
-        budget = execution.speedup_sample_budget * totals.wall_seconds
-        spec, base = BatchStats(), BatchStats()
-        pairs: list[list[float]] = []
-        rows = identical = cold = 0
-        while (
-            rows < floor
-            or len(pairs) < 2
-            or (
-                spec.new_tokens < execution.speedup_sample_tokens
-                and spec.wall_seconds + base.wall_seconds < budget
-            )
-        ):
-            chunk = [order[(rows + j) % len(order)] for j in range(size)]
-            sample = [prompts[i].ids for i in chunk]
+        measuring = bool(prompts) and self.spec.drafter.kind != "none"
+        chunks = (
+            sample_chunks(len(prompts), execution.speedup_sample, execution.batch_size) if measuring else []
+        )
+        results: list = [None] * len(prompts)
+        totals, sample = BatchStats(), SpeedupSample()
+        for k, chunk in enumerate(chunks):
+            speculative, spec_stats = self._pair([prompts[i] for i in chunk], k, sample, corpus=True)
+            totals.add(spec_stats)
+            for i, out in zip(chunk, speculative):
+                results[i] = out
+        rest = [i for i in range(len(prompts)) if results[i] is None]
+        if rest:
+            decoded, stats = self._decode_sorted([prompts[i] for i in rest])
+            totals.add(stats)
+            for i, out in zip(rest, decoded):
+                results[i] = out
+        for k in itertools.count(len(chunks)) if chunks else ():
+            if len(sample.pair_seconds) >= 2 and sample.sample_tokens >= execution.speedup_sample_tokens:
+                break
+            per_pair = (sample.speculative_seconds + sample.target_only_seconds) / len(sample.pair_seconds)
+            if sample.seconds + per_pair > execution.speedup_sample_budget * totals.wall_seconds:
+                break
             # the suffix drafter's corpus holds these rows' outputs now: it must not draft them back
-            modes = (None, "none") if len(pairs) % 2 == 0 else ("none", None)
-            runs = {mode: self._decode_sorted(sample, drafter=mode, corpus=False) for mode in modes}
-            (spec_out, spec_pair), (base_out, base_pair) = runs[None], runs["none"]
-            paths = {(mode, len(sample)) for mode in modes}
-            identical += sum(
-                b.tokens == s.tokens == decoded[i][0].tokens
-                for i, (b, _), (s, _) in zip(chunk, base_out, spec_out)
-            )
-            rows += size
-            if not paths <= self.warm_paths:
-                self.warm_paths |= paths
-                cold += 1
-                continue
-            pairs.append(
-                pair_seconds(
-                    (spec_pair.new_tokens, spec_pair.wall_seconds),
-                    (base_pair.new_tokens, base_pair.wall_seconds),
-                )
-            )
-            spec.add(spec_pair)
-            base.add(base_pair)
-        return SpeedupSample(
-            pair_seconds=pairs,
-            predicted=totals.predicted_speedup,
-            sample_rows=rows,
-            sample_tokens=spec.new_tokens,
-            speculative_seconds=spec.wall_seconds,
-            target_only_seconds=base.wall_seconds,
-            speculative_tokens_per_second=spec.tokens_per_second,
-            target_only_tokens_per_second=base.tokens_per_second,
-            identical_rows=identical if self.sampling.greedy else None,
-            cold_pairs=cold,
+            chunk = chunks[k % len(chunks)]
+            self._pair([prompts[i] for i in chunk], k, sample, False, known=[results[i] for i in chunk])
+        sample.predicted = totals.predicted_speedup
+        return results, totals, sample
+
+    def _pair(
+        self, prompts: list[list[int]], k: int, sample: SpeedupSample, corpus: bool, known: list | None = None
+    ) -> tuple[list, BatchStats]:
+        """Decode `prompts` both ways back to back (target-only first in odd pairs) and add the
+        pair to `sample`; return the speculative half's outputs and counters. A path this
+        actor has not run yet is warmed first by a short decode, so that no half is timed cold.
+        `known`: the rows' outputs from an earlier decode, which both halves must equal; both
+        halves are then the measurement's cost."""
+        began = time.perf_counter()
+        modes = (None, "none") if k % 2 == 0 else ("none", None)
+        for mode in modes:
+            self._warm(mode, prompts)
+        sample.seconds += time.perf_counter() - began
+        # only the speculative half's outputs may join the suffix drafter's corpus, as the row's own
+        runs = {
+            mode: self._decode_sorted(prompts, drafter=mode, corpus=corpus and mode is None) for mode in modes
+        }
+        (spec_out, spec_stats), (base_out, base_stats) = runs[None], runs["none"]
+        expected = [out.tokens for out, _ in known or spec_out]
+        identical = sum(b.tokens == s.tokens == e for (b, _), (s, _), e in zip(base_out, spec_out, expected))
+        sample.add_pair(spec_stats, base_stats, identical if self.sampling.greedy else None)
+        sample.seconds += base_stats.wall_seconds + (spec_stats.wall_seconds if known else 0.0)
+        return spec_out, spec_stats
+
+    def _warm(self, mode: str | None, prompts: list[list[int]]) -> None:
+        """Run the path (drafter, rows) once on a short piece of each prompt, if this actor has
+        not run it: its first run pays one-time costs a pair must not time."""
+        path = (mode, len(prompts))
+        if path in self.warm_paths:
+            return
+        self.warm_paths.add(path)
+        heads = [p[:WARM_TOKENS] for p in prompts]
+        self.engine.generate(
+            heads, 2, self.sampling, drafter=mode, overlong="truncate", batch_size=len(heads), corpus=False
         )
 
     # -- statistics -----------------------------------------------------------------------------

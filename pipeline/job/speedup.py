@@ -19,6 +19,22 @@ import statistics
 FASTER, SLOWER, NO_DIFFERENCE = "faster", "slower", "no measurable difference"
 
 
+def sample_chunks(rows: int, share: float, batch_size: int) -> list[list[int]]:
+    """The rows (indices) decoded in matched pairs, as the pairs' chunks.
+
+    `share` of the rows (at least one), spread over the shard, in chunks of up to `batch_size`
+    rows but at least two chunks where two rows or more are sampled: an interval needs two
+    pairs, and a chunk as wide as the job's batch measures the speedup at the job's batch.
+    """
+    if not rows:
+        return []
+    count = min(rows, max(1, math.ceil(share * rows)))
+    step = rows / count
+    picked = sorted({int(i * step) for i in range(count)})
+    size = min(batch_size, max(1, math.ceil(count / 2)))
+    return [picked[i : i + size] for i in range(0, len(picked), size)]
+
+
 def pair_seconds(speculative: tuple[int, float], target_only: tuple[int, float]) -> list[float]:
     """One pair's [speculative seconds, target-only seconds for as many tokens], from each
     half's (tokens, seconds). Greedy halves make the same tokens; sampled ones may not."""

@@ -15,26 +15,44 @@ from dataclasses import dataclass, field
 
 from pipeline.decode.rounds import Rounds
 from pipeline.decode.stats import BatchStats
-from pipeline.job.speedup import paired_speedup, verdict
+from pipeline.job.speedup import pair_seconds, paired_speedup, verdict
 
 OK, UNREADABLE = "ok", "unreadable"
 
 
 @dataclass
 class SpeedupSample:
-    """A shard's speedup sample (`ShardProcessor._speedup_sample`): its pairs of [speculative,
-    target-only] seconds and what they say. Empty (no pairs) where nothing was sampled."""
+    """A shard's speedup sample (`ShardProcessor._decode_measured`): its pairs of [speculative,
+    target-only] seconds, what they say, and what measuring cost. Empty where nothing was
+    sampled (target-only jobs)."""
 
     pair_seconds: list[list[float]] = field(default_factory=list)
     predicted: float | None = None
-    sample_rows: int = 0
-    sample_tokens: int = 0
+    rows_per_pair: int = 0
+    sample_rows: int = 0  # rows decoded both ways, a row decoded again counted again
+    sample_tokens: int = 0  # the speculative halves' tokens
+    target_only_tokens: int = 0
     speculative_seconds: float = 0.0
     target_only_seconds: float = 0.0
-    speculative_tokens_per_second: float = 0.0
-    target_only_tokens_per_second: float = 0.0
-    identical_rows: int | None = None  # greedy only: rows equal three ways
-    cold_pairs: int = 0  # pairs left out of the figures: their first half ran on a cold path
+    identical_rows: int | None = None  # greedy only: rows whose two halves were identical
+    seconds: float = 0.0  # what measuring cost the shard: decoding done for the sample alone
+
+    def add_pair(self, speculative: BatchStats, target_only: BatchStats, identical: int | None) -> None:
+        """One pair's halves, each the counters of one chunk decoded one way."""
+        self.pair_seconds.append(
+            pair_seconds(
+                (speculative.new_tokens, speculative.wall_seconds),
+                (target_only.new_tokens, target_only.wall_seconds),
+            )
+        )
+        self.rows_per_pair = max(self.rows_per_pair, speculative.rows)
+        self.sample_rows += speculative.rows
+        self.sample_tokens += speculative.new_tokens
+        self.target_only_tokens += target_only.new_tokens
+        self.speculative_seconds += speculative.wall_seconds
+        self.target_only_seconds += target_only.wall_seconds
+        if identical is not None:
+            self.identical_rows = (self.identical_rows or 0) + identical
 
     @property
     def measured(self) -> dict:
@@ -49,15 +67,17 @@ class SpeedupSample:
             **measured,
             "verdict": verdict(measured["ci95"]),
             "predicted": self.predicted,
+            "rows_per_pair": self.rows_per_pair,
             "sample_rows": self.sample_rows,
             "sample_tokens": self.sample_tokens,
             "pair_seconds": self.pair_seconds,
-            "cold_pairs": self.cold_pairs,
             "speculative_seconds": self.speculative_seconds,
-            "speculative_tokens_per_second": self.speculative_tokens_per_second,
+            "speculative_tokens_per_second": _rate(self.sample_tokens, self.speculative_seconds),
+            "target_only_tokens": self.target_only_tokens,
             "target_only_seconds": self.target_only_seconds,
-            "target_only_tokens_per_second": self.target_only_tokens_per_second,
+            "target_only_tokens_per_second": _rate(self.target_only_tokens, self.target_only_seconds),
             "identical_rows": self.identical_rows,
+            "seconds": self.seconds,
         }
 
     @classmethod
@@ -66,15 +86,22 @@ class SpeedupSample:
         return cls(
             pair_seconds=[list(p) for p in record.get("pair_seconds", [])],
             predicted=record.get("predicted"),
+            rows_per_pair=record.get("rows_per_pair", 0),
             sample_rows=record.get("sample_rows", 0),
             sample_tokens=record.get("sample_tokens", 0),
+            target_only_tokens=record.get("target_only_tokens", 0),
             speculative_seconds=record.get("speculative_seconds", 0.0),
             target_only_seconds=record.get("target_only_seconds", 0.0),
-            speculative_tokens_per_second=record.get("speculative_tokens_per_second", 0.0),
-            target_only_tokens_per_second=record.get("target_only_tokens_per_second", 0.0),
             identical_rows=record.get("identical_rows"),
-            cold_pairs=record.get("cold_pairs", 0),
+            # files from before 2026-11-28 decoded every pair's halves for the sample alone
+            seconds=record.get(
+                "seconds", record.get("speculative_seconds", 0.0) + record.get("target_only_seconds", 0.0)
+            ),
         )
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds else 0.0
 
 
 # The counters a stats file holds under its own names: (key in the file, BatchStats attribute).
@@ -240,7 +267,7 @@ class JobTotals:
             pooled.pair_seconds += s.speedup.pair_seconds
             pooled.sample_rows += s.speedup.sample_rows
             pooled.sample_tokens += s.speedup.sample_tokens
-            pooled.cold_pairs += s.speedup.cold_pairs
+            pooled.seconds += s.speedup.seconds
         pooled.identical_rows = sum(identical) if identical else None
         return pooled
 
@@ -268,6 +295,10 @@ class JobTotals:
             "sample_tokens": sample.sample_tokens,
             "sample_rows": sample.sample_rows,
             "sample_identical_rows": sample.identical_rows,
+            # what measuring cost, as a share of the shards' time (decoding and measuring)
+            "sample_share": sample.seconds / (decoded.wall_seconds + sample.seconds)
+            if sample.seconds
+            else 0.0,
         }
 
 

@@ -546,21 +546,23 @@ class ExecutionSpec(_Section):
         0.05,
         gt=0,
         le=1,
-        description="Fraction of each shard's rows (at least one) decoded again, speculatively and "
-        "target-only in matched pairs, to measure the speedup: a floor, see speedup_sample_tokens.",
+        description="Fraction of each shard's rows (at least one) decoded in matched pairs, speculatively "
+        "(their outputs) and target-only back to back, to measure the speedup; in chunks of up to "
+        "batch_size rows, two chunks wherever two rows or more are sampled.",
     )
     speedup_sample_tokens: int = Field(
         256,
         ge=0,
-        description="Token floor of the speedup sample: pairs are added, the shard's rows decoded again "
-        "in turn, until its speculative halves made this many tokens, or until speedup_sample_budget is "
-        "spent. Fewer tokens give a wider interval (speedup.ci95 in the stats).",
+        description="Token floor of the speedup sample: where its pairs made fewer speculative tokens (or "
+        "fewer than two pairs), sampled chunks are decoded again both ways, within "
+        "speedup_sample_budget. Fewer tokens give a wider interval (speedup.ci95 in the stats).",
     )
     speedup_sample_budget: float = Field(
         1.0,
         ge=0,
-        description="Most time the speedup sample may spend reaching speedup_sample_tokens, as a multiple "
-        "of the shard's decode time (the speedup_sample rows, and two pairs, are decoded regardless).",
+        description="Most that measuring may cost, as a multiple of the shard's decode time: the pairs' "
+        "target-only halves, and both halves of chunks decoded again, which stop at it (the first pairs "
+        "are decoded regardless).",
     )
 
 
