@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.decode import packing
-from pipeline.models import invariant
+from pipeline.models import invariant, packing
 from pipeline.models.draft_int8 import Int8Linear
 
 

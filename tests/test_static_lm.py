@@ -14,6 +14,7 @@ from pipeline.decode import static_lm
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.decode.static_lm import StaticLM
+from pipeline.models.architecture import static_support
 from pipeline.models.loading import ModelError, ModelRef, load_pair
 
 
@@ -133,7 +134,7 @@ def test_a_model_the_path_cannot_run_is_refused_or_left_dynamic(tiny_pair_dirs, 
         logits_scaling=8.0,
     )
     granite = GraniteForCausalLM(config).eval()
-    assert "granite" in static_lm.supports(granite)
+    assert "granite" in static_support(granite)
     with pytest.raises(ValueError, match="static pass path"):
         StaticLM(granite, 0)
     assert type(static_lm.runner(granite, 0)) is BatchedLM

@@ -38,8 +38,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from pipeline.decode import packing
-from pipeline.models import invariant, streamed
+from pipeline.models import invariant, packing, streamed
+from pipeline.models.architecture import plain_head
 from pipeline.models.streamed import StreamedLinear
 
 # A common start shorter than this is not worth keeping as a template (a BOS token, one word).
@@ -357,10 +357,10 @@ class BatchedLM:
         Only those positions go through the output layer: a 152k-token vocabulary makes it
         dear, and even converting a padded rectangle's logits to float is not free. Models
         whose logits are more than the output layer of the last hidden states (soft-capped,
-        scaled) run their own forward instead (see `_plain_head`).
+        scaled) run their own forward instead (see `architecture.plain_head`).
         """
         with packing.packed(layout):
-            if self.head_rows is None and not _plain_head(self.model):
+            if self.head_rows is None and not plain_head(self.model):
                 width = inputs["input_ids"].shape[1]
                 rows, cols = wanted // width, wanted % width
                 columns = torch.unique(cols)  # sorted
@@ -467,21 +467,6 @@ class _Room:
         layer.keys, layer.values = self.keys[:, :, : n + m], self.values[:, :, : n + m]
         self.length = n + m
         return layer.keys, layer.values
-
-
-def _plain_head(model: PreTrainedModel) -> bool:
-    """Are the model's logits its output layer applied to its last hidden states, bit for bit,
-    and nothing more (no soft-capping or scaling, which Gemma 2 or Granite add)? Checked once
-    per model on a 3-token input."""
-    known = getattr(model, "_plain_head", None)
-    if known is None:
-        ids = torch.tensor([[1, 2, 3]], device=next(model.parameters()).device)
-        with torch.no_grad():
-            own = model(input_ids=ids, use_cache=False).logits
-            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
-            known = torch.equal(own.float(), model.get_output_embeddings()(hidden).float())
-        model._plain_head = known
-    return known
 
 
 def _cache_keyword(model: PreTrainedModel) -> str:

@@ -32,42 +32,18 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.decode.batched_lm import BatchedLM, _cache_keyword, _plain_head, _Prefix
+from pipeline.decode.batched_lm import BatchedLM, _cache_keyword, _Prefix
 from pipeline.models import invariant, streamed
+from pipeline.models.architecture import ADDITIVE, static_support
 
 # Widths (tokens per row) of the passes that replay a graph: a 1-token step, verify passes of up
 # to 15 drafts. A pass of W tokens runs in the narrowest of these that holds it.
 WIDTHS = (1, 2, 4, 8, 12, 16)
-# Models whose decoder layers are the plain pre-norm stack this runner drives (embeddings, layers
-# with rotary positions, a final norm, an output layer); others run the dynamic path.
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-# Attention functions whose mask this runner can build: an additive one or a boolean one.
-ADDITIVE, BOOLEAN = (invariant.NAME, "eager"), ("sdpa",)
 
 
 def wanted(model: PreTrainedModel) -> bool:
     """Does `model` run the static path? As `load_pair` decided (`models.static_passes`)."""
     return bool(getattr(model, "_static_passes", False))
-
-
-def supports(model: PreTrainedModel) -> str | None:
-    """Why the static path cannot run `model` (None: it can)."""
-    config = model.config
-    if config.model_type not in FAMILIES:
-        return f"model type {config.model_type!r} is not one of {FAMILIES}"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "sliding-window layers"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ADDITIVE + BOOLEAN:
-        return f"attention implementation {implementation!r}"
-    base = model.base_model
-    if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "not a plain decoder stack"
-    if not _plain_head(model):
-        return "logits are more than the output layer"
-    return None
 
 
 def runner(model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None) -> BatchedLM:
@@ -113,7 +89,7 @@ class StaticLM(BatchedLM):
     """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = None):
-        problem = supports(model)
+        problem = static_support(model)
         if problem:
             raise ValueError(f"the static pass path cannot run this model: {problem}")
         self.capacity = self.length = 0

@@ -36,8 +36,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from pipeline.decode import packing
-from pipeline.models import streamed
+from pipeline.models import packing, streamed
 
 NAME = "batch_invariant"
 # Rows per Linear or RMSNorm call on a GPU: a verify pass of batch 8 × 16 tokens in one block.

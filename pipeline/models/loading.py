@@ -28,6 +28,7 @@ import torch
 
 from . import draft_int8 as int8_draft
 from . import gguf_blocks, invariant, streamed
+from .architecture import static_support
 from .pairs import (
     ConfigError,
     ModelError,
@@ -526,11 +527,9 @@ def _apply_target_kernels(
 def _static_passes(asked: bool | None, device: str, target, draft) -> bool:
     """Mark the models whose passes go through `static_lm` (None: on GPUs); whether the target's
     do. Asked for a target it cannot run is an error; a draft it cannot run stays dynamic."""
-    from pipeline.decode import static_lm
-
     if not (asked if asked is not None else device.startswith("cuda")):
         return False
-    problem = static_lm.supports(target)
+    problem = static_support(target)
     if problem and asked:
         raise ModelError(f"models.static_passes: {problem}")
     if problem:
@@ -538,7 +537,7 @@ def _static_passes(asked: bool | None, device: str, target, draft) -> bool:
         return False
     target._static_passes = True
     if draft is not None:
-        problem = static_lm.supports(draft)
+        problem = static_support(draft)
         if problem:
             log.warning("the draft's passes stay dynamic: %s", problem)
         draft._static_passes = problem is None
