@@ -133,8 +133,14 @@ def check_output(tiny_models, spec, out: Storage, rows_in: int) -> None:
             speedup = s["speedup"]
             assert speedup["identical_rows"] == speedup["sample_rows"] >= 1
             assert speedup["measured"] > 0 and speedup["predicted"] > 0
-            assert speedup["pairs"] == len(speedup["pair_seconds"]) >= 2 and speedup["sample_tokens"] > 0
-            assert speedup["ci95"][0] <= speedup["measured"] <= speedup["ci95"][1]
+            # one sampled row makes one pair; a second only where the budget allows (no interval then)
+            assert speedup["pairs"] == len(speedup["pair_seconds"]) >= 1 and speedup["sample_tokens"] > 0
+            if speedup["pairs"] > 1:
+                assert speedup["ci95"][0] <= speedup["measured"] <= speedup["ci95"][1]
+            else:
+                assert speedup["ci95"] is None
+            # measuring costs the target-only halves, never the shard's own (speculative) decoding
+            assert 0 < speedup["seconds"] and speedup["sample_rows"] <= s["rows_out"] * speedup["pairs"]
             # τ over drafting rounds leaves out the prefills' single tokens and undrafted rounds;
             # with the draft model at a fixed gamma every round drafts
             assert s["tau_drafted_rounds"] >= s["tau"] or s["undrafted_share"] == 1  # (then 0)
