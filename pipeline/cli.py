@@ -326,7 +326,7 @@ def _overwrite_problems(spec: JobSpec) -> list[str]:
 @main.command("demo-data")
 @click.option("--out", default="./data/demo", show_default=True, help="Where to write the shards.")
 @click.option("--shards", default=2, show_default=True, help="Number of Parquet shards.")
-@click.option("--rows", default=2, show_default=True, help="Documents per shard.")
+@click.option("--rows", default=6, show_default=True, help="Documents per shard.")
 def demo_data(out, shards, rows):
     """Write a demo corpus (standard-library module docstrings) as Parquet shards."""
     from pipeline.demo_data import write_demo_data

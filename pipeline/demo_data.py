@@ -99,7 +99,7 @@ CORPORA = {
 }
 
 
-def write_demo_data(url: str, shards: int = 2, rows_per_shard: int = 4) -> list[str]:
+def write_demo_data(url: str, shards: int = 2, rows_per_shard: int = 6) -> list[str]:
     """Write `shards` Parquet files of `rows_per_shard` documents each under `url`."""
     docs = docstrings()
     needed = shards * rows_per_shard
