@@ -19,6 +19,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+# the target's weights, as models.weights in a job spec: bench and calibrate take both
+weights_option = click.option(
+    "--weights",
+    type=click.Choice(["auto", "gguf-blocks", "dense"]),
+    default="auto",
+    show_default=True,
+    help="The target's weights (as models.weights in a job spec).",
+)
+
+
 @click.command()
 @click.option(
     "--pair", default="qwen2.5-coder", show_default=True, help="Named model pair (configs/models.yaml)."
@@ -89,13 +99,7 @@ def _ints(text: str) -> tuple[int, ...]:
     help="Also run suffix and auto warm: their corpus holds our outputs of this many other documents "
     "of the task (drafter.suffix_warm_start).",
 )
-@click.option(
-    "--weights",
-    type=click.Choice(["auto", "gguf-blocks", "dense"]),
-    default="auto",
-    show_default=True,
-    help="The target's weights (as models.weights in a job spec).",
-)
+@weights_option
 @click.option(
     "--llama-cpp",
     "llama_cpp",
@@ -154,13 +158,7 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
 @click.option("--context", default=400, show_default=True, help="Cached tokens per row under every pass.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
-@click.option(
-    "--weights",
-    type=click.Choice(["auto", "gguf-blocks", "dense"]),
-    default="auto",
-    show_default=True,
-    help="The target's weights (as models.weights in a job spec).",
-)
+@weights_option
 @click.option(
     "--against",
     type=click.Choice(["gguf-blocks", "dense"]),
