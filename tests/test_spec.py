@@ -76,11 +76,13 @@ def test_demo_job_settings():
     spec = load_spec(ROOT / "jobs" / "demo.yaml", run_id="r1")
     assert spec.input.url == "./data/demo"
     assert spec.output.url == "./out/demo/r1"
-    assert spec.task.kind == "summarize" and spec.task.max_input_tokens == 384
+    assert spec.task.kind == "summarize" and spec.task.max_input_tokens == 256
     assert spec.models.pair == "qwen2.5-coder" and spec.drafter.kind == "auto"
     assert spec.generation.max_new_tokens == 32 and spec.generation.greedy
     assert (spec.execution.batch_size, spec.execution.num_actors, spec.execution.num_cpus) == (4, 1, 2)
-    assert spec.execution.speedup_sample == 0.25
+    # two of a shard's 6 demo rows in pairs, and no more pairs than half the decoding costs
+    assert spec.execution.speedup_sample == 0.3 and spec.execution.speedup_sample_tokens == 0
+    assert spec.execution.speedup_sample_budget == 0.5
 
 
 def test_placeholders_rendered(tmp_path: Path):
