@@ -147,7 +147,10 @@ def run(spec_path, run_id, date, sets, address, overwrite, progress, lease_timeo
         for failure in result.failed:
             click.echo(f"  {failure['shard']}: {failure['reason']}", err=True)
         sys.exit(EXIT_FAILED)
-    click.echo(f"outputs: {result.output_url}/outputs   stats: {result.output_url}/stats", err=True)
+    from pipeline.job.layout import OUTPUTS_DIR, STATS_DIR
+
+    where = result.output_url
+    click.echo(f"outputs: {where}/{OUTPUTS_DIR}   stats: {where}/{STATS_DIR}", err=True)
 
 
 @main.command()
