@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from matplotlib.figure import Figure as _Canvas
 
+from pipeline.job.stats import ShardStats
 from pipeline.report.quality import QualityScores
 from pipeline.report.results import RunData
 
@@ -42,8 +43,8 @@ def _png(fig: _Canvas) -> bytes:
     return buf.getvalue()
 
 
-def _ok(run: RunData) -> list[dict]:
-    return [s for s in run.stats if s.get("status") == "ok"]
+def _ok(run: RunData) -> list[ShardStats]:
+    return [s for s in run.records if s.ok]
 
 
 def _shard_axis(ax, names: list[str]) -> list[int]:
@@ -61,12 +62,13 @@ def shard_acceptance(run: RunData) -> Figure | None:
     if not ok:
         return None
     fig, (top, bottom) = _subplots(2, 1, 9, 6, sharex=True)
-    names = [s["shard"] for s in ok]
+    names = [s.shard for s in ok]
     xs = list(range(len(names)))
-    top.bar(xs, [s["alpha"] if s["alpha"] is not None else float("nan") for s in ok], color="tab:blue")
+    alphas = [s.decoded.alpha for s in ok]
+    top.bar(xs, [float("nan") if a is None else a for a in alphas], color="tab:blue")
     top.set_ylabel("α (accepted / drafted)")
     top.set_ylim(0, 1)
-    bottom.bar(xs, [s["tau"] for s in ok], color="tab:green")
+    bottom.bar(xs, [s.decoded.tau for s in ok], color="tab:green")
     bottom.axhline(1.0, color="grey", lw=0.8, ls="--")
     bottom.set_ylabel("τ (tokens per target pass)")
     _shard_axis(bottom, names)
@@ -82,15 +84,15 @@ def shard_acceptance(run: RunData) -> Figure | None:
 def speedup(run: RunData) -> Figure | None:
     """Measured speedup with its 95% interval beside the speedup the measured pass costs predict;
     the job's pooled figure and interval as a band across all shards."""
-    sampled = [s for s in _ok(run) if (s.get("speedup") or {}).get("measured")]
+    sampled = [(s, s.speedup.measured) for s in _ok(run)]
+    sampled = [(s, m) for s, m in sampled if m["measured"]]
     if not sampled:
         return None
     fig, ax = _subplots(1, 1, 9, 4)
-    names = [s["shard"] for s in sampled]
-    xs = _shard_axis(ax, names)
+    xs = _shard_axis(ax, [s.shard for s, _ in sampled])
     width = 0.4
-    measured = [s["speedup"]["measured"] for s in sampled]
-    intervals = [s["speedup"].get("ci95") or [m, m] for s, m in zip(sampled, measured)]
+    measured = [m["measured"] for _, m in sampled]
+    intervals = [m["ci95"] or [m["measured"]] * 2 for _, m in sampled]
     errors = [
         [m - low for m, (low, _) in zip(measured, intervals)],
         [high - m for m, (_, high) in zip(measured, intervals)],
@@ -100,13 +102,13 @@ def speedup(run: RunData) -> Figure | None:
     )
     ax.bar(
         [x + width / 2 for x in xs],
-        [s["speedup"].get("predicted") or 0.0 for s in sampled],
+        [s.speedup.predicted or 0.0 for s, _ in sampled],
         width,
         label="predicted (measured pass costs)",
     )
-    t = run.totals
-    if t["speedup_ci95"]:
-        ax.axhspan(*t["speedup_ci95"], color="tab:blue", alpha=0.12, label="job, pooled (95% interval)")
+    pooled = run.job.speedup.measured["ci95"]
+    if pooled:
+        ax.axhspan(*pooled, color="tab:blue", alpha=0.12, label="job, pooled (95% interval)")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_ylabel("speedup over target-only")
     ax.legend()
@@ -124,21 +126,21 @@ def speedup(run: RunData) -> Figure | None:
 def acceptance_by_position(run: RunData) -> Figure | None:
     """Per drafter, how often the k-th draft was accepted; per shard, the rounds that drafted
     nothing (where τ over all passes and τ over drafted rounds part)."""
-    t = run.totals
-    if not t["acceptance_by_position"]:
+    job = run.job.decoded
+    if not job.rounds.by_drafter:
         return None
     fig, (left, right) = _subplots(1, 2, 9, 3.5)
-    for drafter, rates in t["acceptance_by_position"].items():
-        rounds = t["rounds_by_drafter"][drafter]["rounds"]
-        left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{drafter} ({rounds} rounds)")
+    for drafter, counts in sorted(job.rounds.by_drafter.items()):
+        rates = counts.by_position()
+        left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{drafter} ({counts.rounds} rounds)")
     left.set_xlabel("draft position k")
     left.xaxis.get_major_locator().set_params(integer=True)
     left.set_ylabel("k-th draft accepted")
     left.set_ylim(-0.03, 1.03)
     left.legend()
     ok = _ok(run)
-    xs = _shard_axis(right, [s["shard"] for s in ok])
-    right.bar(xs, [s.get("undrafted_share", 0.0) for s in ok], color="tab:gray")
+    xs = _shard_axis(right, [s.shard for s in ok])
+    right.bar(xs, [s.decoded.rounds.undrafted_share for s in ok], color="tab:gray")
     right.set_ylabel("rounds that drafted nothing")
     right.set_ylim(0, 1)
     return Figure(
@@ -146,8 +148,8 @@ def acceptance_by_position(run: RunData) -> Figure | None:
         "Acceptance by position",
         "Left: of the rounds that drafted at least k tokens, the share whose k-th draft was "
         f"accepted, per drafter (all shards). Right: rounds that drafted nothing, per shard "
-        f"({t['undrafted_share']:.0%} of the job's). Tokens per target pass: {t['tau']:.2f} over "
-        f"all passes, {t['tau_drafted_rounds']:.2f} over rounds that drafted.",
+        f"({job.rounds.undrafted_share:.0%} of the job's). Tokens per target pass: {job.tau:.2f} over "
+        f"all passes, {job.rounds.tau_drafted:.2f} over rounds that drafted.",
         _png(fig),
     )
 
@@ -176,19 +178,20 @@ def row_alpha(run: RunData) -> Figure | None:
 
 def throughput(run: RunData) -> Figure | None:
     """Tokens/s over the job's wall time: each shard as a segment, and the cumulative tokens."""
-    ok = sorted((s for s in _ok(run) if s.get("started") and s.get("finished")), key=lambda s: s["finished"])
+    timed = [(s, s.context.get("started"), s.context.get("finished")) for s in _ok(run)]
+    ok = sorted(((s, a, b) for s, a, b in timed if a and b), key=lambda t: t[2])
     if not ok:
         return None
-    t0 = min(s["started"] for s in ok)
+    t0 = min(a for _, a, _ in ok)
     fig, (top, bottom) = _subplots(2, 1, 9, 6, sharex=True)
-    for s in ok:
-        top.plot([(s["started"] - t0) / 60, (s["finished"] - t0) / 60], [s["tokens_per_second"]] * 2, lw=3)
+    for s, a, b in ok:
+        top.plot([(a - t0) / 60, (b - t0) / 60], [s.decoded.tokens_per_second] * 2, lw=3)
     top.set_ylabel("tokens/s of a shard")
     top.set_ylim(bottom=0)
     times, cumulative = [0.0], [0]
-    for s in ok:
-        times.append((s["finished"] - t0) / 60)
-        cumulative.append(cumulative[-1] + s["tokens_out"])
+    for s, _, b in ok:
+        times.append((b - t0) / 60)
+        cumulative.append(cumulative[-1] + s.decoded.new_tokens)
     bottom.step(times, cumulative, where="post", color="tab:purple")
     bottom.set_ylabel("tokens written")
     bottom.set_xlabel("minutes since the first shard started")
@@ -207,9 +210,8 @@ def gamma(run: RunData) -> Figure | None:
     if not ok:
         return None
     fig, (left, right) = _subplots(1, 2, 9, 3.5)
-    names = [s["shard"] for s in ok]
-    xs = _shard_axis(left, names)
-    left.bar(xs, [s.get("mean_gamma") or 0.0 for s in ok], color="tab:orange")
+    xs = _shard_axis(left, [s.shard for s in ok])
+    left.bar(xs, [s.decoded.mean_gamma for s in ok], color="tab:orange")
     left.set_ylabel("mean γ per round")
     if "rounds" in run.rows.column_names:
         pairs = zip(run.rows.column("drafted").to_pylist(), run.rows.column("rounds").to_pylist())
@@ -244,8 +246,8 @@ def errors(run: RunData) -> Figure | None:
 
 def error_counts(run: RunData) -> Counter:
     counts: Counter = Counter()
-    for s in run.stats:
-        counts.update(s.get("errors_by_reason") or {})
+    for s in run.records:
+        counts.update(s.errors_by_reason)
     counts["shard_failed"] += len((run.manifest or {}).get("failed") or [])
     return +counts  # drops zero counts
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from pipeline.job.layout import is_job_complete, output_files, read_manifest, read_stats
 from pipeline.job.speedup import verdict
-from pipeline.job.stats import JobTotals, ShardStats, job_totals
+from pipeline.job.stats import JobTotals, ShardStats
 from pipeline.storage import Storage
 
 # the per-row columns the report plots; `generated` and the reference only when scoring quality.
@@ -37,9 +37,19 @@ class RunData:
     complete: bool  # _SUCCESS is there: every shard done
 
     @cached_property
+    def records(self) -> list[ShardStats]:
+        """The shards' stats files read as records (`pipeline.job.stats`), in shard order."""
+        return [ShardStats.from_json(s) for s in self.stats]
+
+    @cached_property
+    def job(self) -> JobTotals:
+        """The job's figures over every shard."""
+        return JobTotals(self.records)
+
+    @cached_property
     def totals(self) -> dict:
-        """The job's figures over every shard (`pipeline.job.stats.JobTotals`)."""
-        return job_totals(self.stats)
+        """`job` as manifest.json writes it (the report page reads these)."""
+        return self.job.to_json()
 
     @property
     def task_kind(self) -> str | None:
