@@ -83,3 +83,11 @@ def test_a_file_written_before_row_passes_gets_them_from_tau():
     del written["row_passes"]
     assert ShardStats.from_json(written).decoded.row_passes == 30
     assert JobTotals.of([written]).decoded.tau == 3.0
+
+
+def test_a_file_from_before_the_pairs_were_kept_keeps_its_recorded_speedup():
+    written = _shard("a", _decoded(90, 20, 10, 30, 3.0)).to_json()
+    written["speedup"] = {"measured": 1.5, "ci95": [1.2, 1.8], "pairs": 3, "sample_rows": 3}
+    again = ShardStats.from_json(written)
+    assert again.speedup.measured["measured"] == 1.5 and again.speedup.measured["ci95"] == [1.2, 1.8]
+    assert "drafted_by" not in again.context and again.decoded.drafted_by == {"suffix": 20}

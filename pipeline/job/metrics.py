@@ -203,15 +203,16 @@ def record_shard(record: dict, job: str) -> None:
     if metrics is None:
         return
     try:
-        stats = ShardStats.from_json(record)
+        # the shard is counted from the file itself, before anything of it could fail to parse
         job_tags = {"pipeline_job": str(job)}
-        status = "ok" if stats.ok else "unreadable"
-        metrics["pipeline_shards_done_total"].inc(1, tags={**job_tags, "status": status})
-        _inc(metrics["pipeline_rows_total"], stats.rows_out, job_tags)
-        _inc(metrics["pipeline_rows_error_total"], stats.rows_error, job_tags)
-        if not stats.ok:
-            return  # an unreadable shard has no decoding statistics
-        _record_decoding(metrics, stats, job_tags)
+        ok = record.get("status", "ok") == "ok"
+        metrics["pipeline_shards_done_total"].inc(
+            1, tags={**job_tags, "status": "ok" if ok else "unreadable"}
+        )
+        _inc(metrics["pipeline_rows_total"], record.get("rows_out"), job_tags)
+        _inc(metrics["pipeline_rows_error_total"], record.get("rows_error"), job_tags)
+        if ok:  # an unreadable shard has no decoding statistics
+            _record_decoding(metrics, ShardStats.from_json(record), job_tags)
     except Exception as exc:
         log.warning("could not record metrics for shard %s: %s", record.get("shard"), exc)
 

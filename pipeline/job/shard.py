@@ -387,6 +387,7 @@ class ShardProcessor:
         identical = sum(b.tokens == s.tokens == e for (b, _), (s, _), e in zip(base_out, spec_out, expected))
         sample.add_pair(spec_stats, base_stats, identical if self.sampling.greedy else None)
         sample.seconds += base_stats.wall_seconds + (spec_stats.wall_seconds if known else 0.0)
+        sample.repeated_pairs += known is not None
         return spec_out, spec_stats
 
     def _warm(self, mode: str | None, prompts: list[list[int]]) -> None:

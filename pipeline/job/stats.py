@@ -36,6 +36,9 @@ class SpeedupSample:
     target_only_seconds: float = 0.0
     identical_rows: int | None = None  # greedy only: rows whose two halves were identical
     seconds: float = 0.0  # what measuring cost the shard: decoding done for the sample alone
+    # pairs of rows decoded again: their speculative half drafts from each row's own text only,
+    # where the shard's own decoding also drafts from the actor's corpus (the suffix drafter)
+    repeated_pairs: int = 0
 
     def add_pair(self, speculative: BatchStats, target_only: BatchStats, identical: int | None) -> None:
         """One pair's halves, each the counters of one chunk decoded one way."""
@@ -54,9 +57,14 @@ class SpeedupSample:
         if identical is not None:
             self.identical_rows = (self.identical_rows or 0) + identical
 
+    # a file written before the pairs were kept: its figures as recorded
+    recorded: dict | None = None
+
     @property
     def measured(self) -> dict:
         """{"measured", "ci95", "pairs", "median_pair_ratio"} over the pairs."""
+        if not self.pair_seconds and self.recorded:
+            return {**paired_speedup([]), **self.recorded}
         return paired_speedup(self.pair_seconds)
 
     def to_json(self) -> dict:
@@ -78,6 +86,7 @@ class SpeedupSample:
             "target_only_tokens_per_second": _rate(self.target_only_tokens, self.target_only_seconds),
             "identical_rows": self.identical_rows,
             "seconds": self.seconds,
+            "repeated_pairs": self.repeated_pairs,
         }
 
     @classmethod
@@ -93,6 +102,8 @@ class SpeedupSample:
             speculative_seconds=record.get("speculative_seconds", 0.0),
             target_only_seconds=record.get("target_only_seconds", 0.0),
             identical_rows=record.get("identical_rows"),
+            recorded={k: record[k] for k in ("measured", "ci95", "pairs") if k in record} or None,
+            repeated_pairs=record.get("repeated_pairs", 0),
             # files from before 2026-11-28 decoded every pair's halves for the sample alone
             seconds=record.get(
                 "seconds", record.get("speculative_seconds", 0.0) + record.get("target_only_seconds", 0.0)
@@ -205,6 +216,7 @@ class ShardStats:
         decoded.accepted_by = dict(record.get("accepted_by") or {})
         decoded.rounds = Rounds.from_stats(record)
         known = set(cls.__dataclass_fields__) | {key for key, _ in _COUNTERS} | set(_DERIVED)
+        known |= {"drafted_by", "accepted_by"}  # the counters by source, in `decoded`
         return cls(
             shard=record["shard"],
             input_url=record.get("input_url", ""),
