@@ -88,6 +88,9 @@ class ClockedEngine:
     def static_record(self) -> None:
         return None
 
+    def reserve(self, rows, prompt_tokens, max_new_tokens, drafter=None) -> None:
+        pass
+
     def generate(self, prompts, max_new_tokens, sampling, *, drafter=None, **kwargs):
         warmup = max_new_tokens == 2
         (self.warmups if warmup else self.calls).append((drafter, len(prompts)))

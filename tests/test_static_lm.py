@@ -147,3 +147,16 @@ def test_a_model_the_path_cannot_run_is_refused_or_left_dynamic(tiny_pair_dirs, 
             (path / name).write_bytes(source.read_bytes())
     with pytest.raises(ModelError, match="static_passes"):
         load_pair(ModelRef(path=str(path)), None, dtype="float32", device=DEVICE, static_passes=True)
+
+
+def test_a_warm_up_on_short_prompts_keeps_the_slots_the_real_batch_reserved(pairs):
+    """The speedup sample warms a path with 2 tokens on a prompt's head: reserving the real batch's
+    room first keeps the slots (and, on a GPU, the graphs captured over them) for the timed pair."""
+    static, _ = pairs
+    engine = SpeculativeEngine(static.target, static.draft, eos_token_ids=[1], pad_token_id=0)
+    prompt = [5 + i % 50 for i in range(40)]
+    engine.reserve(1, len(prompt), MAX_NEW, "draft_model")
+    slots = (engine.target.keys[0], engine.draft.lm.keys[0])
+    engine.generate([prompt[:16]], 2, drafter="draft_model", batch_size=1)
+    engine.generate([prompt], MAX_NEW, drafter="draft_model", batch_size=1)
+    assert engine.target.keys[0] is slots[0] and engine.draft.lm.keys[0] is slots[1]

@@ -253,6 +253,15 @@ class SpeculativeEngine:
         """The drafters a run with `drafter` drafts from (`auto`: those it chooses among)."""
         return set(self.config.auto_sources) if drafter == "auto" else {drafter} - {"none"}
 
+    def reserve(self, rows: int, prompt_tokens: int, max_new_tokens: int, drafter: str | None = None) -> None:
+        """Static slots (`StaticLM.reserve`) for `rows` rows of prompts up to `prompt_tokens`
+        long: prompt, output, a round's drafts. Slots only grow, so a caller that warms a path
+        with short prompts first reserves what the real batch needs, keeping its slots and graphs."""
+        model = self.draft if DRAFT_MODEL in self.sources(drafter or self.config.drafter) else None
+        longest = prompt_tokens + max_new_tokens + self.config.gamma_max + 1
+        for lm in [self.target] + ([model.lm] if model else []):
+            lm.reserve(rows, longest)
+
     def _start(self, rows, max_new_tokens, sampling, stop_strings, drafter, batch_size, corpus) -> _Batch:
         """An empty batch with every row waiting, and the drafters `drafter` asks for reset."""
         uses = self.sources(drafter)
@@ -265,11 +274,8 @@ class SpeculativeEngine:
         self.target.reset(0)
         for d in drafters:
             d.start([])
-        # static slots (`StaticLM`) for the batch's rows: prompt, output, a round's drafts
-        size = batch_size or len(rows)
-        longest = max((r.prompt_len for r in rows), default=0) + max_new_tokens + self.config.gamma_max + 1
-        for lm in [self.target] + ([model.lm] if model else []):
-            lm.reserve(size, longest)
+        longest = max((r.prompt_len for r in rows), default=0)
+        self.reserve(batch_size or len(rows), longest, max_new_tokens, drafter)
         return _Batch(
             rows=rows,
             waiting=deque(rows),

@@ -397,6 +397,9 @@ class ShardProcessor:
         if path in self.warm_paths:
             return
         self.warm_paths.add(path)
+        # the slots the real pair needs first: a warm-up on short heads must not size them
+        longest = max(map(len, prompts))
+        self.engine.reserve(len(prompts), longest, self.spec.generation.max_new_tokens, mode)
         heads = [p[:WARM_TOKENS] for p in prompts]
         self.engine.generate(
             heads, 2, self.sampling, drafter=mode, overlong="truncate", batch_size=len(heads), corpus=False
