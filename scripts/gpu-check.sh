@@ -2,8 +2,9 @@
 # What a session with a GPU runs (docs/gpu.md), writing logs and reports
 # under OUT:
 #   scripts/gpu-check.sh OUT tests                 the decoding tests, models on CUDA
-#   scripts/gpu-check.sh OUT calibrate PAIR [opts] pipeline calibrate, report OUT/calibrate-PAIR.md
-#   scripts/gpu-check.sh OUT bench PAIR [opts]     pipeline bench, report OUT/bench-PAIR.md
+#   scripts/gpu-check.sh OUT calibrate PAIR [opts] pipeline calibrate, report OUT/[DATE-]calibrate-[MACHINE-]PAIR.md
+#   scripts/gpu-check.sh OUT bench PAIR [opts]     pipeline bench, report OUT/[DATE-]bench-[MACHINE-]PAIR.md
+# (`all` sets DATE and MACHINE, so its reports carry docs/benchmarks' names: DATE-tool-MACHINE-rest)
 # Runs from a source tree (python3 -m pipeline.cli), so a copied checkout needs no install.
 set -uo pipefail
 out=$1 what=$2
@@ -20,14 +21,14 @@ tests)
 calibrate)
     pair=$1
     shift
-    name=calibrate-${NAME:-$pair}
+    name=${DATE:+$DATE-}calibrate-${MACHINE:+$MACHINE-}${NAME:-$pair}
     python3 -m pipeline.cli calibrate --pair "$pair" --report "$out/$name.md" "$@" 2>&1 |
         grep -v "^Loading weights" | tee "$out/$name.log"
     ;;
 bench)
     pair=$1
     shift
-    name=bench-${NAME:-$pair}
+    name=${DATE:+$DATE-}bench-${MACHINE:+$MACHINE-}${NAME:-$pair}
     python3 -m pipeline.cli bench --pair "$pair" --report "$out/$name.md" "$@" 2>&1 |
         grep -v "^Loading weights" | tee "$out/$name.log"
     ;;
@@ -53,6 +54,10 @@ for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pyd
     except Exception as error:
         print(name, "missing:", error)
 EOF
+    # the reports' names as docs/benchmarks has them: 2026-11-28-calibrate-h200-bf16-...
+    DATE=$(date +%F)
+    MACHINE=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else 'cpu'; print(next((g for g in ('h200', 'h100', 'a100', 'l4') if g in n), n.split()[-1]))")-bf16
+    export DATE MACHINE
     python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
     export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
     pair=qwen2.5-coder-shaped-random
