@@ -265,7 +265,7 @@ def calibrate(batches, widths, **options):
     type=click.Path(dir_okay=False),
     metavar="PATH.md",
     help="Also write a Markdown record (command, machine, loss curve, evaluation), e.g. "
-    "docs/benchmarks/distill-DATE.md, with distill.json's copy beside it (PATH.json).",
+    "docs/benchmarks/DATE-distill-MACHINE.md, with distill.json's copy beside it (PATH.json).",
 )
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 @storage_option
@@ -281,7 +281,7 @@ def distill(run_output_url, pair, out_name, as_json, report_path, progress, stor
     \b
     Example:
       pipeline distill ./out/licenses/RUN --pair qwen2.5-coder --out coder-licenses \\
-          --max-seconds 2400 --report docs/benchmarks/distill-2026-11-26.md
+          --max-seconds 2400 --report docs/benchmarks/2026-11-26-distill-avx2-float32.md
     """
     import shlex
 
