@@ -34,11 +34,11 @@ ERROR_SCHEMA = pa.schema(
 )
 
 
-# What every outputs/ record holds after the id and the kept input columns.
 # Prompt tokens a path's warm-up decode feeds per row (with 2 new tokens): enough to run every
 # kernel of the path once, a fraction of a real prefill.
 WARM_TOKENS = 16
 
+# What every outputs/ record holds after the id and the kept input columns.
 GENERATED_FIELDS = [
     ("generated", pa.string()),
     ("prompt_tokens", pa.int64()),
@@ -343,7 +343,7 @@ class ShardProcessor:
         results: list = [None] * len(prompts)
         totals, sample = BatchStats(), SpeedupSample()
         for k, chunk in enumerate(chunks):
-            speculative, spec_stats = self._pair([prompts[i] for i in chunk], k, sample, corpus=True)
+            speculative, spec_stats = self._pair([prompts[i] for i in chunk], k, sample)
             totals.add(spec_stats)
             for i, out in zip(chunk, speculative):
                 results[i] = out
@@ -359,29 +359,28 @@ class ShardProcessor:
             per_pair = (sample.speculative_seconds + sample.target_only_seconds) / len(sample.pair_seconds)
             if sample.seconds + per_pair > execution.speedup_sample_budget * totals.wall_seconds:
                 break
-            # the suffix drafter's corpus holds these rows' outputs now: it must not draft them back
             chunk = chunks[k % len(chunks)]
-            self._pair([prompts[i] for i in chunk], k, sample, False, known=[results[i] for i in chunk])
+            self._pair([prompts[i] for i in chunk], k, sample, known=[results[i] for i in chunk])
         sample.predicted = totals.predicted_speedup
         return results, totals, sample
 
     def _pair(
-        self, prompts: list[list[int]], k: int, sample: SpeedupSample, corpus: bool, known: list | None = None
+        self, prompts: list[list[int]], k: int, sample: SpeedupSample, known: list | None = None
     ) -> tuple[list, BatchStats]:
         """Decode `prompts` both ways back to back (target-only first in odd pairs) and add the
         pair to `sample`; return the speculative half's outputs and counters. A path this
         actor has not run yet is warmed first by a short decode, so that no half is timed cold.
         `known`: the rows' outputs from an earlier decode, which both halves must equal; both
-        halves are then the measurement's cost."""
+        halves are then the measurement's cost, and the speculative half drafts without the
+        suffix drafter's corpus, which holds those outputs now and would draft them back."""
         began = time.perf_counter()
         modes = (None, "none") if k % 2 == 0 else ("none", None)
         for mode in modes:
             self._warm(mode, prompts)
         sample.seconds += time.perf_counter() - began
-        # only the speculative half's outputs may join the suffix drafter's corpus, as the row's own
-        runs = {
-            mode: self._decode_sorted(prompts, drafter=mode, corpus=corpus and mode is None) for mode in modes
-        }
+        # only a first speculative half's outputs join the suffix drafter's corpus, as the rows' own
+        corpus = known is None
+        runs = {mode: self._decode_sorted(prompts, mode, corpus and mode is None) for mode in modes}
         (spec_out, spec_stats), (base_out, base_stats) = runs[None], runs["none"]
         expected = [out.tokens for out, _ in known or spec_out]
         identical = sum(b.tokens == s.tokens == e for (b, _), (s, _), e in zip(base_out, spec_out, expected))
