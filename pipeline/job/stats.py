@@ -283,6 +283,12 @@ class JobTotals:
         pooled.identical_rows = sum(identical) if identical else None
         return pooled
 
+    @property
+    def sample_share(self) -> float:
+        """What measuring cost, as a share of the shards' time (decoding and measuring)."""
+        seconds = sum(s.speedup.seconds for s in self.shards)
+        return _rate(seconds, self.decoded.wall_seconds + seconds)
+
     def to_json(self) -> dict:
         decoded, sample = self.decoded, self.speedup
         measured = sample.measured
@@ -307,10 +313,7 @@ class JobTotals:
             "sample_tokens": sample.sample_tokens,
             "sample_rows": sample.sample_rows,
             "sample_identical_rows": sample.identical_rows,
-            # what measuring cost, as a share of the shards' time (decoding and measuring)
-            "sample_share": sample.seconds / (decoded.wall_seconds + sample.seconds)
-            if sample.seconds
-            else 0.0,
+            "sample_share": self.sample_share,
         }
 
 

@@ -140,11 +140,10 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
     elif d.rounds.undrafted:
         click.echo("no round drafted: target-only decoding throughout")
     if sample.pair_seconds:
-        share = sample.seconds / (d.wall_seconds + sample.seconds) if sample.seconds else 0.0
         median = sp["median_pair_ratio"]
         click.echo(
             f"speedup sample: {sp['pairs']} pairs, median pair {_ratio(median)}; "
-            f"measuring took {share:.0%} of the shards' time"
+            f"measuring took {totals.sample_share:.0%} of the shards' time"
         )
     if sample.identical_rows is not None:
         click.echo(
