@@ -48,11 +48,13 @@ all)
 import importlib, platform, torch
 print(platform.platform(), "python", platform.python_version())
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch", torch.__version__)
-for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pydantic", "click", "yaml", "xdist"):
+for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pydantic", "click", "yaml", "xdist", "ray", "triton"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as error:
         print(name, "missing:", error)
+import shutil
+print("compilers", {c: shutil.which(c) for c in ("gcc", "cc", "nvcc")}, "cpus", __import__("os").cpu_count())
 EOF
     # the reports' names as docs/benchmarks has them: 2026-11-28-calibrate-h200-bf16-...
     DATE=$(date +%F)
