@@ -91,6 +91,37 @@ EOF
     echo "== done ($(date +%T))"
     pack
     ;;
+probe)
+    # The second call of a session: why a batch-1 bench outlasts its step (stacks every 15 s),
+    # and passes compiled per layer (static_lm.COMPILE) against the captured eager ones.
+    res=$out/reports
+    mkdir -p "$res"
+    pack() { tar czf "$out/reports.tgz" -C "$res" .; }
+    [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml, fsspec, xdist" 2>/dev/null ||
+        export PYTHONPATH="$PWD/.gpu-carry/site:$PYTHONPATH"; }
+    DATE=$(date +%F) MACHINE=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower(); print(next((g for g in ('h200', 'h100') if g in n), n.split()[-1]))")-bf16
+    export DATE MACHINE
+    python3 scripts/gpu_models.py build /tmp/gpu >"$res/models.log" 2>&1
+    export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
+    pair=qwen2.5-coder-shaped-random
+    echo "== bench batch 1, stacks every 15 s ($(date +%T))"
+    timeout 75 python3 -c "import faulthandler, runpy, sys
+faulthandler.dump_traceback_later(15, repeat=True, file=open('$res/stacks-batch1.log', 'w'))
+sys.argv = ['pipeline.cli', *sys.argv[1:]]
+runpy.run_module('pipeline.cli', run_name='__main__')" bench --pair $pair --report "$res/$DATE-bench-$MACHINE-$pair-batch1.md" \
+        --tasks translate --corpus licenses --docs 2 --batches 1 --max-new-tokens 64 --runs 1 \
+        --drafters prompt_lookup --no-hf 2>&1 | grep -v "^Loading weights" | tee "$res/bench-batch1.log"
+    pack
+    echo "== calibrate, passes compiled per layer ($(date +%T))"
+    PIPELINE_COMPILE_PASSES=1 NAME=qwen-shaped-target-compiled timeout 150 "$0" "$res" calibrate qwen-shaped-target \
+        --widths 1,8,16 --batch 1 --runs 3
+    pack
+    echo "== bench batch 1, compiled ($(date +%T))"
+    PIPELINE_COMPILE_PASSES=1 NAME=qwen-shaped-target-compiled-batch1 timeout 90 "$0" "$res" bench qwen-shaped-target \
+        --tasks translate --corpus licenses --docs 2 --batches 1 --max-new-tokens 64 --runs 3 --drafters prompt_lookup --no-hf
+    echo "== done ($(date +%T))"
+    pack
+    ;;
 *)
     echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all [options]" >&2
     exit 2

@@ -27,6 +27,7 @@ attention absorbs (`invariant`); tests/test_static_lm.py checks logits and greed
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -58,9 +59,15 @@ def width_of(tokens: int) -> int | None:
     return next((w for w in WIDTHS if w >= tokens), None)
 
 
+# Experimental (PIPELINE_COMPILE_PASSES=1): every-slot passes run each decoder layer through
+# `torch.compile`, fusing its few dozen small kernels into a few before the graph captures them.
+COMPILE = os.environ.get("PIPELINE_COMPILE_PASSES") == "1"
+
+
 class _Slots:
     """The static cache `transformers`' layers write through: `update` puts a pass's keys and
-    values at their rows' slots and positions, and returns every key the pass may attend to."""
+    values at their rows' slots and positions, and returns every key the pass may attend to.
+    `layer(i)` is the same for layer i alone, for a compiled layer that must not see the others."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
         self.keys, self.values = keys, values
@@ -68,7 +75,13 @@ class _Slots:
         self.positions: torch.Tensor | None = None  # [rows, width]
         self.seen = 0  # keys to return (0: all)
 
+    def layer(self, i: int) -> _Slots:
+        one = _Slots([self.keys[i]], [self.values[i]])
+        one.rows, one.positions, one.seen = self.rows, self.positions, self.seen
+        return one
+
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *args, **kwargs):
+        layer = 0 if len(self.keys) == 1 else layer
         held_keys, held_values = self.keys[layer], self.values[layer]
         rows = self.rows if self.rows is not None else torch.arange(len(held_keys), device=keys.device)
         index = (rows[:, None], slice(None), self.positions)  # -> [rows, width, kv heads, dim]
@@ -105,6 +118,7 @@ class StaticLM(BatchedLM):
         self.cache = _Slots(self.keys, self.values)  # rebound by `reserve` to every new buffer
         super().__init__(model, pad_token_id, vocab_size, pack=False)
         self.use_graphs = self.device.type == "cuda"
+        self.compiled = COMPILE
         self.layers = list(model.base_model.layers)
         # the layers' own name for the cache (`transformers` renamed it; see `_cache_keyword`)
         self.cache_keyword = _cache_keyword(self.layers[0])
@@ -125,6 +139,7 @@ class StaticLM(BatchedLM):
             "slots": self.capacity,
             "slot_length": self.total,
             "eager_because": self.graphs_off if self.use_graphs else "no GPU",
+            "compiled": self.compiled,
         }
 
     # --- slots -----------------------------------------------------------------------------
@@ -355,16 +370,11 @@ class StaticLM(BatchedLM):
         else:
             mask = visible
         self.cache.rows, self.cache.positions, self.cache.seen = slots, positions, seen
-        keyword = self.cache_keyword
-        for layer in self.layers:
-            out = layer(
-                hidden,
-                attention_mask=mask,
-                position_embeddings=cos_sin,
-                use_cache=True,
-                **{keyword: self.cache},
-            )
-            hidden = out[0] if isinstance(out, tuple) else out
+        compiled = self.compiled and slots is None and not seen
+        for i, layer in enumerate(self.layers):
+            cache = self.cache.layer(i) if compiled else self.cache
+            run = _compiled_layer if compiled else _run_layer
+            hidden = run(layer, hidden, mask, cos_sin, cache, self.cache_keyword)
         return base.norm(hidden)
 
     def _capture(self, width: int) -> _Graph | None:
@@ -381,6 +391,24 @@ class StaticLM(BatchedLM):
         self.capture_seconds += time.perf_counter() - began
         self.graph_bytes += max(free - torch.cuda.mem_get_info(self.device)[0], 0)
         return graph
+
+
+def _run_layer(layer, hidden, mask, cos_sin, cache, keyword: str) -> torch.Tensor:
+    """One decoder layer of `transformers` over `hidden`, writing its keys and values to `cache`."""
+    out = layer(hidden, attention_mask=mask, position_embeddings=cos_sin, use_cache=True, **{keyword: cache})
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _compiled_layer(*args) -> torch.Tensor:
+    global _compiled
+    if _compiled is None:
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True  # one compile for every layer
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _compiled = torch.compile(_run_layer, dynamic=False)
+    return _compiled(*args)
+
+
+_compiled = None
 
 
 class _Graph:

@@ -402,11 +402,12 @@ class TaskBench:
         self.configs.append(_Config(method, batch, fn, base))
 
     def run(self, runs: int, log: Callable[[str], None]) -> list[Row]:
-        for _ in range(runs):
+        for run in range(runs):
             for c in self.configs:
                 began = time.perf_counter()
                 c.outputs, counted = c.fn()
                 c.times.append(time.perf_counter() - began)
+                log(f"  {self.task}, {c.method}, batch {c.batch}, run {run + 1}/{runs}: {c.times[-1]:.2f} s")
                 if counted:  # our engine's rows
                     c.stats = c.stats or EngineRun()
                     c.stats.add(counted)
