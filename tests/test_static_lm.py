@@ -160,3 +160,35 @@ def test_a_warm_up_on_short_prompts_keeps_the_slots_the_real_batch_reserved(pair
     engine.generate([prompt[:16]], 2, drafter="draft_model", batch_size=1)
     engine.generate([prompt], MAX_NEW, drafter="draft_model", batch_size=1)
     assert engine.target.keys[0] is slots[0] and engine.draft.lm.keys[0] is slots[1]
+
+
+def test_a_benchs_engines_share_each_models_slots_sized_once_per_batch(tiny_pair_dirs, monkeypatch):
+    """The static cache is the model's: a bench's four engines (and their warm-ups on short
+    prompts) pass through the same slots, sized once per batch size, so on a GPU each graph is
+    captured once per model, not once per engine and again after the warm-up."""
+    from pipeline.lab.bench import run_benchmark
+
+    loaded = _load(tiny_pair_dirs, True)
+    grown = []  # (store, rows) of every sizing
+    grow = static_lm._Store.grow
+
+    def counted(store, layers, shape, *args):
+        grown.append((store, shape[0]))
+        return grow(store, layers, shape, *args)
+
+    monkeypatch.setattr(static_lm._Store, "grow", counted)
+    run_benchmark(
+        loaded,
+        tasks=("summarize",),
+        docs=3,
+        batches=(1, 2),
+        max_new_tokens=12,
+        runs=2,
+        drafters=("prompt_lookup", "draft_model", "auto"),
+        hf=False,
+        log=lambda line: None,
+    )
+    target, draft = loaded.target._static_store, loaded.draft._static_store
+    sized = sorted((store is target, rows) for store, rows in grown)
+    assert sized == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    assert all(store in (target, draft) for store, _ in grown)

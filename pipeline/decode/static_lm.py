@@ -93,6 +93,49 @@ class _Slots:
         return held_keys[rows, :, seen], held_values[rows, :, seen]
 
 
+class _Store:
+    """The static cache a model owns: its slots, and the graphs captured over them. Every runner
+    of the model passes through the same ones (a bench's engines, the start-up calibration's,
+    a job's engine), so each graph is captured once per model and slot size, not once per
+    runner; runners of one model run one at a time."""
+
+    def __init__(self, dtype: torch.dtype, compiled: bool):
+        self.dtype, self.compiled = dtype, compiled
+        self.capacity = self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.graphs: dict[int, _Graph] = {}
+        self.kept: dict[int, tuple] = {}  # slots and graphs of other batch sizes, by size
+        self.pool = None  # the memory pool every graph of the model shares (one runs at a time)
+        self.capture_seconds = 0.0
+        self.graph_bytes = 0
+        self.graphs_off: str | None = None  # why passes run eagerly on a GPU
+        self.cache = _Slots(self.keys, self.values)  # rebound to every new buffer
+
+    def switch(self, rows: int) -> None:
+        """The slots and graphs of `rows` rows, as an earlier batch of that size left them (or
+        none yet); the current ones kept for their size."""
+        if self.capacity:
+            self.kept[self.capacity] = (self.keys, self.values, self.graphs, self.length)
+        self.keys, self.values, self.graphs, self.length = self.kept.pop(rows, ([], [], {}, 0))
+        self.capacity = len(self.keys[0]) if self.keys else 0
+        self.cache = _Slots(self.keys, self.values)
+
+    def grow(self, layers: int, shape: tuple, device: torch.device, length: int) -> None:
+        """New slots of `shape` per layer (rows, kv heads, positions, dim) holding the old ones'
+        contents; the graphs captured over the old ones are dropped."""
+        keys = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(layers)]
+        if self.capacity:
+            old, total = self.keys[0].shape[2], shape[2]
+            for new, held in zip(keys + values, self.keys + self.values):
+                new[: self.capacity, :, : min(old, total)] = held[:, :, : min(old, total)]
+        self.keys, self.values = keys, values
+        self.capacity, self.length = shape[0], length
+        self.graphs.clear()  # they captured the old buffers
+        self.cache = _Slots(self.keys, self.values)
+
+
 class StaticLM(BatchedLM):
     """`BatchedLM`'s interface over fixed slots and fixed pass shapes (see the module docstring).
 
@@ -105,37 +148,40 @@ class StaticLM(BatchedLM):
         problem = static_support(model)
         if problem:
             raise ValueError(f"the static pass path cannot run this model: {problem}")
-        self.capacity = self.length = 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
         self.row_slots: list[int] = []
-        self.graphs: dict[int, _Graph] = {}
-        self._kept: dict[int, tuple] = {}  # slots and graphs of other batch sizes, by size
-        self._pool = None  # the memory pool every graph of this runner shares (one runs at a time)
-        self.capture_seconds = 0.0
-        self.graph_bytes = 0
-        self.graphs_off: str | None = None  # why passes run eagerly on a GPU
-        self.cache = _Slots(self.keys, self.values)  # rebound by `reserve` to every new buffer
+        self.compiled = COMPILE
+        implementation = model.config._attn_implementation
+        # float64 attention keeps float64 keys and values, as the dynamic path's cache does
+        cache_dtype = torch.float64 if implementation == invariant.NAME else model.dtype
+        store = getattr(model, "_static_store", None)
+        if store is None or store.dtype != cache_dtype or store.compiled != self.compiled:
+            store = model._static_store = _Store(cache_dtype, self.compiled)
+        self.store = store
         super().__init__(model, pad_token_id, vocab_size, pack=False)
         self.use_graphs = self.device.type == "cuda"
-        self.compiled = COMPILE
         self.layers = list(model.base_model.layers)
         # the layers' own name for the cache (`transformers` renamed it; see `_cache_keyword`)
         self.cache_keyword = _cache_keyword(self.layers[0])
-        implementation = model.config._attn_implementation
         self.additive = implementation in ADDITIVE
-        # float64 attention keeps float64 keys and values, as the dynamic path's cache does
-        self.cache_dtype = torch.float64 if implementation == invariant.NAME else model.dtype
         config = model.config
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    # the model's slots and graphs (`_Store`), read as the runner's own
+    keys = property(lambda self: self.store.keys)
+    values = property(lambda self: self.store.values)
+    capacity = property(lambda self: self.store.capacity)
+    length = property(lambda self: self.store.length)
+    graphs = property(lambda self: self.store.graphs)
+    cache = property(lambda self: self.store.cache)
+    graphs_off = property(lambda self: self.store.graphs_off)
 
     def graph_record(self) -> dict:
         """What the graphs cost to capture, for stats and reports."""
         return {
             "graphs": sorted(self.graphs),
-            "capture_seconds": round(self.capture_seconds, 3),
-            "graph_bytes": self.graph_bytes,
+            "capture_seconds": round(self.store.capture_seconds, 3),
+            "graph_bytes": self.store.graph_bytes,
             "slots": self.capacity,
             "slot_length": self.total,
             "eager_because": self.graphs_off if self.use_graphs else "no GPU",
@@ -150,29 +196,17 @@ class StaticLM(BatchedLM):
         With no row running, the slots (and graphs) of exactly `rows` rows are used, kept from
         an earlier batch of that size where there was one: a graph pass costs every slot, so a
         batch of 1 must not run in the 64 slots a batch of 64 left."""
-        if not self.row_slots and rows != self.capacity:
-            if self.capacity:
-                self._kept[self.capacity] = (self.keys, self.values, self.graphs, self.length)
-            self.keys, self.values, self.graphs, self.length = self._kept.pop(rows, ([], [], {}, 0))
-            self.capacity = len(self.keys[0]) if self.keys else 0
-            self.cache = _Slots(self.keys, self.values)
-        rows, length = max(rows, self.capacity), max(length, self.length)
-        if rows == self.capacity and length == self.length:
+        store = self.store
+        if not self.row_slots and rows != store.capacity:
+            store.switch(rows)
+        rows, length = max(rows, store.capacity), max(length, store.length)
+        if rows == store.capacity and length == store.length:
             return
         # room for the padding of the widest graph past a row's end, plus scratch positions at
         # the end where free slots' padding goes
         total = length + 2 * WIDTHS[-1]
         shape = (rows, self.kv_heads, total, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
-        values = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
-        if self.capacity:
-            old = self.keys[0].shape[2]
-            for new, held in zip(keys + values, self.keys + self.values):
-                new[: self.capacity, :, : min(old, total)] = held[:, :, : min(old, total)]
-        self.keys, self.values = keys, values
-        self.capacity, self.length = rows, length
-        self.graphs.clear()  # they captured the old buffers
-        self.cache = _Slots(self.keys, self.values)
+        store.grow(len(self.layers), shape, self.device, length)
 
     @property
     def total(self) -> int:
@@ -384,12 +418,12 @@ class StaticLM(BatchedLM):
         try:
             graph = _Graph(self, width)
         except Exception as error:  # a kernel that cannot be captured: run eagerly, and say why
-            self.graphs_off = f"{type(error).__name__}: {error}"[:300]
+            self.store.graphs_off = f"{type(error).__name__}: {error}"[:300]
             torch.cuda.synchronize(self.device)
             return None
         self.graphs[width] = graph
-        self.capture_seconds += time.perf_counter() - began
-        self.graph_bytes += max(free - torch.cuda.mem_get_info(self.device)[0], 0)
+        self.store.capture_seconds += time.perf_counter() - began
+        self.store.graph_bytes += max(free - torch.cuda.mem_get_info(self.device)[0], 0)
         return graph
 
 
@@ -425,9 +459,9 @@ class _Graph:
                 lm._layers(self.ids, self.positions, None, 0)
         torch.cuda.current_stream(lm.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        if lm._pool is None:
-            lm._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(self.graph, pool=lm._pool):
+        if lm.store.pool is None:
+            lm.store.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=lm.store.pool):
             self.hidden = lm._layers(self.ids, self.positions, None, 0)
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
