@@ -106,6 +106,7 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
                 "streamed": bool(getattr(loaded, "streamed", False)),
                 "gguf_blocks": getattr(loaded, "weights", "dense") == "gguf-blocks",
                 "static_passes": bool(getattr(loaded, "static_passes", False)),
+                "compiled_passes": bool(getattr(loaded, "compiled_passes", False)),
             },
         )
     return described

@@ -93,7 +93,7 @@ EOF
     ;;
 probe)
     # The second call of a session: why a batch-1 bench outlasts its step (stacks every 15 s),
-    # and passes compiled per layer (static_lm.COMPILE) against the captured eager ones.
+    # and passes compiled per layer (--compiled-passes) against the captured eager ones.
     res=$out/reports
     mkdir -p "$res"
     pack() { tar czf "$out/reports.tgz" -C "$res" .; }
@@ -113,11 +113,11 @@ runpy.run_module('pipeline.cli', run_name='__main__')" bench --pair $pair --repo
         --drafters prompt_lookup --no-hf 2>&1 | grep -v "^Loading weights" | tee "$res/bench-batch1.log"
     pack
     echo "== calibrate, passes compiled per layer ($(date +%T))"
-    PIPELINE_COMPILE_PASSES=1 NAME=qwen-shaped-target-compiled timeout 150 "$0" "$res" calibrate qwen-shaped-target \
-        --widths 1,8,16 --batch 1 --runs 3
+    NAME=qwen-shaped-target-compiled timeout 150 "$0" "$res" calibrate qwen-shaped-target \
+        --widths 1,8,16 --batch 1 --runs 3 --compiled-passes
     pack
     echo "== bench batch 1, compiled ($(date +%T))"
-    PIPELINE_COMPILE_PASSES=1 NAME=qwen-shaped-target-compiled-batch1 timeout 90 "$0" "$res" bench qwen-shaped-target \
+    NAME=qwen-shaped-target-compiled-batch1 timeout 90 "$0" "$res" bench qwen-shaped-target --compiled-passes \
         --tasks translate --corpus licenses --docs 2 --batches 1 --max-new-tokens 64 --runs 3 --drafters prompt_lookup --no-hf
     echo "== done ($(date +%T))"
     pack

@@ -192,3 +192,34 @@ def test_a_benchs_engines_share_each_models_slots_sized_once_per_batch(tiny_pair
     sized = sorted((store is target, rows) for store, rows in grown)
     assert sized == [(False, 1), (False, 2), (True, 1), (True, 2)]
     assert all(store in (target, draft) for store, _ in grown)
+
+
+def test_compiled_passes_keep_every_drafters_output_equal_to_target_only(tiny_pair_dirs):
+    """Compiled layers (`torch.compile`, fused kernels) need not round as the eager ones do, so
+    they are not held to the dynamic path's bits; they must keep the contract itself: with a
+    GPU's numerics (row blocks), every drafter's greedy output is target-only's on the same
+    compiled passes, and a verify pass never outgrows the graphs (a wider one would run eagerly)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models import invariant
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[0], dtype=torch.float32).eval().to(DEVICE)
+    target = invariant.make_batch_invariant(target, True)
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[1], dtype=torch.float32).eval().to(DEVICE)
+    for model in (target, draft):  # as load_pair(static_passes=True, compiled_passes=True) marks them
+        model._static_passes = model._compiled_passes = True
+    prompts = [list(range(5, 40)) * 2, list(range(60, 75)) * 3, list(range(7, 90, 3))]
+    outputs = {}
+    for drafter in ("none", "prompt_lookup", "draft_model"):
+        config = EngineConfig(drafter=drafter, gamma_max=3)
+        engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0, config=config)
+        assert engine.target.compiled and engine.target.max_verify_tokens == static_lm.WIDTHS[-1]
+        done, _ = engine.generate(prompts, 24, batch_size=2)
+        outputs[drafter] = [o.tokens for o in done]
+    assert outputs["prompt_lookup"] == outputs["none"] and outputs["draft_model"] == outputs["none"]
+    assert engine.target.graph_record()["compiled"] and torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    refs = [ModelRef(path=str(d)) for d in tiny_pair_dirs]
+    with pytest.raises(ModelError, match="static pass path"):
+        load_pair(*refs, dtype="float32", device=DEVICE, static_passes=False, compiled_passes=True)
+    loaded = load_pair(*refs, dtype="float32", device=DEVICE, static_passes=True, compiled_passes=True)
+    assert loaded.manifest()["compiled_passes"] and loaded.draft._compiled_passes

@@ -87,6 +87,8 @@ class BatchedLM:
         # logits are cut to this width (target and draft embeddings may be padded differently)
         self.vocab_size = vocab_size or model.get_output_embeddings().out_features
         self.device = next(model.parameters()).device
+        # the most tokens a row's decode or verify pass may feed and keep its numerics (None: any)
+        self.max_verify_tokens: int | None = None
         self.forward_seconds = 0.0
         self.fed_tokens = 0  # tokens the last `forward` computed (not padding, not reused ones)
         # None: one prefill pass per row on a CPU, one padded pass for the batch elsewhere

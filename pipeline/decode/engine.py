@@ -313,6 +313,8 @@ class SpeculativeEngine:
         seqs = [r.seq for r in batch.active]
         left = [batch.max_new_tokens - r.stats.new_tokens for r in batch.active]  # each row's budget
         gamma_cap = min(self.config.gamma_max, min(left))
+        if self.target.max_verify_tokens:  # a verify pass feeds the drafts and the last token
+            gamma_cap = min(gamma_cap, self.target.max_verify_tokens - 1)
         # A lone row's prompt-lookup copy is also a guess at the draft model's own chain.
         guessing = batch.model is not None and len(seqs) == 1 and self.config.guess_tokens > 0
         asked = batch.copiers + ([self.lookup] if guessing and self.lookup not in batch.copiers else [])

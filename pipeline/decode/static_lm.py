@@ -27,7 +27,6 @@ attention absorbs (`invariant`); tests/test_static_lm.py checks logits and greed
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -57,11 +56,6 @@ def runner(model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = N
 def width_of(tokens: int) -> int | None:
     """The graph width a pass of `tokens` tokens per row runs in (None: wider than any)."""
     return next((w for w in WIDTHS if w >= tokens), None)
-
-
-# Experimental (PIPELINE_COMPILE_PASSES=1): every-slot passes run each decoder layer through
-# `torch.compile`, fusing its few dozen small kernels into a few before the graph captures them.
-COMPILE = os.environ.get("PIPELINE_COMPILE_PASSES") == "1"
 
 
 class _Slots:
@@ -149,7 +143,9 @@ class StaticLM(BatchedLM):
         if problem:
             raise ValueError(f"the static pass path cannot run this model: {problem}")
         self.row_slots: list[int] = []
-        self.compiled = COMPILE
+        # every-slot passes run each decoder layer through `torch.compile`, fusing its few dozen
+        # small kernels into a few before the graph captures them (`load_pair(compiled_passes=)`)
+        self.compiled = bool(getattr(model, "_compiled_passes", False))
         implementation = model.config._attn_implementation
         # float64 attention keeps float64 keys and values, as the dynamic path's cache does
         cache_dtype = torch.float64 if implementation == invariant.NAME else model.dtype
@@ -159,6 +155,9 @@ class StaticLM(BatchedLM):
         self.store = store
         super().__init__(model, pad_token_id, vocab_size, pack=False)
         self.use_graphs = self.device.type == "cuda"
+        if self.compiled and getattr(model, "_batch_invariant", False):
+            # a wider pass would run eagerly, whose kernels round otherwise than the compiled ones
+            self.max_verify_tokens = WIDTHS[-1]
         self.layers = list(model.base_model.layers)
         # the layers' own name for the cache (`transformers` renamed it; see `_cache_keyword`)
         self.cache_keyword = _cache_keyword(self.layers[0])

@@ -699,6 +699,7 @@ class BenchOptions:
     threads: int | None
     batch_invariant: bool | None
     static_passes: bool | None
+    compiled_passes: bool
     draft_int8: bool | None
     hf_assistant_tokens: tuple[int, ...]
     hf_lookup_tokens: tuple[int, ...]
@@ -739,6 +740,7 @@ def _describe_loaded(pair: str, loaded: LoadedPair) -> str:
         + (", streamed linears" if loaded.streamed else "")
         + (", target on its GGUF blocks" if loaded.weights == "gguf-blocks" else "")
         + (", static passes" if loaded.static_passes else "")
+        + (", compiled" if loaded.compiled_passes else "")
     )
 
 
@@ -789,6 +791,7 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         "batch_invariant": o.batch_invariant,
         "draft_int8": o.draft_int8,
         "static_passes": o.static_passes,
+        "compiled_passes": o.compiled_passes,
     }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)
     echo(_describe_loaded(o.pair, loaded))

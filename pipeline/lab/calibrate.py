@@ -122,7 +122,8 @@ def format_table(result: dict[str, Any]) -> str:
         )
     for role, graphs in (result.get("static_passes") or {}).items():
         lines.append(
-            f"static passes ({role}): {graphs['slots']} slots of {graphs['slot_length']} positions, "
+            f"static passes ({role}{', compiled' if graphs.get('compiled') else ''}): "
+            f"{graphs['slots']} slots of {graphs['slot_length']} positions, "
             + (
                 f"graphs of widths {','.join(map(str, graphs['graphs']))} captured in "
                 f"{graphs['capture_seconds']:.2f} s, {graphs['graph_bytes'] / 1e6:.0f} MB"
@@ -181,6 +182,7 @@ class CalibrateOptions:
     against: str | None
     batch_invariant: bool | None
     static_passes: bool | None
+    compiled_passes: bool
     runs: int
     as_json: bool
     out_path: str | None
@@ -201,7 +203,11 @@ def measure_pair(options: CalibrateOptions) -> tuple[LoadedPair, dict[str, Any]]
         torch.set_num_threads(o.threads)
     check_settings(o.batches, o.widths, o.context, o.runs)
     target, draft = resolve_pair(o.pair)
-    kernels = {"batch_invariant": o.batch_invariant, "static_passes": o.static_passes}
+    kernels = {
+        "batch_invariant": o.batch_invariant,
+        "static_passes": o.static_passes,
+        "compiled_passes": o.compiled_passes,
+    }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)
     if not o.against:
         return loaded, measure(loaded, o.batches, o.widths, o.context, o.runs, pair_name=o.pair)

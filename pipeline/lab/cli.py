@@ -61,6 +61,12 @@ weights_option = click.option(
     "load it; see models.static_passes).",
 )
 @click.option(
+    "--compiled-passes",
+    is_flag=True,
+    help="Experimental: the static passes' decoder layers compiled with torch.compile before their "
+    "graphs are captured (fewer, fused kernels).",
+)
+@click.option(
     "--draft-int8/--draft-as-loaded",
     default=None,
     help="Draft decode steps on int8 weights (default: as a job would load it; see "
@@ -175,6 +181,12 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
     default=None,
     help="Passes through fixed slots and shapes, CUDA graphs on a GPU (default: as a job would "
     "load it; see models.static_passes).",
+)
+@click.option(
+    "--compiled-passes",
+    is_flag=True,
+    help="Experimental: the static passes' decoder layers compiled with torch.compile before their "
+    "graphs are captured (fewer, fused kernels).",
 )
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")

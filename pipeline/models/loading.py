@@ -293,6 +293,8 @@ class LoadedPair:
     block_layers: dict[str, int] = field(default_factory=dict)
     # passes through fixed slots and shapes, captured as CUDA graphs on a GPU (`static_lm`)
     static_passes: bool = False
+    # the static passes' decoder layers compiled (`torch.compile`) before their graphs are captured
+    compiled_passes: bool = False
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -332,6 +334,7 @@ class LoadedPair:
             "weights": self.weights,
             "block_layers": self.block_layers,
             "static_passes": self.static_passes,
+            "compiled_passes": self.compiled_passes,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -557,6 +560,7 @@ def load_pair(
     weights: str = "auto",
     batch: int | None = None,
     static_passes: bool | None = None,
+    compiled_passes: bool = False,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -574,7 +578,8 @@ def load_pair(
     GGUF blocks its install kept (see `_target_blocks`, which `batch`, the rows a job decodes
     together, informs); gguf-blocks with dtype auto runs float32.
     `static_passes` (None: on GPUs) runs both models' passes through fixed slots and shapes,
-    replayed as CUDA graphs on a GPU (see `pipeline.decode.static_lm`), where the model allows.
+    replayed as CUDA graphs on a GPU (see `pipeline.decode.static_lm`), where the model allows;
+    `compiled_passes` (experimental, off until a GPU run shows it pays) compiles their layers first.
     """
     device = resolve_device(device)
     if weights == "gguf-blocks" and dtype in (None, "auto") and device == "cpu":
@@ -606,6 +611,11 @@ def load_pair(
         )
         times["draft_s"] = time.perf_counter() - t
     static_passes = _static_passes(static_passes, device, target_model, draft_model)
+    if compiled_passes and not static_passes:
+        raise ModelError("compiled passes need the static pass path (models.static_passes)")
+    for model in (target_model, draft_model) if compiled_passes else ():
+        if getattr(model, "_static_passes", False):
+            model._compiled_passes = True
     return LoadedPair(
         tokenizer=tokenizer,
         target=target_model,
@@ -620,5 +630,6 @@ def load_pair(
         weights="gguf-blocks" if block_layers else "dense",
         block_layers=block_layers,
         static_passes=static_passes,
+        compiled_passes=compiled_passes,
         load_seconds=times,
     )

@@ -48,8 +48,9 @@ _current: ContextVar[Layout | None] = ContextVar("packing_layout", default=None)
 
 
 def current() -> Layout | None:
-    """The layout of the pass running now, if it runs packed. Never inside a compiled pass:
-    only the static path's every-slot passes are compiled (`static_lm.COMPILE`), never packed."""
+    """The layout of the pass running now, if it runs packed. Never inside a compiled pass: only
+    the static path's every-slot passes are compiled (`load_pair(compiled_passes=True)`), and
+    they are never packed."""
     if torch.compiler.is_compiling():
         return None
     return _current.get()

@@ -229,7 +229,7 @@ def prefilling() -> Iterator[None]:
 
 def is_prefilling() -> bool:
     """Is the pass running now a prefill (see `prefilling`)? Never a compiled pass: only the
-    static path's every-slot decode and verify passes are compiled (`static_lm.COMPILE`)."""
+    static path's every-slot decode and verify passes are compiled (`load_pair(compiled_passes=True)`)."""
     if torch.compiler.is_compiling():
         return False
     return _prefill.get()
