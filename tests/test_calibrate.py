@@ -132,6 +132,8 @@ def test_the_cache_reads_back_what_was_saved_under_a_key_of_the_settings(tiny_lo
     assert load_cached(key) is None  # another format's measurements are not used
 
     assert calibration_key(tiny_loaded, threads=1) == key
+    static_path = dataclasses.replace(tiny_loaded, static_passes=True)
+    compiled_path = dataclasses.replace(static_path, compiled_passes=True)
     others = [
         calibration_key(tiny_loaded, threads=2),
         calibration_key(dataclasses.replace(tiny_loaded, dtype=torch.bfloat16), threads=1),
@@ -140,6 +142,7 @@ def test_the_cache_reads_back_what_was_saved_under_a_key_of_the_settings(tiny_lo
         ),
         calibration_key(dataclasses.replace(tiny_loaded, draft_ref=ModelRef("/elsewhere")), threads=1),
         calibration_key(tiny_loaded, threads=1, draft_vocab=64),
+        *(calibration_key(static, threads=1) for static in (static_path, compiled_path)),
     ]
     assert len({key, *others}) == len(others) + 1
 

@@ -275,6 +275,7 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         "streamed": bool(getattr(loaded, "streamed", False)),
         "weights": getattr(loaded, "weights", "dense"),
         **({"static_passes": True} if getattr(loaded, "static_passes", False) else {}),
+        **({"compiled_passes": True} if getattr(loaded, "compiled_passes", False) else {}),
         # a changed kernel source changes what a pass costs
         "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16]
         if loaded.streamed or getattr(loaded, "weights", "dense") == "gguf-blocks"
