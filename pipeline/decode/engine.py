@@ -368,7 +368,7 @@ class SpeculativeEngine:
         produced = 0
         argmax: list[list[int] | None] = [None] * len(logits)
         if batch.sampling.greedy and logits:  # one read of the whole batch's choices
-            flat = torch.cat([torch.argmax(x, dim=-1) for x in logits]).tolist()
+            flat = torch.argmax(torch.cat(logits), dim=-1).tolist()
             ends = list(itertools.accumulate(len(x) for x in logits))
             argmax = [flat[end - len(x) : end] for x, end in zip(logits, ends)]
         rows = zip(batch.active, drafts.tokens, drafts.probs, drafts.keys, logits, argmax)

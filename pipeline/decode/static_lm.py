@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -366,16 +367,17 @@ class StaticLM(BatchedLM):
     def _layout(self, slots, rows, blocks, width, *, every_slot):
         """Token ids and positions [len(slots), width]: each row's block at the positions after
         its cached tokens, its padding after that; slots without a row in scratch positions."""
-        scratch = self.total - width
-        ids = torch.full((len(slots), width), self.pad_token_id, dtype=torch.long)
-        positions = torch.arange(scratch, scratch + width).repeat(len(slots), 1)
+        # built in numpy, a row at a time: per-row torch calls cost ~2 ms a pass at batch 64, as
+        # much as a captured GPU pass
+        ids = np.full((len(slots), width), self.pad_token_id, dtype=np.int64)
+        starts = np.full(len(slots), self.total - width, dtype=np.int64)
         for n, (row, block) in enumerate(zip(rows, blocks)):
             at = self.row_slots[row] if every_slot else n
-            start = len(self.tokens[row])
-            ids[at, : len(block)] = torch.tensor(block)
-            positions[at] = torch.arange(start, start + width)
+            ids[at, : len(block)] = block
+            starts[at] = len(self.tokens[row])
         # an eager group's short rows pad far: past the slot's end, padding shares its last position
-        return ids, positions.clamp_(max=self.total - 1)
+        positions = np.minimum(starts[:, None] + np.arange(width), self.total - 1)
+        return torch.from_numpy(ids), torch.from_numpy(positions)
 
     def _finish(self, rows, blocks, wanted, hidden: torch.Tensor, at: list[int]) -> list[torch.Tensor]:
         """The logits rows ask for, from the pass's last hidden states [slots, width, hidden];
