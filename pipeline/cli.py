@@ -207,11 +207,17 @@ def submit(spec_path, run_id, date, sets, address, wait, overwrite, progress, le
     envvar="RAY_API_SERVER_ADDRESS",
     help="Ray dashboard address, e.g. http://HEAD:8265.",
 )
-def status(job_id, address):
-    """Show a submitted job's state and its shards' progress."""
+@storage_option
+def status(job_id, address, storage_options):
+    """Show a submitted job's state and its shards' progress, read from its input and output
+    with the storage options it was submitted with (and any given here)."""
     from pipeline.cluster.jobs_api import job_status
 
-    info = job_status(address, job_id)
+    try:
+        info = job_status(address, job_id, parse_storage_options(storage_options))
+    except (StorageError, ValueError) as exc:
+        click.echo(f"pipeline status: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
     for key, value in info.items():
         click.echo(f"{key:>18}: {value}")
     if info.get("state") in ("FAILED", "STOPPED"):

@@ -120,3 +120,48 @@ def test_submit_to_a_ray_head_and_wait(tiny_pair_dirs, tmp_path, ray_head, monke
     assert "SUCCEEDED" in status.output and "shards_done" in status.output
     assert "shards_failed: 0" in status.output
     assert re.search(r"1/1 \[[^]]*shard", result.stderr)  # the final state of the progress bar
+
+
+def test_status_reads_s3_with_the_storage_options_the_job_was_submitted_with(s3_server, monkeypatch):
+    """A MinIO-style endpoint given only in the spec's storage_options: `pipeline status` reads
+    the job's stats and lists its input there (before, it read with none and failed)."""
+    import types
+
+    import pyarrow as pa
+
+    from pipeline.cluster import jobs_api
+
+    bucket = s3_server.make_bucket("status")
+    options = s3_server.storage_options
+    Storage(f"s3://{bucket}/in", options).write_parquet(
+        "part-0.parquet", pa.table({"id": ["a"], "text": ["x"]})
+    )
+    Storage(f"s3://{bucket}/in", options).write_parquet(
+        "part-1.parquet", pa.table({"id": ["b"], "text": ["y"]})
+    )
+    out = Storage(f"s3://{bucket}/out", options)
+    out.write_bytes(
+        "stats/part-0.json", (Path(__file__).parent / "data/demo-run/stats/part-00000.json").read_bytes()
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")  # nothing listens there
+    metadata = {"input_url": f"s3://{bucket}/in", "output_url": f"s3://{bucket}/out"}
+    info = types.SimpleNamespace(
+        metadata=metadata,
+        status=types.SimpleNamespace(value="RUNNING"),
+        message="",
+        start_time=None,
+        end_time=None,
+    )
+    client = types.SimpleNamespace(get_job_info=lambda job_id: info)
+    monkeypatch.setattr(jobs_api, "_client", lambda address: client)
+    monkeypatch.setattr(jobs_api.time, "time", lambda: 0.0)
+
+    metadata["storage_options"] = json.dumps({"input": options, "output": options})  # as `submit` writes it
+    result = CliRunner().invoke(main, ["status", "raysubmit_x", "--address", "http://127.0.0.1:1"])
+    assert result.exit_code == 0, result.output
+    assert "shards_done: 1" in result.output and "shards_remaining: 1" in result.output
+
+    del metadata["storage_options"]  # a job submitted without them: given on the command line
+    args = ["status", "raysubmit_x", "--address", "http://127.0.0.1:1"]
+    result = CliRunner().invoke(main, [*args, "--storage-option", f"endpoint_url={s3_server.endpoint}"])
+    assert result.exit_code == 0 and "shards_done: 1" in result.output, result.output

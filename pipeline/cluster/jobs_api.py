@@ -12,6 +12,7 @@ import click
 from tenacity import retry, retry_if_exception, stop_after_delay, wait_exponential
 
 from pipeline.spec import JobSpec
+from pipeline.storage.secrets import redact_options
 
 # What does not travel in the job's working_dir: environments, caches, local data and outputs.
 WORKING_DIR_EXCLUDES = [".venv/", "out/", "data/", ".pipeline/", "**/__pycache__/", ".whl/", "*.gguf"]
@@ -87,6 +88,10 @@ def submit_job(
             "run_id": spec.run_id,
             "input_url": spec.input.url,
             "output_url": spec.output.url,
+            # what `job_status` reads the outputs with (credential keys are refused by the spec)
+            "storage_options": json.dumps(
+                redact_options({"input": spec.input.storage_options, "output": spec.output.storage_options})
+            ),
         },
     )
 
@@ -140,8 +145,9 @@ def _update_bar(bar, info: dict) -> None:
     bar.refresh()
 
 
-def job_status(address: str, job_id: str) -> dict:
-    """State of a submitted job plus progress read from its output's stats files."""
+def job_status(address: str, job_id: str, storage_options: dict | None = None) -> dict:
+    """State of a submitted job plus progress read from its output's stats files, with the
+    storage options the job was submitted with, updated by `storage_options` (for both URLs)."""
     from pipeline.job.layout import read_failed
     from pipeline.job.stats import JobTotals
     from pipeline.report.results import load_stats
@@ -155,18 +161,20 @@ def job_status(address: str, job_id: str) -> dict:
     if not output_url:
         return result
     result["output_url"] = output_url
-    stats = load_stats(output_url)
+    submitted = json.loads(meta.get("storage_options") or "{}")
+    options = {url: {**submitted.get(url, {}), **(storage_options or {})} for url in ("input", "output")}
+    stats = load_stats(output_url, options["output"])
     totals = JobTotals.of(stats)
     decoded = totals.decoded
     done = len(stats)
-    failed = len(read_failed(Storage(output_url)))
+    failed = len(read_failed(Storage(output_url, options["output"])))
     result["shards_done"] = done
     result["shards_failed"] = failed
     input_url = meta.get("input_url")
     if input_url:
         from pipeline.storage import list_shards
 
-        total = len(list_shards(input_url))
+        total = len(list_shards(input_url, options["input"]))
         result["shards_remaining"] = max(total - done - failed, 0)
     elapsed = (time.time() - info.start_time / 1000) if info.start_time else None
     end = info.end_time / 1000 if info.end_time else None
