@@ -62,6 +62,11 @@ class JobResult:
     shards_skipped: int
     done: list[dict] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)
+    # attempts that failed and went back on the queue (shard, attempt, reason, the actor's node)
+    retried: list[dict] = field(default_factory=list)
+    # Ray nodes alive when the shards started and dead at the end (Ray declares a node dead
+    # after missing heartbeats, ~15 s: a job that recovers sooner may end before it does)
+    nodes_lost: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -268,16 +273,29 @@ def _run_shards(
     shown = ShardProgress(len(todo), show_bar=_show_progress(progress))
     record = _Recorder(spec, out, result, shown, queue)
     start_actor = partial(_model_actor_class(spec).remote, spec)
+    nodes = _alive_nodes()
     with ModelActorPool(start_actor, min(spec.execution.num_actors, len(todo))) as pool:
-        while queue or pool.busy:
+        while queue or pool.running:  # not waiting for actors coming back once no shard is left
             _dispatch(pool, queue, input_schema, duplicates)
             outcome = pool.next()
             lease.check()
             if isinstance(outcome, Finished):
-                record.finished(outcome.task, outcome.value, outcome.error)
+                record.finished(outcome.task, outcome.value, outcome.error, outcome.actor)
             elif isinstance(outcome, CannotStart) and queue:
                 record.give_up(f"model actors cannot start: {_reason(outcome.error)}")
+    result.nodes_lost = [{"node": n, "reason": why} for n, why in _dead_nodes().items() if n in nodes]
+    for lost in result.nodes_lost:
+        shown.note(f"Ray node {lost['node']} was lost during the job: {lost['reason']}")
     shown.close()
+
+
+def _alive_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def _dead_nodes() -> dict[str, str]:
+    """The Ray nodes the cluster has declared dead, with Ray's reason."""
+    return {n["NodeID"]: n.get("DeathReasonMessage") or "" for n in ray.nodes() if not n["Alive"]}
 
 
 def _model_actor_class(spec: JobSpec):
@@ -286,6 +304,7 @@ def _model_actor_class(spec: JobSpec):
     return ray.remote(ModelWorker).options(
         num_cpus=ex.num_cpus,
         num_gpus=ex.num_gpus,
+        scheduling_strategy="SPREAD" if ex.placement == "spread" else "DEFAULT",
         max_restarts=ACTOR_RESTARTS,
         max_task_retries=0,  # the driver retries shards itself, counting attempts per shard
     )
@@ -312,18 +331,24 @@ class _Recorder:
         self, spec: JobSpec, out: Storage, result: JobResult, shown: ShardProgress, queue: deque[ShardAttempt]
     ):
         self.spec, self.out, self.result, self.shown, self.queue = spec, out, result, shown, queue
+        self.nodes: dict = {}  # actor -> the Ray node its shards' stats named
 
-    def finished(self, shard: ShardAttempt, stats: dict | None, error: Exception | None) -> None:
+    def finished(self, shard: ShardAttempt, stats: dict | None, error: Exception | None, actor=None) -> None:
         if error is None:
+            self.nodes[actor] = (stats.get("worker") or {}).get("node")
             self.done(stats)
             return
         reason = _reason(error)
+        node = self.nodes.get(actor)
         if is_complete(self.out, shard.name):  # died after writing its completion marker: done
             self.done(self.out.read_json(shard_paths(shard.name)["stats"]))
         elif shard.attempt <= self.spec.execution.max_retries:
             metrics.record_failure(self.spec.name, shard.name, reason, final=False)
+            retry = {"shard": shard.name, "attempt": shard.attempt, "reason": reason, "node": node}
+            self.result.retried.append(retry)
             self.queue.append(ShardAttempt(shard.url, shard.name, shard.attempt + 1))
-            self.shown.note(f"shard {shard.name}: attempt {shard.attempt} failed ({reason}); retrying")
+            where = f" on node {node}" if node else ""
+            self.shown.note(f"shard {shard.name}: attempt {shard.attempt}{where} failed ({reason}); retrying")
         else:
             self.fail(shard, shard.attempt, reason)
             self.shown.shard_failed(f"shard {shard.name}: FAILED after {shard.attempt} attempts: {reason}")
@@ -395,6 +420,8 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float,
         "shards_total": result.shards_total,
         "shards_skipped": result.shards_skipped,
         "failed": result.failed,
+        "retried": result.retried,
+        "nodes_lost": result.nodes_lost,
         "totals": totals,
     }
     save_manifest(out, manifest, complete=final and result.ok and totals["shards"] == result.shards_total)

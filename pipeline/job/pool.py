@@ -20,7 +20,7 @@ What is left to reuse is a list and a dict, so the pool is a small class of its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -35,6 +35,7 @@ class Finished:
     task: Any
     value: Any = None
     error: RayActorError | RayTaskError | None = None
+    actor: Any = field(default=None, compare=False)  # the actor the call ran on
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class ModelActorPool:
         """Calls in flight or actors coming back: `next` has something to wait for."""
         return bool(self._running or self._warming)
 
+    @property
+    def running(self) -> bool:
+        """Calls in flight. Actors coming back are no work of their own: an actor restarting
+        where no node has room for it (its node lost, the survivors full) may never answer."""
+        return bool(self._running)
+
     def submit(self, task: Any, call: Callable[[Any], ray.ObjectRef]) -> None:
         """Start `call(actor)` on a free actor (the last one freed); `task` comes back with it."""
         actor = self._idle.pop()
@@ -95,13 +102,13 @@ class ModelActorPool:
             value = ray.get(ref)
         except RayActorError as exc:  # Ray restarts it (or it is dead for good): ping it
             self._warm(actor)
-            return Finished(task, error=exc)
+            return Finished(task, error=exc, actor=actor)
         except RayTaskError as exc:  # the call raised; its actor is fine
             self._free(actor)
-            return Finished(task, error=exc)
+            return Finished(task, error=exc, actor=actor)
         self._free(actor)
         self._dead_in_a_row = 0
-        return Finished(task, value)
+        return Finished(task, value, actor=actor)
 
     def shutdown(self) -> None:
         """Kill every actor of the pool (Ray would once their handles go; now, and for good)."""

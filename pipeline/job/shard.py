@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -429,9 +430,18 @@ class ShardProcessor:
                 "drafting_gate": self.engine.gate.record(),
                 "static_passes": self.engine.static_record(),
                 "models": self.model_info,
-                "worker": {"host": socket.gethostname(), "pid": os.getpid()},
+                "worker": {"host": socket.gethostname(), "pid": os.getpid(), "node": _ray_node()},
             },
         )
+
+
+def _ray_node() -> str | None:
+    """The id of the Ray node this actor runs on (None outside Ray): on a cluster of one
+    machine's nodes the host does not tell them apart, and a lost node is named by it."""
+    ray = sys.modules.get("ray")  # imported by the actor's runtime, never by this module
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 class _Unreadable(Exception):

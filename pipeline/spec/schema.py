@@ -538,6 +538,12 @@ class ExecutionSpec(_Section):
     num_actors: int = Field(1, ge=1, le=10_000, description="Number of decoding actors.")
     num_cpus: float = Field(1, gt=0, description="CPUs reserved per actor.")
     num_gpus: float = Field(0, ge=0, description="GPUs reserved per actor (fractions allowed).")
+    placement: Literal["spread", "pack"] = Field(
+        "spread",
+        description="How model actors go over a cluster's nodes: `spread` on as many nodes as "
+        "have room (Ray's SPREAD strategy), so that a lost node takes the fewest actors and "
+        "shards in flight with it; `pack` as Ray places by default, filling fewer nodes.",
+    )
     threads: int | None = Field(
         None, ge=1, description="torch threads per actor; null = num_cpus (rounded up)."
     )

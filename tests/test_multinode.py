@@ -1,0 +1,71 @@
+"""Several nodes (issue 38): a head and two worker nodes on this machine, each a raylet of its
+own (`ray.cluster_utils.Cluster`), a job whose model actors spread over the workers, and a
+worker node killed mid-job (its raylet, actors and object store at once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pipeline_helpers import assert_exactly_once, clean_corpus, ids_in, job_dict
+
+from pipeline.storage import Storage
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def cluster():
+    """A head with no CPUs (as a user's head would be) and two 1-CPU worker nodes."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+def _start_job(cluster, tiny_pair_dirs, tmp_path, shards: int) -> tuple[subprocess.Popen, Storage, set[str]]:
+    expected = clean_corpus(Storage(str(tmp_path / "in")), shards=shards, rows=1)
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out" / "{run_id}"), num_actors=2)
+    data["input"]["keep_columns"] = []
+    data["generation"]["max_new_tokens"] = 4
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps(data))
+    command = [sys.executable, "-m", "pipeline.cli", "run", str(spec), "--run-id", "nodes", "--no-progress"]
+    command += ["--address", cluster.address]
+    driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return driver, Storage(str(tmp_path / "out" / "nodes")), expected
+
+
+def _nodes(out: Storage) -> list[str]:
+    return [out.read_json(n)["worker"]["node"] for n in out.list("stats")]
+
+
+def test_actors_spread_over_the_workers_and_a_lost_node_costs_no_row(cluster, tiny_pair_dirs, tmp_path):
+    driver, out, expected = _start_job(cluster, tiny_pair_dirs, tmp_path, shards=16)
+    workers = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
+    began = time.monotonic()
+    while driver.poll() is None and len(out.list("stats")) < 4 and time.monotonic() - began < 240:
+        time.sleep(0.1)
+    assert driver.poll() is None, driver.communicate()[0].decode()[-3000:]
+    assert set(_nodes(out)) == {w.node_id for w in workers}  # spread: both workers decoded
+    cluster.remove_node(workers[0], allow_graceful=False)  # SIGKILL: raylet, actors, object store
+    log = driver.communicate(timeout=400)[0].decode()
+    assert driver.returncode == 0, log[-3000:]
+    assert out.exists("_SUCCESS")
+    assert_exactly_once(out, expected)
+    manifest = out.read_json("manifest.json")
+    assert manifest["failed"] == [] and manifest["totals"]["rows_out"] == len(ids_in(out, "outputs"))
+    # the shard in flight on the lost node went back on the queue, named with its node
+    retried_on = {r["node"] for r in manifest["retried"]}
+    assert manifest["retried"] and retried_on == {workers[0].node_id}, log[-3000:]
+    assert all(r["reason"].startswith("model actor died") for r in manifest["retried"])
+    after = [out.read_json(n) for n in out.list("stats")]
+    assert {s["worker"]["node"] for s in after} == {w.node_id for w in workers}
