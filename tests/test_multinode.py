@@ -52,7 +52,11 @@ def test_actors_spread_over_the_workers_and_a_lost_node_costs_no_row(cluster, ti
     driver, out, expected = _start_job(cluster, tiny_pair_dirs, tmp_path, shards=16)
     workers = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
     began = time.monotonic()
-    while driver.poll() is None and len(out.list("stats")) < 4 and time.monotonic() - began < 240:
+    # until both actors (one per worker node: spread) have finished shards, 4 at least
+    while driver.poll() is None and time.monotonic() - began < 240:
+        done = _nodes(out)
+        if len(done) >= 4 and len(set(done)) == 2:
+            break
         time.sleep(0.1)
     assert driver.poll() is None, driver.communicate()[0].decode()[-3000:]
     assert set(_nodes(out)) == {w.node_id for w in workers}  # spread: both workers decoded
