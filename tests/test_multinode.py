@@ -35,7 +35,7 @@ def _start_job(cluster, tiny_pair_dirs, tmp_path, shards: int) -> tuple[subproce
     expected = clean_corpus(Storage(str(tmp_path / "in")), shards=shards, rows=1)
     data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out" / "{run_id}"), num_actors=2)
     data["input"]["keep_columns"] = []
-    data["generation"]["max_new_tokens"] = 4
+    data["generation"]["max_new_tokens"] = 24  # shards long enough that a kill finds one in flight
     spec = tmp_path / "job.yaml"
     spec.write_text(json.dumps(data))
     command = [sys.executable, "-m", "pipeline.cli", "run", str(spec), "--run-id", "nodes", "--no-progress"]
