@@ -1,6 +1,6 @@
 """Several nodes (issue 38): a head and two worker nodes on this machine, each a raylet of its
-own (`ray.cluster_utils.Cluster`), a job whose model actors spread over the workers, and a
-worker node killed mid-job (its raylet, actors and object store at once)."""
+own (`ray.cluster_utils.Cluster`), a job whose model actors spread over the workers, a worker
+node killed mid-job (its raylet, actors and object store at once) and a new one joining."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ def cluster():
     """A head with no CPUs (as a user's head would be) and two 1-CPU worker nodes."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    # a lost node declared dead after ~2 s of missed health checks rather than Ray's ~15 s: only
+    # then does Ray restart its actors elsewhere, and the test need not outlast that
+    checks = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+    head = {"num_cpus": 0, "include_dashboard": False, "_system_config": checks}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(2):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -48,8 +52,9 @@ def _nodes(out: Storage) -> list[str]:
     return [out.read_json(n)["worker"]["node"] for n in out.list("stats")]
 
 
-def test_actors_spread_over_the_workers_and_a_lost_node_costs_no_row(cluster, tiny_pair_dirs, tmp_path):
-    driver, out, expected = _start_job(cluster, tiny_pair_dirs, tmp_path, shards=16)
+def test_actors_spread_a_lost_node_costs_no_row_and_a_new_node_takes_work(cluster, tiny_pair_dirs, tmp_path):
+    # work enough left after the kill for the restarted actor to load its models and take some
+    driver, out, expected = _start_job(cluster, tiny_pair_dirs, tmp_path, shards=80)
     workers = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
     began = time.monotonic()
     # until both actors (one per worker node: spread) have finished shards, 4 at least
@@ -61,6 +66,7 @@ def test_actors_spread_over_the_workers_and_a_lost_node_costs_no_row(cluster, ti
     assert driver.poll() is None, driver.communicate()[0].decode()[-3000:]
     assert set(_nodes(out)) == {w.node_id for w in workers}  # spread: both workers decoded
     cluster.remove_node(workers[0], allow_graceful=False)  # SIGKILL: raylet, actors, object store
+    joined = cluster.add_node(num_cpus=1)  # the lost actor, restarted by Ray, lands here
     log = driver.communicate(timeout=400)[0].decode()
     assert driver.returncode == 0, log[-3000:]
     assert out.exists("_SUCCESS")
@@ -71,5 +77,7 @@ def test_actors_spread_over_the_workers_and_a_lost_node_costs_no_row(cluster, ti
     retried_on = {r["node"] for r in manifest["retried"]}
     assert manifest["retried"] and retried_on == {workers[0].node_id}, log[-3000:]
     assert all(r["reason"].startswith("model actor died") for r in manifest["retried"])
-    after = [out.read_json(n) for n in out.list("stats")]
-    assert {s["worker"]["node"] for s in after} == {w.node_id for w in workers}
+    assert [lost["node"] for lost in manifest["nodes_lost"]] == [workers[0].node_id]
+    nodes = _nodes(out)
+    counts = {n: nodes.count(n) for n in set(nodes)}
+    assert set(nodes) == {*(w.node_id for w in workers), joined.node_id}, counts
