@@ -11,6 +11,25 @@ out=$1 what=$2
 shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# `all` and `probe` write their reports under OUT/reports, packed into OUT/reports.tgz after
+# every step (only a few files of OUT come back from the device, and a call cut short still
+# brings back what it measured). `prepare`: what the machine lacks comes unpacked in
+# .gpu-carry/site (`gpu_models.py prepare`), put first on the path where anything is missing;
+# the reports' names as docs/benchmarks has them (2026-11-28-calibrate-h200-bf16-...); then
+# random-weight Qwen2.5-Coder-shaped models from the carried configs (scripts/gpu_models.py).
+prepare() {
+    res=$out/reports
+    mkdir -p "$res"
+    [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml, fsspec, xdist" 2>/dev/null ||
+        export PYTHONPATH="$PWD/.gpu-carry/site:$PYTHONPATH"; }
+    DATE=$(date +%F)
+    MACHINE=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else 'cpu'; print(next((g for g in ('h200', 'h100', 'a100', 'l4') if g in n), n.split()[-1]))")-bf16
+    export DATE MACHINE
+    python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
+    export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
+    pair=qwen2.5-coder-shaped-random
+}
+pack() { tar czf "$out/reports.tgz" -C "$res" .; }
 case $what in
 tests)
     PIPELINE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -o addopts= "$@" \
@@ -33,17 +52,9 @@ bench)
         grep -v "^Loading weights" | tee "$out/$name.log"
     ;;
 all)
-    # only a few files of OUT come back from the device: the reports go in one archive, renewed
-    # after every step so that a call cut short still brings back what it measured
-    res=$out/reports
-    mkdir -p "$res"
-    pack() { tar czf "$out/reports.tgz" -C "$res" .; }
-    # The whole check in one call (docs/gpu.md): random-weight Qwen2.5-Coder-shaped models from the
-    # carried configs (scripts/gpu_models.py), then each step under its own time limit, the most
-    # telling first. What the machine lacks comes unpacked in .gpu-carry/site (`gpu_models.py
-    # prepare`), put first on the path where anything is missing.
-    [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml, fsspec, xdist" 2>/dev/null ||
-        export PYTHONPATH="$PWD/.gpu-carry/site:$PYTHONPATH"; }
+    # The whole check in one call (docs/gpu.md), each step under its own time limit, the most
+    # telling first.
+    prepare
     python3 - <<'EOF' 2>&1 | tee "$res/env.log"
 import importlib, platform, torch
 print(platform.platform(), "python", platform.python_version())
@@ -56,13 +67,6 @@ for name in ("transformers", "accelerate", "pyarrow", "fsspec", "tenacity", "pyd
 import shutil
 print("compilers", {c: shutil.which(c) for c in ("gcc", "cc", "nvcc")}, "cpus", __import__("os").cpu_count())
 EOF
-    # the reports' names as docs/benchmarks has them: 2026-11-28-calibrate-h200-bf16-...
-    DATE=$(date +%F)
-    MACHINE=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else 'cpu'; print(next((g for g in ('h200', 'h100', 'a100', 'l4') if g in n), n.split()[-1]))")-bf16
-    export DATE MACHINE
-    python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
-    export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
-    pair=qwen2.5-coder-shaped-random
     xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
     step() {
         local limit=$1
@@ -94,16 +98,7 @@ EOF
 probe)
     # The second call of a session: why a batch-1 bench outlasts its step (stacks every 15 s),
     # and passes compiled per layer (--compiled-passes) against the captured eager ones.
-    res=$out/reports
-    mkdir -p "$res"
-    pack() { tar czf "$out/reports.tgz" -C "$res" .; }
-    [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml, fsspec, xdist" 2>/dev/null ||
-        export PYTHONPATH="$PWD/.gpu-carry/site:$PYTHONPATH"; }
-    DATE=$(date +%F) MACHINE=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower(); print(next((g for g in ('h200', 'h100') if g in n), n.split()[-1]))")-bf16
-    export DATE MACHINE
-    python3 scripts/gpu_models.py build /tmp/gpu >"$res/models.log" 2>&1
-    export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
-    pair=qwen2.5-coder-shaped-random
+    prepare
     echo "== bench batch 1, stacks every 15 s ($(date +%T))"
     timeout 75 python3 -c "import faulthandler, runpy, sys
 faulthandler.dump_traceback_later(15, repeat=True, file=open('$res/stacks-batch1.log', 'w'))
