@@ -23,24 +23,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(work: Path, shards: int, rows: int, max_new_tokens: int, drafter: str) -> Path:
+def write_corpus(data: Path, shards: int, rows: int, sentences: tuple[int, int] = (3, 8)) -> None:
+    """`shards` Parquet shards of `rows` documents, each a few of the tiny corpus's sentences."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import CORPUS, build_tiny_pair
+    from tiny_models import CORPUS
 
-    target, draft = build_tiny_pair(work / "models")
-    sentences = sorted(set(CORPUS))
+    pool = sorted(set(CORPUS))
     rng = random.Random(0)
-    data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     for s in range(shards):
         table = [
-            {"id": f"s{s}r{r}", "text": " ".join(rng.choice(sentences) for _ in range(rng.randint(3, 8)))}
+            {"id": f"s{s}r{r}", "text": " ".join(rng.choice(pool) for _ in range(rng.randint(*sentences)))}
             for r in range(rows)
         ]
         pq.write_table(pa.Table.from_pylist(table), data / f"part-{s:05d}.parquet")
+
+
+def build(work: Path, shards: int, rows: int, max_new_tokens: int, drafter: str) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import build_tiny_pair
+
+    target, draft = build_tiny_pair(work / "models")
+    data = work / "data"
+    write_corpus(data, shards, rows)
     spec = work / "job.yaml"
     spec.write_text(
         "name: tiny\n"

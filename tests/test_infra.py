@@ -597,7 +597,7 @@ def test_prometheusrule_matches_rules_file():
 
 def test_rules_use_only_real_metrics_and_labels():
     exported = _exported_names()
-    labels = {"pipeline_job", "shard", "status", "reason", "outcome", "drafter", "position", "le"}
+    labels = {"pipeline_job", "shard", "status", "reason", "outcome", "drafter", "position", "event", "le"}
     used = set()
     for expr in _rules_exprs():
         used |= _metric_refs(expr)
@@ -608,7 +608,7 @@ def test_rules_use_only_real_metrics_and_labels():
 def test_dashboard_covers_exactly_the_metrics():
     exported = _exported_names()
     used = set()
-    labels = {"pipeline_job", "shard", "status", "reason", "outcome", "drafter", "position", "le"}
+    labels = {"pipeline_job", "shard", "status", "reason", "outcome", "drafter", "position", "event", "le"}
     for expr in _dashboard_exprs():
         refs = _metric_refs(expr)
         assert refs, f"panel query without a pipeline metric: {expr}"
@@ -638,7 +638,7 @@ def test_dashboard_structure():
 
 
 def test_metric_names_are_prometheus_names():
-    assert len(set(metrics.METRIC_NAMES)) == len(metrics.METRIC_NAMES) == 19
+    assert len(set(metrics.METRIC_NAMES)) == len(metrics.METRIC_NAMES) == 21
     for name in metrics.METRIC_NAMES:
         assert re.match(r"^pipeline_[a-z0-9_]+$", name), name
     for name in metrics.COUNTERS:

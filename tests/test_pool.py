@@ -33,6 +33,9 @@ def _toy_actor_class(restarts: int, broken: bool = False):
         def crash(self) -> None:
             os._exit(1)
 
+        def sleep(self, seconds: float) -> None:
+            time.sleep(seconds)
+
     return ray.remote(Toy).options(num_cpus=0, max_restarts=restarts, max_task_retries=0)
 
 
@@ -130,3 +133,26 @@ def test_actors_that_never_start_are_cannot_start_once_the_pool_has_lost_as_many
     assert outcomes.count(None) == 1 and len(started.actors) == 3
     cannot = [o for o in outcomes if isinstance(o, CannotStart)]
     assert len(cannot) == 2 and all("weights truncated" in str(o.error) for o in cannot)
+
+
+def test_retired_actors_are_replaced_idle_at_once_busy_after_their_call_or_now(ray_local):
+    started = Started(_toy_actor_class(restarts=1))
+    with ModelActorPool(started, size=2) as pool:
+        idle, busy = started.actors
+        pool.submit("a", _double(1))  # the last one freed takes it: `busy`
+        pool.retire(idle)  # idle: gone at once, a fresh actor warming in its place
+        assert len(started.actors) == 3 and idle not in pool.actors and _dies(idle)
+        pool.retire(busy)  # busy: its call ends as usual, then it goes
+        outcomes = [pool.next(), pool.next()]  # the call, the fresh actor's ping (in either order)
+        done = next(o for o in outcomes if isinstance(o, Finished))
+        assert done == Finished("a", 2) and done.retired and _dies(busy)
+        assert len(started.actors) == 4 and pool.actors == started.actors[2:]
+        while pool.busy:  # the second fresh actor answers its ping
+            assert pool.next() is None
+        pool.submit("c", lambda actor: actor.sleep.remote(30))
+        assert pool.next(timeout=0.05) is None  # nothing ended yet
+        (sleeper,) = [a for a in pool.actors if pool.is_busy(a)]
+        pool.retire(sleeper, now=True)  # killed: its call ends as a retired error
+        killed = pool.next(timeout=20)
+        assert killed.task == "c" and isinstance(killed.error, RayActorError) and killed.retired
+        assert len(started.actors) == 5  # replaced, not restarted (restarts=1 would allow it)

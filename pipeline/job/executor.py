@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 import pipeline
-from pipeline.job import metrics
+from pipeline.job import metrics, nodes
 from pipeline.job.fingerprint import check_resume, check_resume_outputs, fingerprint
 from pipeline.job.ids import clear_duplicates, map_ids, partitions, read_duplicates, reduce_ids
 from pipeline.job.layout import (
@@ -41,6 +41,7 @@ from pipeline.job.layout import (
     shard_paths,
 )
 from pipeline.job.lease import DEFAULT_TIMEOUT_MINUTES, Lease
+from pipeline.job.nodes import Drains
 from pipeline.job.pool import CannotStart, Finished, ModelActorPool
 from pipeline.job.progress import ShardProgress
 from pipeline.job.stats import job_totals
@@ -67,6 +68,10 @@ class JobResult:
     # Ray nodes alive when the shards started and dead at the end (Ray declares a node dead
     # after missing heartbeats, ~15 s: a job that recovers sooner may end before it does)
     nodes_lost: list[dict] = field(default_factory=list)
+    # nodes that drained during the job (`pipeline.job.nodes.Drains`), and the shards their
+    # actors handed back (requeued without counting an attempt)
+    nodes_drained: list[dict] = field(default_factory=list)
+    handed_back: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -273,29 +278,26 @@ def _run_shards(
     shown = ShardProgress(len(todo), show_bar=_show_progress(progress))
     record = _Recorder(spec, out, result, shown, queue)
     start_actor = partial(_model_actor_class(spec).remote, spec)
-    nodes = _alive_nodes()
+    alive, drains = nodes.alive(), Drains()
     with ModelActorPool(start_actor, min(spec.execution.num_actors, len(todo))) as pool:
         while queue or pool.running:  # not waiting for actors coming back once no shard is left
             _dispatch(pool, queue, input_schema, duplicates)
-            outcome = pool.next()
+            outcome = pool.next(timeout=drains.poll_seconds)
             lease.check()
-            if isinstance(outcome, Finished):
+            for drain in drains.check(pool):
+                record.draining(drain)
+            if isinstance(outcome, Finished) and outcome.retired and isinstance(outcome.error, RayActorError):
+                record.hand_back(outcome.task, drains.hand_back(outcome.actor, outcome.task.name))
+            elif isinstance(outcome, Finished):
                 record.finished(outcome.task, outcome.value, outcome.error, outcome.actor)
             elif isinstance(outcome, CannotStart) and queue:
                 record.give_up(f"model actors cannot start: {_reason(outcome.error)}")
-    result.nodes_lost = [{"node": n, "reason": why} for n, why in _dead_nodes().items() if n in nodes]
+    result.nodes_drained = [d.to_dict() for d in drains.seen.values()]
+    result.nodes_lost = [{"node": n, "reason": why} for n, why in nodes.dead().items() if n in alive]
     for lost in result.nodes_lost:
+        metrics.record_node_event(spec.name, "lost")
         shown.note(f"Ray node {lost['node']} was lost during the job: {lost['reason']}")
     shown.close()
-
-
-def _alive_nodes() -> set[str]:
-    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-
-
-def _dead_nodes() -> dict[str, str]:
-    """The Ray nodes the cluster has declared dead, with Ray's reason."""
-    return {n["NodeID"]: n.get("DeathReasonMessage") or "" for n in ray.nodes() if not n["Alive"]}
 
 
 def _model_actor_class(spec: JobSpec):
@@ -352,6 +354,21 @@ class _Recorder:
         else:
             self.fail(shard, shard.attempt, reason)
             self.shown.shard_failed(f"shard {shard.name}: FAILED after {shard.attempt} attempts: {reason}")
+
+    def draining(self, drain) -> None:
+        metrics.record_node_event(self.spec.name, "draining")
+        deadline = f"in {drain.deadline - drain.noticed:.0f} s" if drain.deadline else "none"
+        self.shown.note(
+            f"Ray node {drain.node} is draining (deadline {deadline}): its actors take no new "
+            "shard and are replaced on other nodes"
+        )
+
+    def hand_back(self, shard: ShardAttempt, node: str | None) -> None:
+        """A retired actor's shard that did not finish: first in line again, same attempt."""
+        metrics.record_handed_back(self.spec.name)
+        self.result.handed_back.append({"shard": shard.name, "attempt": shard.attempt, "node": node})
+        self.queue.appendleft(shard)
+        self.shown.note(f"shard {shard.name}: handed back from draining node {node}; requeued")
 
     def done(self, stats: dict) -> None:
         self.result.done.append(stats)
@@ -422,6 +439,8 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float,
         "failed": result.failed,
         "retried": result.retried,
         "nodes_lost": result.nodes_lost,
+        "nodes_drained": result.nodes_drained,
+        "handed_back": result.handed_back,
         "totals": totals,
     }
     save_manifest(out, manifest, complete=final and result.ok and totals["shards"] == result.shards_total)

@@ -8,7 +8,9 @@ Calling convention (one place per event, so nothing is counted twice):
 * ``record_shard(stats, job)`` once per shard that finished (the dict written to
   ``stats/<shard>.json``, ``status`` ``ok`` or ``unreadable``);
 * ``record_failure(job, shard, reason, final=...)`` once per failed attempt of a shard, with
-  ``final=True`` when the shard is given up and ``final=False`` when it will be retried.
+  ``final=True`` when the shard is given up and ``final=False`` when it will be retried;
+* ``record_node_event(job, event)`` once per node lost or noticed draining, and
+  ``record_handed_back(job)`` once per shard a draining node's actor handed back.
 
 Labels (tag keys), chosen for bounded cardinality:
 
@@ -20,6 +22,7 @@ Labels (tag keys), chosen for bounded cardinality:
 * ``drafter`` (``draft_model`` | ``prompt_lookup`` | ``suffix``, and ``none`` on
   ``pipeline_rounds_total``) and ``position`` (1..γmax, at most 64) on the round counters:
   acceptance at position k is rate(accepted_by_position) / rate(drafted_by_position).
+* ``event`` (``lost`` | ``draining``) on ``pipeline_node_events_total``.
 * ``reason`` (a category from ``FAILURE_REASONS``, never the error text) and ``outcome``
   (``retried`` | ``failed``) on ``pipeline_shard_failures_total``.
 
@@ -58,6 +61,8 @@ COUNTERS: dict[str, str] = {
     "pipeline_accepted_by_position_total": "Rounds whose draft at `position` was accepted, by drafter.",
     "pipeline_shards_done_total": "Shards completed (stats written), by status (ok | unreadable).",
     "pipeline_shard_failures_total": "Failed shard attempts, by reason category and outcome.",
+    "pipeline_node_events_total": "Ray nodes lost or draining during the job, by event (lost | draining).",
+    "pipeline_shards_handed_back_total": "Shards a draining node's actors handed back (no attempt counted).",
 }
 GAUGES: dict[str, str] = {
     "pipeline_alpha": "Draft acceptance rate alpha of the shard (accepted / drafted).",
@@ -143,6 +148,8 @@ def _create() -> dict[str, Any]:
             keys = (*job, "status")
         elif name == "pipeline_shard_failures_total":
             keys = (*job, "shard", "reason", "outcome")
+        elif name == "pipeline_node_events_total":
+            keys = (*job, "event")
         elif name == "pipeline_rounds_total":
             keys = (*job, "drafter")
         elif name.endswith("_by_position_total"):
@@ -275,6 +282,26 @@ def record_failure(job: str, shard: str, reason: str, *, final: bool = True) -> 
         )
     except Exception as exc:
         log.warning("could not record a failure metric for shard %s: %s", shard, exc)
+
+
+def record_node_event(job: str, event: str) -> None:
+    """Count one Ray node lost or draining during the job (``event``). Never raises."""
+    _count("pipeline_node_events_total", {"pipeline_job": str(job), "event": event})
+
+
+def record_handed_back(job: str) -> None:
+    """Count one shard handed back by a draining node's actor. Never raises."""
+    _count("pipeline_shards_handed_back_total", {"pipeline_job": str(job)})
+
+
+def _count(name: str, tags: dict[str, str]) -> None:
+    metrics = _get()
+    if metrics is None:
+        return
+    try:
+        metrics[name].inc(1, tags=tags)
+    except Exception as exc:
+        log.warning("could not record %s: %s", name, exc)
 
 
 def _reset_for_tests() -> None:

@@ -14,7 +14,9 @@ not the three things a night of shards needs.
   actors (OOM kills, lost nodes) shrinks to nothing. Here a fresh actor takes its place, unless
   actors keep dying before they ever answered: then none can start (`CannotStart`).
 
-What is left to reuse is a list and a dict, so the pool is a small class of its own.
+What is left to reuse is a list and a dict, so the pool is a small class of its own. It also
+retires actors on request (a draining node's: see `pipeline.job.nodes.Drains`), replacing each
+with a fresh one that Ray places elsewhere.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class Finished:
     value: Any = None
     error: RayActorError | RayTaskError | None = None
     actor: Any = field(default=None, compare=False)  # the actor the call ran on
+    # its actor was retired (`ModelActorPool.retire`) and is gone: an error then is the
+    # retirement's, not the task's
+    retired: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class ModelActorPool:
         # `_dead_in_a_row` counts those that died without ever answering (see CannotStart).
         self._answered: set = set()
         self._dead_in_a_row = 0
+        self._retiring: set = set()  # actors to replace once their call ends (`retire`)
 
     def __enter__(self) -> ModelActorPool:
         return self
@@ -85,15 +91,44 @@ class ModelActorPool:
         where no node has room for it (its node lost, the survivors full) may never answer."""
         return bool(self._running)
 
+    @property
+    def actors(self) -> list:
+        """Every actor of the pool not known dead for good (idle, busy or coming back)."""
+        return list(self._alive)
+
+    def is_busy(self, actor: Any) -> bool:
+        return any(a is actor for a, _ in self._running.values())
+
+    def retire(self, actor: Any, now: bool = False) -> None:
+        """Take `actor` out of the pool for good and start a fresh one in its place (Ray places
+        it away from a draining node). An idle or warming actor goes at once; a busy one once
+        its call ends, or with `now` at once, its call then ending as an error. Either way that
+        call comes back with `retired=True`."""
+        if actor not in self._alive:
+            return
+        self._retiring.add(actor)
+        if actor in self._idle:
+            self._idle.remove(actor)
+            self._replace(actor)
+        elif actor in self._warming.values():
+            ping = next(p for p, a in self._warming.items() if a is actor)
+            del self._warming[ping]
+            self._replace(actor)
+        elif now:
+            ray.kill(actor, no_restart=True)  # its call fails; `next` replaces it
+
     def submit(self, task: Any, call: Callable[[Any], ray.ObjectRef]) -> None:
         """Start `call(actor)` on a free actor (the last one freed); `task` comes back with it."""
         actor = self._idle.pop()
         self._running[call(actor)] = (actor, task)
 
-    def next(self) -> Finished | CannotStart | None:
-        """Wait for the next call or ping to end. None when that was an actor coming back (now
-        free) or one replaced after dying for good: nothing for the caller but more free room."""
-        ready, _ = ray.wait([*self._running, *self._warming], num_returns=1)
+    def next(self, timeout: float | None = None) -> Finished | CannotStart | None:
+        """Wait for the next call or ping to end, at most `timeout` seconds. None when that was
+        an actor coming back (now free), one replaced after dying for good, or nothing within
+        `timeout`: nothing for the caller but perhaps more free room."""
+        ready, _ = ray.wait([*self._running, *self._warming], num_returns=1, timeout=timeout)
+        if not ready:
+            return None
         ref = ready[0]
         if ref in self._warming:
             return self._came_back(ref)
@@ -101,23 +136,43 @@ class ModelActorPool:
         try:
             value = ray.get(ref)
         except RayActorError as exc:  # Ray restarts it (or it is dead for good): ping it
-            self._warm(actor)
-            return Finished(task, error=exc, actor=actor)
+            return Finished(task, error=exc, actor=actor, retired=self._after_call(actor, crashed=True))
         except RayTaskError as exc:  # the call raised; its actor is fine
-            self._free(actor)
-            return Finished(task, error=exc, actor=actor)
-        self._free(actor)
+            return Finished(task, error=exc, actor=actor, retired=self._after_call(actor))
+        retired = self._after_call(actor)
         self._dead_in_a_row = 0
-        return Finished(task, value, actor=actor)
+        return Finished(task, value, actor=actor, retired=retired)
 
     def shutdown(self) -> None:
         """Kill every actor of the pool (Ray would once their handles go; now, and for good)."""
         for actor in self._alive:
             ray.kill(actor, no_restart=True)
         self._alive.clear()
+        self._retiring.clear()
         self._idle.clear()
         self._running.clear()
         self._warming.clear()
+
+    def _after_call(self, actor: Any, crashed: bool = False) -> bool:
+        """Put an actor whose call ended back to work (pinged first if it crashed), or replace
+        it if it is retiring; True in that case."""
+        if actor in self._retiring:
+            self._replace(actor)
+            return True
+        if crashed:
+            self._warm(actor)
+        else:
+            self._free(actor)
+        return False
+
+    def _replace(self, actor: Any) -> None:
+        """Kill a retiring actor for good and warm a fresh one in its place."""
+        self._retiring.discard(actor)
+        self._alive.remove(actor)
+        ray.kill(actor, no_restart=True)
+        fresh = self._start_actor()
+        self._alive.append(fresh)
+        self._warm(fresh)
 
     def _free(self, actor: Any) -> None:
         self._idle.append(actor)
