@@ -102,6 +102,13 @@ class BatchedLM:
         self.previous: _Prefix | None = None  # the last prompt prefilled, to find templates with
         self.head_rows: torch.Tensor | None = None  # see restrict_head
         self.cache_keyword = _cache_keyword(model)
+        # With `keep_features`, each pass leaves in `features` the last hidden states (after the
+        # final norm) of every token it fed, per row of the pass (for `admit`: the new rows), as
+        # (position of the first, [tokens, hidden] float32): what a draft head reads.
+        self.keep_features = False
+        self.features: list[tuple[int, torch.Tensor]] = []
+        self._hidden: torch.Tensor | None = None
+        self._collected: dict[int, tuple[int, torch.Tensor]] = {}  # row -> features, within a pass
         self.reset(0)
 
     def _new_cache(self) -> DynamicCache:
@@ -267,6 +274,7 @@ class BatchedLM:
     def _prefill_rows(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
         groups = [[i] for i in range(len(blocks))] if self.per_row_prefill else [list(range(len(blocks)))]
         logits: list[torch.Tensor] = [torch.empty(0)] * len(blocks)
+        features: list = [None] * len(blocks)
         states = []
         self.fed_tokens = 0
         for group in groups:
@@ -276,8 +284,9 @@ class BatchedLM:
                 self.reusable(b, learn=True)
             seed = min(min(self.reusable(b), len(b) - n) for b, n in zip(rows, wanted))
             self._seed(len(group), seed)
-            for i, row_logits in zip(group, self._append([b[seed:] for b in rows], wanted)):
+            for n, (i, row_logits) in enumerate(zip(group, self._append([b[seed:] for b in rows], wanted))):
                 logits[i] = row_logits
+                features[i] = self.features[n] if self.keep_features else None
             self.fed_tokens += sum(len(b) - seed for b in rows)
             states.append((self.cache, self.mask, self.tokens, self.slots))
             n = len(rows[0])
@@ -285,6 +294,7 @@ class BatchedLM:
             self.previous = _Prefix(list(rows[0]), layers)
         if len(states) > 1:
             self._merge(states)
+        self.features = features if self.keep_features else []
         return logits
 
     def _seed(self, rows: int, n: int) -> None:
@@ -348,6 +358,11 @@ class BatchedLM:
         self.forward_seconds += time.perf_counter() - began
 
         self.mask = attention
+        if self.keep_features:
+            self.features = [
+                (len(self.tokens[i]), self._hidden[i, : len(b)].to(torch.float32, copy=True))
+                for i, b in enumerate(blocks)
+            ]
         for i, block in enumerate(blocks):
             self.tokens[i].extend(block)
             self.slots[i].extend(range(base, base + len(block)))
@@ -362,13 +377,14 @@ class BatchedLM:
         scaled) run their own forward instead (see `architecture.plain_head`).
         """
         with packing.packed(layout):
-            if self.head_rows is None and not plain_head(self.model):
+            if self.head_rows is None and not plain_head(self.model) and not self.keep_features:
                 width = inputs["input_ids"].shape[1]
                 rows, cols = wanted // width, wanted % width
                 columns = torch.unique(cols)  # sorted
                 rect = self.model(**inputs, logits_to_keep=columns).logits
                 return rect[rows, torch.searchsorted(columns, cols), : self.vocab_size].float()
             hidden = self.model.base_model(**inputs).last_hidden_state
+        self._hidden = hidden if self.keep_features else None
         return self._head_logits(hidden.reshape(-1, hidden.shape[-1])[wanted])
 
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

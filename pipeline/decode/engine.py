@@ -29,11 +29,13 @@ from transformers import PreTrainedModel
 from pipeline.decode import settings, static_lm
 from pipeline.decode.costs import CostModel
 from pipeline.decode.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, Proposal
+from pipeline.decode.head import DraftHead, HeadDrafter
 from pipeline.decode.policy import Choice, DraftingGate, Offer, Policy, RoundOptions
 from pipeline.decode.sampling import SamplingParams, choose, verify
-from pipeline.decode.settings import AUTO_SOURCES, DRAFT_MODEL, DRAFTERS, PROMPT_LOOKUP
+from pipeline.decode.settings import AUTO_SOURCES, DRAFT_MODEL, DRAFTERS, HEAD, PROMPT_LOOKUP
 from pipeline.decode.stats import BatchStats, RowStats
 from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
+from pipeline.models.architecture import plain_head
 
 
 class PromptError(ValueError):
@@ -120,6 +122,7 @@ class _Batch:
     copiers: list[Drafter]  # the free drafters whose proposals are offered, in order of preference
     model: DraftModelDrafter | None  # the draft model, when it may draft
     stats: BatchStats
+    head: HeadDrafter | None = None  # the draft head, when the batch drafts with it
     active: list[_Row] = field(default_factory=list)
 
 
@@ -162,10 +165,15 @@ class SpeculativeEngine:
         decode_text: Callable[[list[int]], str] | None = None,
         encode_text: Callable[[str], list[int]] | None = None,
         vocab_size: int | None = None,
+        head: DraftHead | None = None,
     ):
         self.config = config or EngineConfig()
         if self.config.drafter == DRAFT_MODEL and draft is None:
             raise ValueError("drafter 'draft_model' needs a draft model")
+        if self.config.drafter == HEAD and head is None:
+            raise ValueError("drafter 'head' needs a draft head")
+        if head is not None and not plain_head(target):
+            raise ValueError("a draft head needs a target whose logits are its output layer's (no soft cap)")
         # Embedding matrices are often padded past the tokenizer (and differ between a target
         # and its draft): compare distributions over the tokens both models can produce.
         vocab = vocab_size or min(m.config.vocab_size for m in (target, draft) if m is not None)
@@ -175,6 +183,7 @@ class SpeculativeEngine:
             self.draft = DraftModelDrafter(
                 draft, pad_token_id, vocab, head_tokens=self.config.draft_vocab, always=tuple(eos_token_ids)
             )
+        self.head = HeadDrafter(head, self.target) if head is not None else None
         self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)
         # given the tokenizer both ways, the suffix drafter also matches each prompt reflowed
         self.reflow = Reflow(encode_text, decode_text) if encode_text and decode_text else None
@@ -223,6 +232,8 @@ class SpeculativeEngine:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if drafter == DRAFT_MODEL and self.draft is None:
             raise ValueError("drafter 'draft_model' needs a draft model")
+        if drafter == HEAD and self.head is None:
+            raise ValueError("drafter 'head' needs a draft head")
 
         rows, truncated = self._prepare(prompts, max_new_tokens, overlong)
         batch = self._start(rows, max_new_tokens, sampling, stop_strings, drafter, batch_size, corpus)
@@ -271,6 +282,9 @@ class SpeculativeEngine:
         # prompt lookup follows the rows also for the draft model: a lone row's copy is a guess
         # at the draft's own next tokens (see `DraftModelDrafter.propose`)
         drafters = [self.lookup, *([model] if model else []), *([suffix] if suffix in copiers else [])]
+        head = self.head if HEAD in uses else None
+        self.target.keep_features = head is not None
+        drafters += [head] if head else []
         self.target.reset(0)
         for d in drafters:
             d.start([])
@@ -288,6 +302,7 @@ class SpeculativeEngine:
             copiers=copiers,
             model=model,
             stats=BatchStats(rows=len(rows)),
+            head=head,
         )
 
     def _round(self, batch: _Batch) -> None:
@@ -299,6 +314,8 @@ class SpeculativeEngine:
         drafts = self._draft(batch) if asked else _Drafts.none(rows)
         logits = self._verify(batch, drafts)
         produced = self._accept(batch, drafts, logits)
+        if batch.head:
+            batch.head.follow([r.seq for r in batch.active])
         seconds = time.perf_counter() - began
         self.costs.observe_round(produced, seconds)
         if drafting:
@@ -309,12 +326,19 @@ class SpeculativeEngine:
         self._fill(batch)
 
     def _draft(self, batch: _Batch) -> _Drafts:
-        """The free drafters' copies, then the draft model for the rows the policy gives it."""
+        """The free drafters' copies, then the draft model for the rows the policy gives it;
+        or the draft head's γ tokens for every row."""
         seqs = [r.seq for r in batch.active]
         left = [batch.max_new_tokens - r.stats.new_tokens for r in batch.active]  # each row's budget
         gamma_cap = min(self.config.gamma_max, min(left))
         if self.target.max_verify_tokens:  # a verify pass feeds the drafts and the last token
             gamma_cap = min(gamma_cap, self.target.max_verify_tokens - 1)
+        if batch.head:
+            proposal = batch.head.propose(seqs, gamma_cap, batch.sampling, batch.generator)
+            drafts = _Drafts([], [], [], 0)
+            for tokens in proposal.tokens:
+                drafts.add(tokens, None, (HEAD, 0) if tokens else None)
+            return drafts
         # A lone row's prompt-lookup copy is also a guess at the draft model's own chain.
         guessing = batch.model is not None and len(seqs) == 1 and self.config.guess_tokens > 0
         asked = batch.copiers + ([self.lookup] if guessing and self.lookup not in batch.copiers else [])
@@ -543,4 +567,5 @@ class SpeculativeEngine:
         return found or None
 
     def _draft_seconds(self) -> float:
-        return self.draft.lm.forward_seconds if self.draft else 0.0
+        model = self.draft.lm.forward_seconds if self.draft else 0.0
+        return model + (self.head.seconds if self.head else 0.0)

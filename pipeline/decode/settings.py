@@ -10,11 +10,12 @@ from __future__ import annotations
 
 AUTO, NONE = "auto", "none"
 DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX = "draft_model", "prompt_lookup", "suffix"
+HEAD = "head"  # a draft head on the target's features (`pipeline.decode.head`)
 # the drafters `auto` chooses among per row
 AUTO_SOURCES = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX)
-DRAFTERS = (AUTO, *AUTO_SOURCES, NONE)
+DRAFTERS = (AUTO, *AUTO_SOURCES, HEAD, NONE)
 # the drafters that need no draft model loaded
-MODEL_FREE = (NONE, PROMPT_LOOKUP, SUFFIX)
+MODEL_FREE = (NONE, PROMPT_LOOKUP, SUFFIX, HEAD)
 
 # The longest suffix of a row's text the suffix drafter looks for in its corpus, and so the
 # longest match it can demand (`suffix_min_match`).

@@ -269,15 +269,21 @@ class StaticLM(BatchedLM):
         start = len(self.tokens)
         self.add_rows(len(blocks))
         rows = list(range(start, start + len(blocks)))
+        self._collected = {}
         with streamed.prefilling():
-            return self._prefill_rows_at(rows, blocks, logits_per_row)
+            logits = self._prefill_rows_at(rows, blocks, logits_per_row)
+        self.features = [self._collected[r] for r in rows] if self.keep_features else []
+        return logits
 
     @torch.no_grad()
     def forward(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
         assert len(blocks) == len(self.tokens) and all(blocks), "one non-empty block per row"
+        self._collected = {}
         if self.cold:
             with streamed.prefilling():
-                return self._prefill_rows_at(list(range(len(blocks))), blocks, logits_per_row)
+                logits = self._prefill_rows_at(list(range(len(blocks))), blocks, logits_per_row)
+            self.features = [self._collected[r] for r in range(len(blocks))] if self.keep_features else []
+            return logits
         self.fed_tokens = sum(map(len, blocks))
         self._take(0, max(len(t) + len(b) for t, b in zip(self.tokens, blocks)))
         logits: list[torch.Tensor] = [torch.empty(0)] * len(blocks)
@@ -291,6 +297,7 @@ class StaticLM(BatchedLM):
                 for i, row_logits in zip(rows, got):
                     logits[i] = row_logits
         self._timed(began)
+        self.features = [self._collected[r] for r in range(len(blocks))] if self.keep_features else []
         return logits
 
     def _prefill_rows_at(
@@ -386,7 +393,10 @@ class StaticLM(BatchedLM):
         flat = [a * width + c for a, b, n in zip(at, blocks, wanted) for c in range(len(b) - n, len(b))]
         picked = hidden.reshape(-1, hidden.shape[-1])[torch.tensor(flat, device=self.device)]
         logits = self._head_logits(picked)
-        for row, block in zip(rows, blocks):
+        for row, block, a in zip(rows, blocks, at):
+            if self.keep_features:  # copied: a replayed graph's output buffer is overwritten
+                features = hidden[a, : len(block)].to(torch.float32, copy=True)
+                self._collected[row] = (len(self.tokens[row]), features)
             self.tokens[row].extend(block)
         return list(logits.split(wanted))
 

@@ -13,7 +13,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-from pipeline.decode.settings import MODEL_FREE
+from pipeline.decode.settings import HEAD, MODEL_FREE
 from pipeline.spec import JobSpec
 
 if TYPE_CHECKING:  # the driver imports this module for ModelWorker: torch loads in the actor only
@@ -69,6 +69,11 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     )
     tokenizer = pair.tokenizer
     drafter = spec.drafter.kind
+    head = None
+    if drafter == HEAD:
+        from pipeline.decode.head import DraftHead
+
+        head = DraftHead.load(spec.drafter.head, pair.target)
     engine = SpeculativeEngine(
         pair.target,
         pair.draft,
@@ -78,6 +83,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         encode_text=partial(tokenizer.encode, add_special_tokens=False),
         vocab_size=pair.vocab_size,
         config=EngineConfig.from_spec(spec.drafter, drafter),
+        head=head,
     )
     info = pair.manifest()
     info["load_seconds"] = pair.load_seconds

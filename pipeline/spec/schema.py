@@ -453,7 +453,14 @@ class DrafterSpec(_Section):
         description="draft_model: the draft model; prompt_lookup: n-grams copied from the prompt; "
         "suffix: the most frequent continuation of the text's longest matched suffix, in the row's own "
         "text and in the outputs this actor produced before; auto: choose per row by measured acceptance "
-        "and cost; none: target-only decoding.",
+        "and cost; head: a draft head trained on the target's own features (drafter.head); none: "
+        "target-only decoding.",
+    )
+    head: str | None = Field(
+        None,
+        description="A local directory holding a draft head trained on this target's features "
+        "(`pipeline distill --head`); required when kind is head. A head trained on another target "
+        "is refused when the actors load it.",
     )
     gamma_max: int = Field(
         8, **field_bounds("gamma_max"), description="Maximum tokens drafted per verification step (0: none)."
@@ -515,6 +522,12 @@ class DrafterSpec(_Section):
         if v is not None:
             _check_placeholders_rendered(v, WARM_START_PLACEHOLDERS)
         return v
+
+    @model_validator(mode="after")
+    def _head_given(self) -> DrafterSpec:
+        if self.kind == "head" and not self.head:
+            raise rule_error("drafter.head", "required when drafter.kind is 'head' (a head for the target)")
+        return self
 
     @field_validator("ngram_min")
     @classmethod
@@ -743,8 +756,10 @@ class JobSpec(_Section):
                 return ref.model_copy(update={"path": absolute(ref.path)})
             return ref
 
+        head = self.drafter.head
         new = self.model_copy(
             update={
+                "drafter": self.drafter.model_copy(update={"head": absolute(head) if head else None}),
                 "input": self.input.model_copy(update={"url": fix_url(self.input.url)}),
                 "output": self.output.model_copy(update={"url": fix_url(self.output.url)}),
                 "models": self.models.model_copy(

@@ -1,0 +1,508 @@
+"""A draft head on the target's own features (EAGLE's design): one decoder layer of the target's
+shape that drafts from the target's last hidden states rather than from the tokens alone.
+
+Why: the drafters that cost nothing copy their input, and a translation does not repeat its
+input; the draft model translates but pays a second model's prefill and a pass of its own per
+token. The target's last hidden state at a position already holds what the target is about to
+say next, so a single layer that reads it can guess a few tokens further at a fraction of a
+pass, and its cache over the prompt is built from features the target's prefill computed
+anyway: no second model reads the prompt.
+
+The head (`DraftHead`): at position i it reads the pair (f_i, x_{i+1}), the target's feature
+at i (its last hidden state, after the final norm: what the output layer reads) and the
+embedding of the next token, through `fc` (2H -> H) and one decoder layer, and gives g_i, its
+guess at f_{i+1}; the target's own output layer over a reduced vocabulary (`vocab_rows`) turns
+g_i into a guess at x_{i+2}. Drafting γ tokens past an accepted sequence x_0..x_{L-1}: the
+pairs up to i = L-2 come with true features; the first draft is read from g_{L-2}; each further
+step feeds the head's own g in place of the feature the target has not computed yet. After the
+target's verify pass, the drafted pairs are dropped from the head's cache and the accepted ones
+fed again with the target's true features.
+
+Trained (`train`) by teacher forcing on a run's own documents: the target's features over each
+prompt and completion (one forward pass per document, no gradient), labels the target's own
+next tokens; cross-entropy on the completion's tokens plus a smooth-L1 pull of g_i towards
+f_{i+1}, so that the head's own features stay usable as inputs several steps out.
+
+The embedding, rotary tables and output layer are the target's, borrowed at `bind` and never
+trained or saved: a saved head is its `fc` and its layer, plus the target's fingerprint, which
+`load` checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from pipeline.decode.settings import HEAD
+
+HEAD_FILE = "head.safetensors"
+HEAD_CONFIG = "head.json"
+HEAD_FORMAT = 1
+
+
+class HeadError(ValueError):
+    """A head that cannot be used with this target; the message says why."""
+
+
+def target_fingerprint(target: PreTrainedModel) -> str:
+    """What a head depends on in its target: the architecture's shape and its output layer's
+    and embedding's values (a head trained on another target's features is useless)."""
+    config = target.config
+    shape = [type(target).__name__, config.hidden_size, config.num_hidden_layers, config.vocab_size]
+    digest = hashlib.sha256(json.dumps(shape).encode())
+    weight = target.get_input_embeddings().weight.detach()  # an embedding is never repacked
+    digest.update(weight[:: max(1, weight.shape[0] // 64)].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def output_rows(target: PreTrainedModel, rows: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """The target's output layer's weight rows `rows` [len(rows), H], float32, whatever holds
+    them: a Linear's weight, or a kernel's packed blocks (`StreamedLinear`), read back by
+    applying the layer to unit vectors (w·e_j is w_j exactly; the bias taken off)."""
+    layer = target.get_output_embeddings()
+    weight = getattr(layer, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.detach()[rows.to(weight.device)].float().contiguous()
+    hidden = target.config.hidden_size
+    bias = layer(torch.zeros(1, hidden))[0]
+    parts = []
+    for begin in range(0, hidden, chunk):
+        units = torch.eye(hidden)[begin : begin + chunk]
+        parts.append((layer(units) - bias)[:, rows])  # [chunk, len(rows)]
+    return torch.cat(parts).T.contiguous()
+
+
+class DraftHead(torch.nn.Module):
+    """`fc` and one decoder layer of the target's kind; see the module docstring."""
+
+    def __init__(self, config, layer_class: type, vocab_rows: torch.Tensor, fingerprint: str):
+        super().__init__()
+        config = copy.deepcopy(config)
+        config._attn_implementation = "sdpa"
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = layer_class(config, layer_idx=0)
+        self.register_buffer("vocab_rows", vocab_rows.long(), persistent=False)
+        self.fingerprint = fingerprint
+        self._lm: torch.Tensor | None = None
+
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, vocab: int = 0, rows: Sequence[int] = ()) -> DraftHead:
+        """A new head for `target`: its layer a copy of the target's last one (a better start
+        than random for a layer that must compute one more step of the same stack), proposing
+        token ids below `vocab` (0: all) and `rows`."""
+        last = target.base_model.layers[-1]
+        vocab_rows = _vocab_rows(target, vocab, rows)
+        head = cls(target.config, type(last), vocab_rows, target_fingerprint(target))
+        try:
+            head.layer.load_state_dict(last.state_dict())
+        except RuntimeError:
+            raise HeadError(
+                "a new head starts from the target's last layer, which this target holds repacked "
+                "for a kernel: load the target with dense weights to train a head"
+            ) from None
+        with torch.no_grad():  # start as "the feature, moved a little by the token"
+            hidden = target.config.hidden_size
+            head.fc.weight.mul_(0.1)
+            head.fc.weight[:, hidden:] += torch.eye(hidden)
+        head.to(dtype=torch.float32)
+        return head.bind(target)
+
+    def bind(self, target: PreTrainedModel) -> DraftHead:
+        """Borrow the target's embedding, rotary tables and output layer (over `vocab_rows`)."""
+        if target_fingerprint(target) != self.fingerprint:
+            raise HeadError(
+                "this draft head was trained on another target's features (fingerprint "
+                f"{self.fingerprint}, this target's {target_fingerprint(target)}): train one for "
+                "this target with `pipeline distill --head`"
+            )
+        # set past nn.Module's attribute hook: borrowed, so neither trained, saved nor moved
+        self.__dict__["_embed"] = target.get_input_embeddings()
+        self.__dict__["_rotary"] = target.base_model.rotary_emb
+        self._lm = output_rows(target, self.vocab_rows)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HeadCache | None = None,
+    ) -> torch.Tensor:
+        """g for the pairs (features[:, j], next_ids[:, j]) at `positions` [rows, n], attending
+        to the pairs already in `cache` and causally among these."""
+        with torch.no_grad():
+            embedded = self._embed(next_ids).float()
+        hidden = self.fc(torch.cat([embedded, features.float()], dim=-1))
+        cos_sin = self._rotary(hidden, positions)
+        seen = cache.get_seq_length() if cache is not None else 0
+        n = positions.shape[1]
+        keys = torch.arange(seen + n, device=hidden.device)
+        queries = seen + torch.arange(n, device=hidden.device)
+        mask = (keys[None, :] <= queries[:, None])[None, None].expand(positions.shape[0], 1, -1, -1)
+        out = self.layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=cos_sin,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Scores over `vocab_rows` (index into them for the token id)."""
+        return F.linear(g, self._lm)
+
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, directory / HEAD_FILE)
+        meta = {
+            "format": HEAD_FORMAT,
+            "fingerprint": self.fingerprint,
+            "layer_class": self.layer.__class__.__name__,
+            "vocab_rows": self.vocab_rows.tolist(),
+        }
+        (directory / HEAD_CONFIG).write_text(json.dumps(meta) + "\n")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, target: PreTrainedModel) -> DraftHead:
+        """A saved head, bound to `target` (HeadError if it was trained on another)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        try:
+            meta = json.loads((directory / HEAD_CONFIG).read_text())
+        except (OSError, ValueError) as exc:
+            raise HeadError(f"{directory}: not a draft head ({HEAD_CONFIG} unreadable: {exc})") from None
+        if meta.get("format") != HEAD_FORMAT:
+            found = meta.get("format")
+            raise HeadError(f"{directory}: head format {found}, this version reads {HEAD_FORMAT}")
+        last = target.base_model.layers[-1]
+        head = cls(target.config, type(last), torch.tensor(meta["vocab_rows"]), meta["fingerprint"])
+        head.load_state_dict(load_file(directory / HEAD_FILE))
+        return head.to(torch.float32).bind(target)
+
+
+class HeadCache:
+    """The head's keys and values for one row, as its decoder layer writes them (`update`, the
+    one call `transformers`' attention makes), cut back to a length by `crop_to`."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None  # [1, kv heads, length, dim]
+        self.values: torch.Tensor | None = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def get_seq_length(self, *args) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def crop_to(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+def _vocab_rows(target: PreTrainedModel, vocab: int, rows: Sequence[int]) -> torch.Tensor:
+    size = target.get_output_embeddings().out_features
+    low = range(min(vocab, size) if vocab else size)
+    return torch.tensor(sorted(set(low).union(r for r in rows if 0 <= r < size)), dtype=torch.long)
+
+
+@torch.no_grad()
+def target_features(target: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
+    """The target's last hidden states (after the final norm) at every position of `ids`, [T, H]."""
+    device = target.get_input_embeddings().weight.device
+    out = target.base_model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
+    return out.last_hidden_state[0].float()
+
+
+# --------------------------------------------------------------------------------------------
+# drafting: one row's chain, the head's cache kept at the accepted sequence
+
+
+class HeadChain:
+    """The head following one row: its cache holds the pairs (f_i, x_{i+1}) of the accepted
+    sequence, with the target's true features; `draft` runs γ steps past it and rolls back."""
+
+    def __init__(self, head: DraftHead, start: int = 0):
+        self.head = head
+        self.restart(start)
+
+    def restart(self, start: int) -> None:
+        """Follow the row from pair `start` on, with nothing before it (a prompt whose start the
+        target reused from an earlier one, and so computed no features for)."""
+        self.cache = HeadCache()
+        self.start = self.fed = start  # pairs in the cache: i = start .. fed-1
+        self.last: torch.Tensor | None = None  # g at pair fed-1
+
+    @torch.no_grad()
+    def feed(self, features: torch.Tensor, seq: Sequence[int]) -> None:
+        """Feed the pairs from `fed` up to the last whose next token is known: features[i] is
+        the target's feature at position i (for i >= fed), `seq` the accepted tokens."""
+        stop = min(len(seq) - 1, self.fed + features.shape[0])
+        if stop <= self.fed:
+            return
+        n = stop - self.fed
+        ids = torch.tensor([list(seq[self.fed + 1 : stop + 1])], device=self.head.device)
+        positions = torch.arange(self.fed, stop, device=self.head.device)[None]
+        g = self.head(features[None, :n].to(self.head.device), ids, positions, self.cache)
+        self.fed, self.last = stop, g[0, -1]
+
+    @torch.no_grad()
+    def draft(self, gamma: int) -> list[int]:
+        """γ greedy tokens after the accepted sequence; the cache is back at `fed` pairs after."""
+        if self.last is None or gamma < 1:
+            return []
+        rows = self.head.vocab_rows
+        tokens = [int(rows[int(self.head.logits(self.last).argmax())])]
+        g = self.last
+        for step in range(1, gamma):
+            ids = torch.tensor([[tokens[-1]]], device=self.head.device)
+            positions = torch.tensor([[self.fed + step - 1]], device=self.head.device)
+            g = self.head(g[None, None], ids, positions, self.cache)[0, -1]
+            tokens.append(int(rows[int(self.head.logits(g).argmax())]))
+        self.cache.crop_to(self.fed - self.start)
+        return tokens
+
+
+@dataclass
+class ChainFigures:
+    """Greedy speculation with the head against the target's own completions, round by round."""
+
+    rounds: int = 0
+    tokens: int = 0  # produced: accepted drafts plus the target's own token, per round
+    drafted: int = 0
+    accepted: int = 0
+    by_position: list[int] = field(default_factory=list)  # rounds whose k-th draft was accepted
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def first(self) -> float:
+        """Acceptance of the first draft (the head's α at position 1)."""
+        return self.by_position[0] / self.rounds if self.rounds and self.by_position else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tau": round(self.tau, 3), "first_position": round(self.first, 3)}
+
+
+def replay(
+    head: DraftHead,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    features: torch.Tensor,
+    gamma: int,
+    figures: ChainFigures | None = None,
+) -> ChainFigures:
+    """The rounds greedy speculation with the head would make over one document whose target
+    output is `completion` (greedy: a draft is accepted while it equals the target's token),
+    `features` the target's over prompt + completion. Exactly the engine's rounds at batch 1,
+    without the target's passes: those are known already."""
+    figures = figures or ChainFigures()
+    seq = list(prompt) + list(completion)
+    chain = HeadChain(head)
+    accepted = len(prompt) + 1  # the prefill's pass chose the first completion token
+    chain.feed(features, seq[:accepted])
+    while accepted < len(seq):
+        want = min(gamma, len(seq) - accepted)
+        drafts = chain.draft(want)
+        hits = next((k for k, (d, t) in enumerate(zip(drafts, seq[accepted:])) if d != t), len(drafts))
+        figures.rounds += 1
+        figures.drafted += len(drafts)
+        figures.accepted += hits
+        produced = min(hits + 1, len(seq) - accepted)
+        figures.tokens += produced
+        if len(figures.by_position) < gamma:
+            figures.by_position += [0] * (gamma - len(figures.by_position))
+        for k in range(hits):
+            figures.by_position[k] += 1
+        accepted += produced
+        chain.feed(features[chain.fed :], seq[:accepted])
+    return figures
+
+
+# --------------------------------------------------------------------------------------------
+# training
+
+
+@dataclass
+class HeadTraining:
+    """How a head's training went: what bounded it and the loss of every step."""
+
+    lr: float = 1e-3
+    epochs: float = 0.0
+    steps: int = 0
+    seconds: float = 0.0
+    stopped_by: str = ""
+    tokens: int = 0  # completion tokens per epoch
+    loss: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Document:
+    """A prompt, the target's completion of it, and the target's features over both."""
+
+    prompt: list[int]
+    completion: list[int]
+    features: torch.Tensor  # [len(prompt) + len(completion), H]
+
+
+def documents(target: PreTrainedModel, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Document]:
+    """Each (prompt, completion) with the target's features: one forward pass per document."""
+    return [Document(list(p), list(c), target_features(target, list(p) + list(c))) for p, c in pairs]
+
+
+def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.Tensor:
+    """Teacher forcing over one document: g_i from (f_i, x_{i+1}); cross-entropy of x_{i+2}
+    over the completion, and smooth L1 of g_i against f_{i+1} there."""
+    seq = doc.prompt + doc.completion
+    n = len(seq) - 1  # pairs i = 0 .. n-1
+    ids = torch.tensor([seq[1:]], device=head.device)
+    positions = torch.arange(n, device=head.device)[None]
+    g = head(doc.features[None, :n].to(head.device), ids, positions)[0]  # [n, H]
+    first = max(len(doc.prompt) - 1, 0)  # pair i predicts x_{i+2}: the completion's from here
+    labels = torch.tensor(seq[first + 2 :], device=head.device)
+    index = _label_index(head, labels)
+    predicted = g[first : first + len(labels)]
+    loss = F.cross_entropy(head.logits(predicted), index, ignore_index=-100)
+    if regression:
+        target = doc.features[first + 1 : first + 1 + len(predicted)].to(head.device)
+        loss = loss + regression * F.smooth_l1_loss(predicted, target)
+    return loss
+
+
+def _label_index(head: DraftHead, labels: torch.Tensor) -> torch.Tensor:
+    """Token ids as indices into `vocab_rows` (-100 for a token the head cannot propose)."""
+    rows = head.vocab_rows.to(labels.device)
+    at = torch.searchsorted(rows, labels).clamp(max=len(rows) - 1)
+    return torch.where(rows[at] == labels, at, torch.full_like(at, -100))
+
+
+def train(
+    head: DraftHead,
+    docs: Sequence[Document],
+    *,
+    lr: float = 1e-3,
+    epochs: float = 2.0,
+    max_seconds: float | None = None,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> HeadTraining:
+    """AdamW over the head's `fc` and layer, one document per step, until `epochs` or `max_seconds`."""
+    record = HeadTraining(lr=lr, tokens=sum(len(d.completion) for d in docs))
+    if not docs:
+        return record
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    total = max(1, math.ceil(epochs * len(docs)))
+    warm_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - s / (total + 1))  # noqa: E731
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warm_then_decay)
+    order: list[int] = []
+    rng = random.Random(seed)
+    began = time.perf_counter()
+    head.train()
+    record.stopped_by = "epochs"
+    for step in range(total):
+        if max_seconds is not None and time.perf_counter() - began > max_seconds:
+            record.stopped_by = "max_seconds"
+            break
+        if not order:
+            order = list(range(len(docs)))
+            rng.shuffle(order)
+        loss = head_loss(head, docs[order.pop()])
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        record.steps += 1
+        record.loss.append(round(loss.item(), 4))
+        if on_step:
+            on_step(step, record.loss[-1])
+    head.eval()
+    record.epochs = round(record.steps / len(docs), 3)
+    record.seconds = round(time.perf_counter() - began, 2)
+    return record
+
+
+# --------------------------------------------------------------------------------------------
+# the engine's drafter
+
+
+class HeadDrafter:
+    """The head as one of the engine's drafters (`Drafter`): a chain per row, fed the target's
+    features of every pass (`lm.features`, kept while this drafter follows the rows) once the
+    round's accepted tokens are known (`follow`), drafting greedily. A greedy draft is a point
+    mass, so the target's check keeps sampled decoding exact as well."""
+
+    name = HEAD
+
+    def __init__(self, head: DraftHead, lm):
+        self.head = head
+        self.lm = lm  # the target's runner (`BatchedLM`), whose passes leave their features
+        self.chains: list[HeadChain | None] = []
+        self.seconds = 0.0  # spent drafting and feeding, for the engine's stats
+
+    def start(self, prompts: list[list[int]]) -> None:
+        self.lm.keep_features = True
+        self.chains = []
+        self.admit(prompts)
+
+    def admit(self, prompts: list[list[int]]) -> None:
+        """New rows, just prefilled: their chains start from the prefill's features."""
+        if not prompts:
+            return
+        began = time.perf_counter()
+        for seq, (start, features) in zip(prompts, self.lm.features):
+            chain = HeadChain(self.head, start)
+            chain.feed(features, seq)
+            self.chains.append(chain)
+        self.seconds += time.perf_counter() - began
+
+    def follow(self, seqs: list[list[int]]) -> None:
+        """The round's verify pass is in and each row's accepted sequence is `seqs`: feed the
+        pairs whose features the pass computed after accepted tokens."""
+        began = time.perf_counter()
+        for chain, seq, (start, features) in zip(self.chains, seqs, self.lm.features):
+            if chain.fed < start:  # features missing (a row the head was not following): restart
+                chain.restart(start)
+            chain.feed(features[chain.fed - start :], seq)
+        self.seconds += time.perf_counter() - began
+
+    def propose(self, seqs, gamma, params, generator, keep=None, guess=None):
+        from pipeline.decode.drafters import Proposal
+
+        began = time.perf_counter()
+        tokens = [chain.draft(gamma) for chain in self.chains]
+        self.seconds += time.perf_counter() - began
+        return Proposal(tokens=tokens, probs=[None] * len(tokens))
+
+    def evict(self, keep: list[int], finished: list[list[int]]) -> None:
+        self.chains = [self.chains[k] for k in keep]

@@ -1,0 +1,172 @@
+"""The draft head on the target's features (pipeline.decode.head, issue 39), on the tiny pair:
+training on the target's own outputs raises the head's acceptance on documents it never saw,
+the engine drafting with it decodes exactly the target's text at batch 1, 3 and 8, with
+templates shared between prompts, and on the static path; a saved head loads and drafts the
+same, and refuses another target."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from decode_case import MAX_NEW, TEXTS, reference
+from tiny_models import CORPUS
+
+from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.head import ChainFigures, DraftHead, HeadError, documents, replay, train
+from pipeline.decode.sampling import SamplingParams
+
+
+def _docs(target, tokenizer, count: int, seed: int, new: int = 24):
+    """`count` documents of the tiny corpus's sentences with the target's greedy completions."""
+    rng = random.Random(seed)
+    sentences = sorted(set(CORPUS))
+    pairs = []
+    for _ in range(count):
+        prompt = tokenizer(" ".join(rng.choice(sentences) for _ in range(rng.randint(2, 5)))).input_ids
+        pairs.append((prompt, reference(target, prompt, new, [1])))
+    return documents(target, pairs)
+
+
+def _figures(head, docs, gamma: int = 4) -> ChainFigures:
+    figures = ChainFigures()
+    for doc in docs:
+        replay(head, doc.prompt, doc.completion, doc.features, gamma, figures)
+    return figures
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_models):
+    """A head trained on 160 documents, and 30 held-out ones: (head, held-out docs, untrained)."""
+    target, _, tokenizer = tiny_models
+    torch.manual_seed(0)
+    docs = _docs(target, tokenizer, 190, seed=1)
+    untrained = DraftHead.from_target(target)
+    head = DraftHead.from_target(target)
+    weights = {k: v.clone() for k, v in target.state_dict().items()}
+    record = train(head, docs[:160], epochs=3, lr=1e-3)
+    assert record.steps == 480 and record.stopped_by == "epochs"
+    # the head borrows the target's embedding and output layer: training must leave them be
+    assert all(torch.equal(v, weights[k]) for k, v in target.state_dict().items())
+    return head, docs[160:], untrained
+
+
+def test_training_on_the_targets_outputs_raises_held_out_acceptance(trained):
+    head, held, untrained = trained
+    before, after = _figures(untrained, held), _figures(head, held)
+    assert before.rounds and after.rounds
+    # (a random tiny target is far harder to foresee than a real model's text: measured 0.025
+    # before, 0.07 after; the real pair's figures are docs/benchmarks' business)
+    assert after.first > 2 * before.first, (before.to_dict(), after.to_dict())
+    assert after.tau > before.tau
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_greedy_with_the_head_is_the_targets_output(case, trained, batch_size):
+    target, _, tokenizer, prompts, eos, refs = case
+    head = trained[0]
+    accepted = drafted = 0
+    for gamma in (1, 3, 6):
+        config = EngineConfig(drafter="head", gamma_max=gamma, adaptive=False)
+        engine = SpeculativeEngine(target, None, eos_token_ids=eos, pad_token_id=0, config=config, head=head)
+        for start in range(0, len(prompts), batch_size):
+            outputs, batch = engine.generate(prompts[start : start + batch_size], MAX_NEW)
+            assert [o.tokens for o in outputs] == refs[start : start + batch_size], f"gamma {gamma}"
+            accepted, drafted = accepted + batch.accepted, drafted + batch.drafted
+            assert batch.drafted_by.get("head") == batch.drafted
+    assert 0 < accepted < drafted  # both the accept and the reject paths ran
+
+
+def test_the_head_follows_rows_whose_prompts_share_a_template(tiny_models, trained):
+    """Rows that reuse a template's start have no target features there: their chains start
+    after it, and decoding stays exact."""
+    target, _, tokenizer = tiny_models
+    template = "Data teams run batch jobs every night on a cluster of machines.\nSummarize:\n"
+    prompts = [tokenizer(template + t).input_ids for t in TEXTS]
+    refs = [reference(target, p, MAX_NEW, [1]) for p in prompts]
+    config = EngineConfig(drafter="head", gamma_max=4, adaptive=False)
+    engine = SpeculativeEngine(
+        target, None, eos_token_ids=[1], pad_token_id=0, config=config, head=trained[0]
+    )
+    starts, admit = [], engine.head.admit
+
+    def admit_and_note(seqs):
+        admit(seqs)
+        starts.extend(chain.start for chain in engine.head.chains[len(engine.head.chains) - len(seqs) :])
+
+    engine.head.admit = admit_and_note
+    for start in range(0, len(prompts), 3):
+        outputs, batch = engine.generate(prompts[start : start + 3], MAX_NEW)
+        assert [o.tokens for o in outputs] == refs[start : start + 3]
+        assert batch.drafted > 0
+    assert len(starts) == len(prompts) and starts[0] == 0
+    assert all(s > 0 for s in starts[1:])  # the template's start came from the cache, not a pass
+
+
+def test_sampling_with_the_head_draws_what_the_target_draws(case, trained):
+    """A greedy head's drafts are point masses: with sampling, the same seed gives the target's
+    own draws whether or not the head drafts."""
+    target, _, _, prompts, eos, _ = case
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7, greedy=False)
+    config = EngineConfig(drafter="head", gamma_max=4, adaptive=False)
+    engine = SpeculativeEngine(
+        target, None, eos_token_ids=eos, pad_token_id=0, config=config, head=trained[0]
+    )
+    outputs, batch = engine.generate(prompts[:3], MAX_NEW, sampling)
+    assert batch.drafted > 0
+    assert all(out.tokens for out in outputs)
+
+
+def test_a_saved_head_drafts_the_same_and_refuses_another_target(tiny_models, trained, tmp_path):
+    target, draft, _ = tiny_models
+    head, held, _ = trained
+    head.save(tmp_path / "head")
+    loaded = DraftHead.load(tmp_path / "head", target)
+    assert _figures(loaded, held[:10]).to_dict() == _figures(head, held[:10]).to_dict()
+    with pytest.raises(HeadError, match="another target"):
+        DraftHead.load(tmp_path / "head", draft)  # the draft model stands in for another target
+
+
+def test_on_the_static_path_the_head_decodes_what_target_only_decodes(tiny_pair_dirs, case, trained):
+    """The static runner (slots, graph widths) hands the head its features too."""
+    from pipeline.decode.static_lm import StaticLM
+    from pipeline.models.loading import load_pair
+    from pipeline.models.pairs import ModelRef
+
+    _, _, _, prompts, eos, _ = case
+    target_dir, draft_dir = tiny_pair_dirs
+    pair = load_pair(
+        ModelRef(str(target_dir)), ModelRef(str(draft_dir)), dtype="float32", device="cpu", static_passes=True
+    )
+    head = copy.deepcopy(trained[0]).bind(pair.target)
+    config = EngineConfig(drafter="head", gamma_max=4, adaptive=False)
+    engine = SpeculativeEngine(pair.target, None, eos_token_ids=eos, pad_token_id=0, config=config, head=head)
+    assert isinstance(engine.target, StaticLM)
+    for start in range(0, len(prompts), 3):
+        chunk = prompts[start : start + 3]
+        plain, _ = engine.generate(chunk, MAX_NEW, drafter="none")
+        drafted, batch = engine.generate(chunk, MAX_NEW)
+        assert [o.tokens for o in drafted] == [o.tokens for o in plain]
+        assert batch.drafted > 0
+
+
+def test_a_job_drafting_with_a_saved_head_writes_the_targets_outputs(
+    tiny_models, tiny_pair_dirs, trained, tmp_path, ray_local
+):
+    from pipeline_helpers import check_output, job_dict, write_corpus
+
+    from pipeline.job.executor import run_job
+    from pipeline.spec import spec_from_dict
+    from pipeline.storage import Storage
+
+    trained[0].save(tmp_path / "head")
+    rows_in = write_corpus(Storage(str(tmp_path / "in")))
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+    data["drafter"] = {"kind": "head", "head": str(tmp_path / "head"), "gamma_max": 4, "adaptive": False}
+    spec = spec_from_dict(data)
+    result = run_job(spec, progress=False)
+    assert result.ok and len(result.done) == 4
+    check_output(tiny_models, spec, Storage(str(tmp_path / "out")), rows_in)
+    assert sum((s.get("drafted_by") or {}).get("head", 0) for s in result.done) > 0
