@@ -101,13 +101,17 @@ class DriverMemory(threading.Thread):
 
         began = time.monotonic()
         while not self.stopped.wait(1.0):
+            found = []
             for proc in psutil.process_iter(["cmdline"]):
-                cmd = " ".join(proc.info["cmdline"] or [])
-                if "pipeline.cli run env:" in cmd:
+                cmd = proc.info["cmdline"] or []
+                # the driver itself, not the shell the Jobs API starts it through
+                if cmd and "python" in Path(cmd[0]).name and "pipeline.cli" in cmd and "run" in cmd:
                     try:
-                        self.samples.append((time.monotonic() - began, proc.memory_info().rss))
+                        found.append(proc.memory_info().rss)
                     except psutil.Error:
                         pass
+            if found:
+                self.samples.append((time.monotonic() - began, max(found)))
 
 
 def _timed(command: list[str]) -> tuple[float, str]:

@@ -192,3 +192,25 @@ def test_a_draft_with_another_tokenizer_is_a_clear_error(setting):
     result = CliRunner().invoke(main, ["distill", setting["run"], "--pair", "odd", "--out", "x"])
     assert result.exit_code == 2, result.output
     assert "does not share the target model" in result.output and "Traceback" not in result.output
+
+
+def test_distill_head_trains_a_head_on_the_run_and_writes_where_it_came_from(setting, tiny_models, tmp_path):
+    from pipeline.decode.head import DraftHead
+
+    out, report = tmp_path / "head", tmp_path / "docs" / "head.md"
+    args = ["distill", setting["run"], "--head", "--out", str(out), "--epochs", "3", "--gamma", "3"]
+    result = CliRunner().invoke(main, [*args, "--json", "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert json.loads((out / "distill.json").read_text()) == record
+    data, training, held = record["data"], record["training"], record["held_out"]
+    assert data["train"] + len(data["held_out"]) == data["documents"] == len(DOCUMENTS)
+    assert training["steps"] == 3 * data["train"] and training["stopped_by"] == "epochs"
+    first, last = training["loss"][: data["train"]], training["loss"][-data["train"] :]
+    assert sum(last) < sum(first)  # it learned the run's completions
+    assert held["gamma"] == 3 and held["before"]["rounds"] and held["after"]["rounds"]
+    assert record["target"]["fingerprint"] == DraftHead.load(out, tiny_models[0]).fingerprint
+    assert report.exists() and json.loads(report.with_suffix(".json").read_text()) == record
+    assert "first draft accepted" in report.read_text()
+    refused = CliRunner().invoke(main, args)  # the directory holds a head now
+    assert refused.exit_code == 2 and "not empty" in refused.output

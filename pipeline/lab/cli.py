@@ -231,7 +231,26 @@ def calibrate(batches, widths, **options):
     show_default=True,
     help="The pair whose draft to fine-tune; its target must be the one the run decoded with.",
 )
-@click.option("--out", "out_name", required=True, help="Name of the new local pair (models.pair, --pair).")
+@click.option(
+    "--out",
+    "out_name",
+    required=True,
+    help="Name of the new local pair (models.pair, --pair); with --head, the head's directory "
+    "(drafter.head).",
+)
+@click.option(
+    "--head",
+    is_flag=True,
+    help="Train a draft head on the target's features instead of tuning the draft model "
+    "(options that tune a model, --lora-rank, --full, --batch-size, --runs, --eval-max-new-tokens, "
+    "do not apply; --epochs default 2, --lr default 1e-3).",
+)
+@click.option(
+    "--gamma",
+    type=click.IntRange(min=1),
+    help="With --head: drafts per round when the held-out documents are replayed (default: the "
+    "run's gamma_max).",
+)
 @click.option(
     "--holdout",
     type=click.FloatRange(0, 1, min_open=True, max_open=True),
@@ -281,7 +300,9 @@ def calibrate(batches, widths, **options):
 )
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 @storage_option
-def distill(run_output_url, pair, out_name, as_json, report_path, progress, storage_options, **settings):
+def distill(
+    run_output_url, pair, out_name, head, gamma, as_json, report_path, progress, storage_options, **settings
+):
     """Fine-tune PAIR's draft on the run at RUN_OUTPUT_URL and install it as the local pair OUT.
 
     Prompts are rebuilt with the run's own task and template; the completions are the target's
@@ -303,6 +324,9 @@ def distill(run_output_url, pair, out_name, as_json, report_path, progress, stor
     from pipeline.storage import StorageError
 
     progress = sys.stderr.isatty() if progress is None else progress
+    if head:
+        _distill_head(run_output_url, out_name, gamma, as_json, report_path, storage_options, settings)
+        return
     try:
         result = run_distill(
             run_output_url,
@@ -318,6 +342,34 @@ def distill(run_output_url, pair, out_name, as_json, report_path, progress, stor
         sys.exit(EXIT_USAGE)
     if report_path:
         json_path = write_report(report_path, result)
+        click.echo(f"wrote {report_path} and {json_path}", err=True)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+
+
+def _distill_head(run_output_url, out, gamma, as_json, report_path, storage_options, settings) -> None:
+    import shlex
+
+    from pipeline.lab.distill_head import HeadSettings, distill_head, write_head_report
+    from pipeline.models.loading import ModelError
+    from pipeline.storage import StorageError
+
+    chosen = {k: settings[k] for k in ("holdout", "max_seconds", "seed", "force")}
+    chosen |= {k: settings[k] for k in ("epochs", "lr") if settings[k] is not None}
+    try:
+        result = distill_head(
+            run_output_url,
+            out,
+            HeadSettings(**chosen, gamma=gamma),
+            storage_options=parse_storage_options(storage_options),
+            command=shlex.join(["pipeline", *sys.argv[1:]]),
+            log=lambda line: click.echo(line, err=as_json),
+        )
+    except (ModelError, StorageError) as exc:
+        click.echo(f"pipeline distill: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    if report_path:
+        json_path = write_head_report(report_path, result)
         click.echo(f"wrote {report_path} and {json_path}", err=True)
     if as_json:
         click.echo(json.dumps(result, indent=2))

@@ -1,0 +1,188 @@
+"""`pipeline distill --head`: a draft head (`pipeline.decode.head`) trained on a finished run.
+
+The run is the data, as for a distilled draft model (`pipeline.lab.distill`, whose reading of
+the run and hold-out split this shares): each document's prompt as the run built it, and the
+target's own completion. The target reads each document once (its features, no gradient); the
+head learns, by teacher forcing, the target's next token after each completion token. The
+held-out documents are then replayed round by round (`head.replay`): the acceptance at each
+draft position and τ that greedy speculation with the head would have at batch 1, before and
+after training. The head and `distill.json` (where it came from, how it trained, what it
+reached) are written to the output directory, which a job names as `drafter.head`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from pipeline.lab.distill import DistillError, build_examples, end_of_turn, read_run, split_holdout
+
+HEAD_DISTILL_FORMAT = 1
+
+
+@dataclass
+class HeadSettings:
+    """`pipeline distill --head`'s options."""
+
+    holdout: float = 0.1
+    epochs: float = 2.0
+    lr: float = 1e-3
+    max_seconds: float | None = None
+    seed: int = 0
+    gamma: int | None = None  # drafts per round in the replay (None: the run's gamma_max)
+    force: bool = False
+
+
+def distill_head(
+    run_url: str,
+    out: str,
+    settings: HeadSettings,
+    *,
+    storage_options: dict | None = None,
+    command: str = "",
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Train a head for the run's target on the run, write it to `out`; return `distill.json`."""
+    from pipeline.decode.head import DraftHead, documents, replay, train
+    from pipeline.job.worker import model_refs
+    from pipeline.machine import cpu_info, git_state
+    from pipeline.models.loading import load_model, load_tokenizer
+
+    commit, dirty = git_state()
+    directory = Path(out)
+    if directory.exists() and any(directory.iterdir()) and not settings.force:
+        raise DistillError(f"--out {out}: the directory is not empty (--force replaces it)")
+    run = read_run(run_url, storage_options)
+    target_ref, _ = model_refs(run.spec)
+    models = run.spec.models
+    tokenizer = load_tokenizer(target_ref, trust_remote_code=models.trust_remote_code)
+    # dense float32, as training needs it: the head starts from the target's last layer
+    remote = models.trust_remote_code
+    target = load_model(target_ref, dtype=torch.float32, device="cpu", trust_remote_code=remote)
+    examples = build_examples(run, tokenizer, end_of_turn(tokenizer, target))
+    train_ids, held_ids = split_holdout([e.id for e in examples], settings.holdout)
+    held = set(held_ids)
+    began = time.perf_counter()
+    pairs = [(e.prompt, e.completion) for e in examples]
+    docs = documents(target, pairs)
+    features_seconds = time.perf_counter() - began
+    train_docs = [d for d, e in zip(docs, examples) if e.id not in held]
+    held_docs = [d for d, e in zip(docs, examples) if e.id in held]
+    log(
+        f"{run.url}: {len(examples)} documents, {len(train_docs)} to train on "
+        f"({sum(len(d.completion) for d in train_docs)} completion tokens), {len(held_docs)} held out; "
+        f"the target's features took {features_seconds:.1f} s"
+    )
+    seen = sorted({t for d in train_docs for t in d.completion})
+    head = DraftHead.from_target(target, run.spec.drafter.draft_vocab, seen)
+    gamma = settings.gamma or max(run.spec.drafter.gamma_max, 1)
+    before = _replayed(replay, head, held_docs, gamma)
+    torch.manual_seed(settings.seed)
+    training = train(
+        head,
+        train_docs,
+        lr=settings.lr,
+        epochs=settings.epochs,
+        max_seconds=settings.max_seconds,
+        seed=settings.seed,
+        on_step=lambda step, loss: step % 100 == 0 and log(f"step {step}: loss {loss:.3f}"),
+    )
+    after = _replayed(replay, head, held_docs, gamma)
+    log(
+        f"trained {training.steps} steps in {training.seconds:.0f} s ({training.stopped_by}); held out, "
+        f"first draft accepted {before['first_position']:.3f} -> {after['first_position']:.3f}, "
+        f"tau {before['tau']:.2f} -> {after['tau']:.2f} at gamma {gamma}"
+    )
+    if directory.exists() and settings.force:
+        shutil.rmtree(directory)
+    head.save(directory)
+    model, flags = cpu_info()
+    result = {
+        "format": HEAD_DISTILL_FORMAT,
+        "command": command,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source_run": {"url": run.url, "run_id": run.run_id, "job": run.job},
+        "target": {"path": target_ref.path, "display": target_ref.display, "fingerprint": head.fingerprint},
+        "data": {
+            "documents": len(examples),
+            "train": len(train_docs),
+            "train_completion_tokens": sum(len(d.completion) for d in train_docs),
+            "held_out": held_ids,
+            "features_seconds": round(features_seconds, 1),
+        },
+        "head": {
+            "parameters": sum(p.numel() for p in head.parameters()),
+            "vocab_rows": len(head.vocab_rows),
+            "layer": type(head.layer).__name__,
+        },
+        "training": asdict(training),
+        "held_out": {"gamma": gamma, "before": before, "after": after},
+        "machine": {
+            "cpu_model": model,
+            "avx2": "avx2" in flags,
+            "avx512_bf16": "avx512_bf16" in flags,
+            "threads": torch.get_num_threads(),
+            "git_commit": commit,
+            "git_dirty": dirty,
+        },
+    }
+    (directory / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote the head to {directory}")
+    return result
+
+
+def _replayed(replay, head, docs, gamma: int) -> dict:
+    from pipeline.decode.head import ChainFigures
+
+    figures = ChainFigures()
+    for doc in docs:
+        replay(head, doc.prompt, doc.completion, doc.features, gamma, figures)
+    return figures.to_dict()
+
+
+def write_head_report(path: str, result: dict) -> str:
+    """A Markdown record of a head's training and held-out figures, with its JSON beside it."""
+    md = Path(path)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    json_path = md.with_suffix(".json")
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    t, h, m = result["training"], result["held_out"], result["machine"]
+    dirty = " (dirty)" if m["git_dirty"] else ""
+    rows = [
+        f"| {name} | {fig['first_position']} | {fig['tau']} | {fig['accepted']} / {fig['drafted']} | "
+        f"{fig['by_position']} |"
+        for name, fig in (("untrained", h["before"]), ("trained", h["after"]))
+    ]
+    lines = [
+        f"# A draft head for {result['target']['display']}, trained on {result['source_run']['job']} "
+        f"{result['source_run']['run_id']}",
+        "",
+        f"`{result['command']}` at commit {(m['git_commit'] or '?')[:7]}{dirty}; {m['cpu_model']}, "
+        f"AVX2 {m['avx2']}, AVX-512 BF16 {m['avx512_bf16']}, {m['threads']} threads, float32.",
+        "",
+        f"- data: {result['data']['train']} documents to train on "
+        f"({result['data']['train_completion_tokens']} completion tokens), "
+        f"{len(result['data']['held_out'])} held out; the target's features took "
+        f"{result['data']['features_seconds']} s",
+        f"- head: {result['head']['parameters']:,} trained parameters ({result['head']['layer']}), "
+        f"{result['head']['vocab_rows']:,} tokens it can propose",
+        f"- training: {t['steps']} steps, {t['epochs']} epochs, {t['seconds']} s ({t['stopped_by']}), "
+        f"lr {t['lr']}; loss {t['loss'][:1]} -> {t['loss'][-1:]}",
+        "",
+        f"Held-out documents replayed with greedy speculation at γ {h['gamma']}, batch 1 (the "
+        "target's own completions decide each draft; no timing):",
+        "",
+        "| head | first draft accepted | τ (tokens per round) | accepted / drafted | accepted by position |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    md.write_text("\n".join(lines))
+    return str(json_path)
