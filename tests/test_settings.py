@@ -36,9 +36,12 @@ def test_spec_and_engine_share_every_bound(name):
 
 def test_names_are_the_spec_choices():
     for kind in settings.DRAFTERS:
-        assert EngineConfig.from_spec(DrafterSpec(kind=kind)).drafter == kind
+        head = "/heads/h" if kind == settings.HEAD else None  # a head is named where it is asked for
+        assert EngineConfig.from_spec(DrafterSpec(kind=kind, head=head)).drafter == kind
     with pytest.raises(pydantic.ValidationError):
         DrafterSpec(kind="medusa")
+    with pytest.raises(pydantic.ValidationError, match="drafter.kind is 'head'"):
+        DrafterSpec(kind="head")
     with pytest.raises(ValueError, match="drafter"):
         EngineConfig(drafter="medusa")
     with pytest.raises(ValueError, match="auto_sources"):
