@@ -129,11 +129,9 @@ class ShardProcessor:
         prompts, good = [], []
         truncated = 0
         tokens_in = 0
-        for row in rows:
-            try:
-                prompt = self.prompts.build(row.text)
-            except OverlongDocument as exc:
-                errors.append(_error(row.id, row.index, "overlong", str(exc)))
+        for row, prompt in zip(rows, self.prompts.build_many([row.text for row in rows])):
+            if isinstance(prompt, OverlongDocument):
+                errors.append(_error(row.id, row.index, "overlong", str(prompt)))
                 continue
             truncated += prompt.truncated
             tokens_in += len(prompt.ids)
