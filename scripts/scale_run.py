@@ -187,6 +187,9 @@ def main() -> None:
     parser.add_argument("--status-every", type=float, default=120.0, help="seconds between status timings")
     parser.add_argument("--report", type=Path, help="write REPORT.json and REPORT.md")
     args = parser.parse_args()
+    from pipeline.machine import cpu_info, git_state
+
+    commit, dirty = git_state()  # the code the job is submitted with, whatever the tree becomes
     spec = build(args.work, args.shards, args.rows, args.max_new_tokens)
     head = Head(cpus=2)
     memory = DriverMemory()
@@ -227,10 +230,7 @@ def main() -> None:
     stats_seconds, _ = _timed([sys.executable, "-m", "pipeline.cli", "stats", str(out)])
     stats = [json.loads(p.read_text()) for p in sorted((out / "stats").glob("*.json"))]
     rss = [r for _, r in memory.samples]
-    from pipeline.machine import cpu_info, git_state
-
     model, flags = cpu_info()
-    commit, dirty = git_state()
     record = {
         "command": " ".join(["python", "scripts/scale_run.py", *sys.argv[1:]]),
         "machine": {

@@ -166,7 +166,7 @@ def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, m
 
     report = tmp_path / "docs" / "calibrate-tiny.md"
     args = ["calibrate", "--pair", "tiny", "--batch", "1", "--widths", "1,2", "--context", "12"]
-    args += ["--runs", "1", "--report", str(report)]
+    args += ["--runs", "1", "--head", "--report", str(report)]
     monkeypatch.setattr("sys.argv", ["pipeline", *args])  # the command the report records
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -174,6 +174,12 @@ def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, m
     written = json.loads((tmp_path / "docs" / "calibrate-tiny.json").read_text())  # beside the report
     assert "pipeline calibrate --pair tiny" in text and "[calibrate-tiny.json](calibrate-tiny.json)" in text
     assert "| CPU flags | avx2 " in text and "target pass" in text and written["pair"]["name"] == "tiny"
+    head = written["head"]  # a draft head's step beside the target's pass (--head)
+    assert head["step_seconds"] > 0 and head["parameters"] > 0 and head["context"] == 12
+    width_one = written["target_pass_seconds_by_batch"]["1"]["1"]
+    assert head["share_of_target_pass"] == head["step_seconds"] / width_one
+    assert "draft head step" in text and "of a width-1 target pass" in text
+    assert "head" not in printed  # only when asked
 
     bad = CliRunner().invoke(main, ["calibrate", "--pair", "tiny", "--widths", "2,4"])
     assert bad.exit_code == 2 and "widths must include 1" in bad.output

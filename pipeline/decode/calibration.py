@@ -156,9 +156,11 @@ def measure(
     *,
     draft_vocab: int = EngineConfig.draft_vocab,
     pair_name: str | None = None,
+    head: bool = False,
 ) -> dict[str, Any]:
     """Time target and draft passes of every width at every batch size over `context` cached
-    tokens (median of `runs` after a warm-up), and each model's prefill per token.
+    tokens (median of `runs` after a warm-up), and each model's prefill per token; with `head`,
+    a draft head's step beside them (`pipeline.decode.head.step_seconds`).
 
     Batch 1 is always measured: the headline costs and predictions are a lone row's. The
     defaults are cheap enough for an actor's start-up (a few seconds on the 1.5B target).
@@ -196,6 +198,12 @@ def measure(
     result = summary(
         loaded, passes, prefill, context=context, runs=runs, draft_vocab=draft_vocab, pair_name=pair_name
     )
+    if head:
+        from pipeline.decode.head import step_seconds
+
+        step = step_seconds(loaded.target, draft_vocab, context, max(runs, 3))
+        step["share_of_target_pass"] = step["step_seconds"] / passes["target"]["1"]["1"]
+        result["head"] = step
     result["seconds"] = time.perf_counter() - began
     if graphs:
         result["static_passes"] = graphs

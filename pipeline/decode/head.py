@@ -133,7 +133,7 @@ class DraftHead(torch.nn.Module):
         self.__dict__["_embed"] = target.get_input_embeddings()
         self.__dict__["_rotary"] = target.base_model.rotary_emb
         self._lm = output_rows(target, self.vocab_rows)
-        return self
+        return self.to(self._lm.device)
 
     @property
     def device(self) -> torch.device:
@@ -231,6 +231,38 @@ def _vocab_rows(target: PreTrainedModel, vocab: int, rows: Sequence[int]) -> tor
     size = target.get_output_embeddings().out_features
     low = range(min(vocab, size) if vocab else size)
     return torch.tensor(sorted(set(low).union(r for r in rows if 0 <= r < size)), dtype=torch.long)
+
+
+@torch.no_grad()
+def step_seconds(target: PreTrainedModel, vocab: int, context: int, runs: int = 3) -> dict:
+    """What a head of `target`'s shape costs per drafted token, after `context` pairs: the
+    median of `runs` (5-draft chain − 1-draft chain) / 4, so one layer's step and the output
+    layer over `vocab` rows. Its weights do not change the cost: a fresh head is timed."""
+    last = target.base_model.layers[-1]
+    head = DraftHead(target.config, type(last), _vocab_rows(target, vocab, ()), target_fingerprint(target))
+    head.bind(target).eval()
+    chain = HeadChain(head)
+    hidden = target.config.hidden_size
+    tokens = torch.randint(3, len(head.vocab_rows), (context + 1,)).tolist()
+    chain.feed(torch.randn(context, hidden, device=head.device), tokens)
+    timed = {}
+    for drafts in (1, 5):
+        chain.draft(drafts)  # warm-up
+        samples = []
+        for _ in range(runs):
+            began = time.perf_counter()
+            chain.draft(drafts)
+            if head.device.type == "cuda":
+                torch.cuda.synchronize(head.device)
+            samples.append(time.perf_counter() - began)
+        timed[drafts] = sorted(samples)[len(samples) // 2]
+    return {
+        "step_seconds": max(timed[5] - timed[1], 0.0) / 4,
+        "first_draft_seconds": timed[1],
+        "parameters": sum(p.numel() for p in head.parameters()),
+        "vocab_rows": len(head.vocab_rows),
+        "context": context,
+    }
 
 
 @torch.no_grad()

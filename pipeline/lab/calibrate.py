@@ -120,6 +120,14 @@ def format_table(result: dict[str, Any]) -> str:
                 else ""
             )
         )
+    head = result.get("head")
+    if head:
+        lines.append(
+            f"draft head step (one layer of the target's shape, output layer over {head['vocab_rows']} "
+            f"tokens, {head['parameters'] / 1e6:.1f}M trained parameters): "
+            f"{1000 * head['step_seconds']:.2f} ms, {100 * head['share_of_target_pass']:.1f}% of a "
+            "width-1 target pass at batch 1"
+        )
     for role, graphs in (result.get("static_passes") or {}).items():
         lines.append(
             f"static passes ({role}{', compiled' if graphs.get('compiled') else ''}): "
@@ -184,6 +192,7 @@ class CalibrateOptions:
     static_passes: bool | None
     compiled_passes: bool
     runs: int
+    head: bool
     as_json: bool
     out_path: str | None
     report_path: str | None
@@ -210,7 +219,7 @@ def measure_pair(options: CalibrateOptions) -> tuple[LoadedPair, dict[str, Any]]
     }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)
     if not o.against:
-        return loaded, measure(loaded, o.batches, o.widths, o.context, o.runs, pair_name=o.pair)
+        return loaded, measure(loaded, o.batches, o.widths, o.context, o.runs, pair_name=o.pair, head=o.head)
     other = load_pair(target, None, dtype=o.dtype, device="auto", weights=o.against, **kernels)
     result, theirs = measure_alternating(
         [loaded, other], o.batches, o.widths, o.context, runs=o.runs, pair_name=o.pair

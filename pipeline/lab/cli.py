@@ -189,6 +189,12 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
     "graphs are captured (fewer, fused kernels).",
 )
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
+@click.option(
+    "--head",
+    is_flag=True,
+    help="Also time a draft head's step (drafter.kind head: one decoder layer of the target's shape "
+    "and its output layer over drafter.draft_vocab tokens) beside the target's pass.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")
 @click.option("--out", "out_path", help="Also write the JSON to this file.")
 @click.option(
