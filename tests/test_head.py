@@ -63,10 +63,13 @@ def test_training_on_the_targets_outputs_raises_held_out_acceptance(trained):
     assert after.tau > before.tau
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_greedy_with_the_head_is_the_targets_output(case, trained, batch_size):
+def test_greedy_with_the_head_is_the_targets_output(case, trained, batch_size, packed):
+    """As trained (float32), and packed for drafting on a CPU as a job packs it (int8 weights)."""
     target, _, tokenizer, prompts, eos, refs = case
-    head = trained[0]
+    head = copy.deepcopy(trained[0]).bind(target).pack() if packed else trained[0]
+    assert ("_lm_packed" in head.__dict__) == packed
     accepted = drafted = 0
     for gamma in (1, 3, 6):
         config = EngineConfig(drafter="head", gamma_max=gamma, adaptive=False)

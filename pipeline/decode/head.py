@@ -137,7 +137,7 @@ class DraftHead(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.vocab_rows.device  # a buffer: the linears' weights go when packed
 
     def forward(
         self,
@@ -169,7 +169,24 @@ class DraftHead(torch.nn.Module):
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Scores over `vocab_rows` (index into them for the token id)."""
-        return F.linear(g, self._lm)
+        packed = self.__dict__.get("_lm_packed")
+        return packed(g) if packed is not None else F.linear(g, self._lm)
+
+    def pack(self) -> DraftHead:
+        """For drafting on a CPU: the head's linears and its output rows as int8 weights for the
+        streamed kernel (`pipeline.models.streamed`), a quarter of float32's bytes, since a step
+        at batch 1 is bound by reading them. Drafts may change a little; outputs cannot, the
+        target checks every draft. A packed head no longer trains or saves. Elsewhere (a GPU,
+        no kernel): as it is."""
+        from pipeline.models import streamed
+
+        if self.device.type != "cpu" or streamed.library() is None or "_lm_packed" in self.__dict__:
+            return self
+        streamed.stream_linears(self, int8=True)
+        rows = torch.nn.Linear(self._lm.shape[1], self._lm.shape[0], bias=False)
+        rows.weight = torch.nn.Parameter(self._lm, requires_grad=False)
+        self.__dict__["_lm_packed"] = streamed.StreamedLinear(rows, int8=True)
+        return self
 
     def save(self, directory: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -237,10 +254,12 @@ def _vocab_rows(target: PreTrainedModel, vocab: int, rows: Sequence[int]) -> tor
 def step_seconds(target: PreTrainedModel, vocab: int, context: int, runs: int = 3) -> dict:
     """What a head of `target`'s shape costs per drafted token, after `context` pairs: the
     median of `runs` (5-draft chain − 1-draft chain) / 4, so one layer's step and the output
-    layer over `vocab` rows. Its weights do not change the cost: a fresh head is timed."""
+    layer over `vocab` rows, packed as a job packs it (`DraftHead.pack`). Its weights do not
+    change the cost: a fresh head is timed."""
     last = target.base_model.layers[-1]
     head = DraftHead(target.config, type(last), _vocab_rows(target, vocab, ()), target_fingerprint(target))
-    head.bind(target).eval()
+    parameters = sum(p.numel() for p in head.parameters())
+    head.bind(target).eval().pack()  # as a job drafts with it
     chain = HeadChain(head)
     hidden = target.config.hidden_size
     tokens = torch.randint(3, len(head.vocab_rows), (context + 1,)).tolist()
@@ -259,9 +278,10 @@ def step_seconds(target: PreTrainedModel, vocab: int, context: int, runs: int = 
     return {
         "step_seconds": max(timed[5] - timed[1], 0.0) / 4,
         "first_draft_seconds": timed[1],
-        "parameters": sum(p.numel() for p in head.parameters()),
+        "parameters": parameters,
         "vocab_rows": len(head.vocab_rows),
         "context": context,
+        "packed": "_lm_packed" in head.__dict__,
     }
 
 

@@ -73,7 +73,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     if drafter == HEAD:
         from pipeline.decode.head import DraftHead
 
-        head = DraftHead.load(spec.drafter.head, pair.target)
+        head = DraftHead.load(spec.drafter.head, pair.target).pack()
     engine = SpeculativeEngine(
         pair.target,
         pair.draft,
