@@ -214,3 +214,9 @@ def test_distill_head_trains_a_head_on_the_run_and_writes_where_it_came_from(set
     assert "first draft accepted" in report.read_text()
     refused = CliRunner().invoke(main, args)  # the directory holds a head now
     assert refused.exit_code == 2 and "not empty" in refused.output
+    # --prompts: the prompts' positions too, labelled with the target's own choices
+    again = CliRunner().invoke(main, [*args, "--prompts", "--force", "--epochs", "1", "--json"])
+    assert again.exit_code == 0, again.output
+    whole = json.loads(again.stdout)
+    assert whole["data"]["prompt_positions"] and not record["data"]["prompt_positions"]
+    assert whole["head"]["vocab_rows"] >= record["head"]["vocab_rows"]

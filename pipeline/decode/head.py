@@ -424,23 +424,45 @@ class Document:
     prompt: list[int]
     completion: list[int]
     features: torch.Tensor  # [len(prompt) + len(completion), H]
+    # the target's own greedy choice after every position (its output layer over `features`):
+    # labels for the prompt's positions too, where the text is not the target's
+    choices: torch.Tensor | None = None
 
 
-def documents(target: PreTrainedModel, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Document]:
-    """Each (prompt, completion) with the target's features: one forward pass per document."""
-    return [Document(list(p), list(c), target_features(target, list(p) + list(c))) for p, c in pairs]
+def documents(
+    target: PreTrainedModel, pairs: Sequence[tuple[list[int], list[int]]], choices: bool = False
+) -> list[Document]:
+    """Each (prompt, completion) with the target's features: one forward pass per document;
+    with `choices`, the target's greedy choice at every position too."""
+    docs = []
+    for p, c in pairs:
+        features = target_features(target, list(p) + list(c))
+        picked = _choices(target, features) if choices else None
+        docs.append(Document(list(p), list(c), features, picked))
+    return docs
+
+
+@torch.no_grad()
+def _choices(target: PreTrainedModel, features: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    layer = target.get_output_embeddings()
+    return torch.cat([layer(features[i : i + chunk]).argmax(-1) for i in range(0, len(features), chunk)])
 
 
 def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.Tensor:
     """Teacher forcing over one document: g_i from (f_i, x_{i+1}); cross-entropy of x_{i+2}
-    over the completion, and smooth L1 of g_i against f_{i+1} there."""
+    over the completion, and smooth L1 of g_i against f_{i+1} there. A document with the
+    target's `choices` is learned at every position, each labelled with the target's choice
+    after position i+1 (on the completion, its token x_{i+2})."""
     seq = doc.prompt + doc.completion
     n = len(seq) - 1  # pairs i = 0 .. n-1
     ids = torch.tensor([seq[1:]], device=head.device)
     positions = torch.arange(n, device=head.device)[None]
     g = head(doc.features[None, :n].to(head.device), ids, positions)[0]  # [n, H]
-    first = max(len(doc.prompt) - 1, 0)  # pair i predicts x_{i+2}: the completion's from here
-    labels = torch.tensor(seq[first + 2 :], device=head.device)
+    if doc.choices is not None:
+        first, labels = 0, doc.choices[1:].to(head.device)
+    else:
+        first = max(len(doc.prompt) - 1, 0)  # pair i predicts x_{i+2}: the completion's from here
+        labels = torch.tensor(seq[first + 2 :], device=head.device)
     index = _label_index(head, labels)
     predicted = g[first : first + len(labels)]
     loss = F.cross_entropy(head.logits(predicted), index, ignore_index=-100)

@@ -252,6 +252,12 @@ def calibrate(batches, widths, **options):
     "do not apply; --epochs default 2, --lr default 1e-3).",
 )
 @click.option(
+    "--prompts",
+    is_flag=True,
+    help="With --head: also learn at the prompts' positions, each labelled with the target's own "
+    "choice there (more data per document; the target's output layer runs over every position once).",
+)
+@click.option(
     "--gamma",
     type=click.IntRange(min=1),
     help="With --head: drafts per round when the held-out documents are replayed (default: the "
@@ -307,7 +313,17 @@ def calibrate(batches, widths, **options):
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 @storage_option
 def distill(
-    run_output_url, pair, out_name, head, gamma, as_json, report_path, progress, storage_options, **settings
+    run_output_url,
+    pair,
+    out_name,
+    head,
+    prompts,
+    gamma,
+    as_json,
+    report_path,
+    progress,
+    storage_options,
+    **settings,
 ):
     """Fine-tune PAIR's draft on the run at RUN_OUTPUT_URL and install it as the local pair OUT.
 
@@ -331,7 +347,15 @@ def distill(
 
     progress = sys.stderr.isatty() if progress is None else progress
     if head:
-        _distill_head(run_output_url, out_name, gamma, as_json, report_path, storage_options, settings)
+        _distill_head(
+            run_output_url,
+            out_name,
+            gamma,
+            as_json,
+            report_path,
+            storage_options,
+            settings | {"prompts": prompts},
+        )
         return
     try:
         result = run_distill(
@@ -360,7 +384,7 @@ def _distill_head(run_output_url, out, gamma, as_json, report_path, storage_opti
     from pipeline.models.loading import ModelError
     from pipeline.storage import StorageError
 
-    chosen = {k: settings[k] for k in ("holdout", "max_seconds", "seed", "force")}
+    chosen = {k: settings[k] for k in ("holdout", "max_seconds", "seed", "force", "prompts")}
     chosen |= {k: settings[k] for k in ("epochs", "lr") if settings[k] is not None}
     try:
         result = distill_head(

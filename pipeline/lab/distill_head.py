@@ -38,6 +38,8 @@ class HeadSettings:
     seed: int = 0
     gamma: int | None = None  # drafts per round in the replay (None: the run's gamma_max)
     force: bool = False
+    # also learn at the prompts' positions, labelled with the target's own choices there
+    prompts: bool = False
 
 
 def distill_head(
@@ -71,7 +73,7 @@ def distill_head(
     held = set(held_ids)
     began = time.perf_counter()
     pairs = [(e.prompt, e.completion) for e in examples]
-    docs = documents(target, pairs)
+    docs = documents(target, pairs, choices=settings.prompts)
     features_seconds = time.perf_counter() - began
     train_docs = [d for d, e in zip(docs, examples) if e.id not in held]
     held_docs = [d for d, e in zip(docs, examples) if e.id in held]
@@ -80,8 +82,10 @@ def distill_head(
         f"({sum(len(d.completion) for d in train_docs)} completion tokens), {len(held_docs)} held out; "
         f"the target's features took {features_seconds:.1f} s"
     )
-    seen = sorted({t for d in train_docs for t in d.completion})
-    head = DraftHead.from_target(target, run.spec.drafter.draft_vocab, seen)
+    seen = {t for d in train_docs for t in d.completion}
+    if settings.prompts:
+        seen |= {int(t) for d in train_docs for t in d.choices}
+    head = DraftHead.from_target(target, run.spec.drafter.draft_vocab, sorted(seen))
     gamma = settings.gamma or max(run.spec.drafter.gamma_max, 1)
     before = _replayed(replay, head, held_docs, gamma)
     torch.manual_seed(settings.seed)
@@ -116,6 +120,7 @@ def distill_head(
             "train_completion_tokens": sum(len(d.completion) for d in train_docs),
             "held_out": held_ids,
             "features_seconds": round(features_seconds, 1),
+            "prompt_positions": settings.prompts,
         },
         "head": {
             "parameters": sum(p.numel() for p in head.parameters()),
@@ -170,7 +175,8 @@ def write_head_report(path: str, result: dict) -> str:
         f"- data: {result['data']['train']} documents to train on "
         f"({result['data']['train_completion_tokens']} completion tokens), "
         f"{len(result['data']['held_out'])} held out; the target's features took "
-        f"{result['data']['features_seconds']} s",
+        f"{result['data']['features_seconds']} s"
+        + ("; learned at the prompts' positions too" if result["data"].get("prompt_positions") else ""),
         f"- head: {result['head']['parameters']:,} trained parameters ({result['head']['layer']}), "
         f"{result['head']['vocab_rows']:,} tokens it can propose",
         f"- training: {t['steps']} steps, {t['epochs']} epochs, {t['seconds']} s ({t['stopped_by']}), "
