@@ -28,6 +28,7 @@ TOOLS = (
     "distill",
     "suffix-bench",
     "tiny-job",
+    "scale-run",
     "llama-cpp",
     "gpu-check",
     "history",
