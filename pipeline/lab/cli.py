@@ -339,30 +339,29 @@ def distill(
           --max-seconds 2400 --report docs/benchmarks/2026-11-26-distill-avx2-float32.md
     """
     import shlex
+    from functools import partial
 
-    from pipeline.lab.distill import Settings, write_report
-    from pipeline.lab.distill import distill as run_distill
     from pipeline.models.loading import ModelError
     from pipeline.storage import StorageError
 
     progress = sys.stderr.isatty() if progress is None else progress
     if head:
-        _distill_head(
-            run_output_url,
-            out_name,
-            gamma,
-            as_json,
-            report_path,
-            storage_options,
-            settings | {"prompts": prompts},
+        from pipeline.lab.distill_head import HeadSettings, distill_head, write_head_report
+
+        chosen = {k: settings[k] for k in ("holdout", "max_seconds", "seed", "force")}
+        chosen |= {k: settings[k] for k in ("epochs", "lr") if settings[k] is not None}
+        job = partial(
+            distill_head, run_output_url, out_name, HeadSettings(**chosen, gamma=gamma, prompts=prompts)
         )
-        return
+        write = write_head_report
+    else:
+        from pipeline.lab.distill import Settings, write_report
+        from pipeline.lab.distill import distill as run_distill
+
+        job = partial(run_distill, run_output_url, pair, out_name, Settings(**settings, progress=progress))
+        write = write_report
     try:
-        result = run_distill(
-            run_output_url,
-            pair,
-            out_name,
-            Settings(**settings, progress=progress),
+        result = job(
             storage_options=parse_storage_options(storage_options),
             command=shlex.join(["pipeline", *sys.argv[1:]]),
             log=lambda line: click.echo(line, err=as_json),
@@ -371,35 +370,7 @@ def distill(
         click.echo(f"pipeline distill: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     if report_path:
-        json_path = write_report(report_path, result)
-        click.echo(f"wrote {report_path} and {json_path}", err=True)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-
-
-def _distill_head(run_output_url, out, gamma, as_json, report_path, storage_options, settings) -> None:
-    import shlex
-
-    from pipeline.lab.distill_head import HeadSettings, distill_head, write_head_report
-    from pipeline.models.loading import ModelError
-    from pipeline.storage import StorageError
-
-    chosen = {k: settings[k] for k in ("holdout", "max_seconds", "seed", "force", "prompts")}
-    chosen |= {k: settings[k] for k in ("epochs", "lr") if settings[k] is not None}
-    try:
-        result = distill_head(
-            run_output_url,
-            out,
-            HeadSettings(**chosen, gamma=gamma),
-            storage_options=parse_storage_options(storage_options),
-            command=shlex.join(["pipeline", *sys.argv[1:]]),
-            log=lambda line: click.echo(line, err=as_json),
-        )
-    except (ModelError, StorageError) as exc:
-        click.echo(f"pipeline distill: {exc}", err=True)
-        sys.exit(EXIT_USAGE)
-    if report_path:
-        json_path = write_head_report(report_path, result)
+        json_path = write(report_path, result)
         click.echo(f"wrote {report_path} and {json_path}", err=True)
     if as_json:
         click.echo(json.dumps(result, indent=2))
