@@ -333,6 +333,10 @@ def distill(
     settings at batch 1: α, acceptance by position, predicted and measured speedup, and every
     output checked equal to target-only. `distill.json` beside the new pair records it all.
 
+    With --head, a draft head on the target's own features is trained instead (drafter.kind
+    head): written to the directory OUT with its distill.json, and its held-out acceptance
+    replayed before and after training.
+
     \b
     Example:
       pipeline distill ./out/licenses/RUN --pair qwen2.5-coder --out coder-licenses \\
