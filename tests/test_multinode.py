@@ -33,12 +33,15 @@ def cluster(s3_server):  # after s3_server: the nodes' processes inherit its tes
     # a lost node declared dead after ~2 s of missed health checks rather than Ray's ~15 s: only
     # then does Ray restart its actors elsewhere, and the test need not outlast that
     checks = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
-    (dashboard,) = free_ports(1)
+    # ports of its own for the Jobs API and the head's dashboard agent: the agent's default
+    # (52365) may be held by another test's Ray, and a head without its agent takes no job
+    dashboard, agent = free_ports(2)
     head = {
         "num_cpus": 0,
         "include_dashboard": True,
         "dashboard_host": "127.0.0.1",
         "dashboard_port": dashboard,
+        "dashboard_agent_listen_port": agent,
         "_system_config": checks,
     }
     cluster = Cluster(initialize_head=True, head_node_args=head)
