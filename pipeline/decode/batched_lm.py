@@ -108,7 +108,6 @@ class BatchedLM:
         self.keep_features = False
         self.features: list[tuple[int, torch.Tensor]] = []
         self._hidden: torch.Tensor | None = None
-        self._collected: dict[int, tuple[int, torch.Tensor]] = {}  # row -> features, within a pass
         self.reset(0)
 
     def _new_cache(self) -> DynamicCache:

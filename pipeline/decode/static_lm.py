@@ -155,6 +155,7 @@ class StaticLM(BatchedLM):
             store = model._static_store = _Store(cache_dtype, self.compiled)
         self.store = store
         super().__init__(model, pad_token_id, vocab_size, pack=False)
+        self._collected: dict[int, tuple[int, torch.Tensor]] = {}  # row -> features, within a pass
         self.use_graphs = self.device.type == "cuda"
         if self.compiled and getattr(model, "_batch_invariant", False):
             # a wider pass would run eagerly, whose kernels round otherwise than the compiled ones

@@ -370,7 +370,11 @@ class _Recorder:
         )
 
     def hand_back(self, shard: ShardAttempt, node: str | None) -> None:
-        """A retired actor's shard that did not finish: first in line again, same attempt."""
+        """A retired actor's shard that did not finish: first in line again, same attempt
+        (killed after writing its completion marker, it is done, as in `finished`)."""
+        if is_complete(self.out, shard.name):
+            self.done(self.out.read_json(shard_paths(shard.name)["stats"]))
+            return
         metrics.record_handed_back(self.spec.name)
         self.result.handed_back.append({"shard": shard.name, "attempt": shard.attempt, "node": node})
         self.queue.appendleft(shard)
