@@ -88,6 +88,41 @@ def test_the_loader_streams_float32_cpu_targets_and_makes_them_invariant(streame
     assert loaded.target.config._attn_implementation == invariant.NAME
 
 
+def test_the_kernels_attention_is_softmax_attention_and_a_querys_bits_depend_on_its_keys_alone():
+    """Against float64 attention: close. Bitwise: a query alone, beside other queries and rows,
+    and over a cache with masked slots (holding NaN, as a cache's holes may) between its keys."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, queries, dim, keys = 3, 12, 2, 5, 64, 70
+    q = torch.randn(batch, heads, queries, dim)
+    cache_k, cache_v = torch.randn(batch, kv_heads, 100, dim), torch.randn(batch, kv_heads, 100, dim)
+    k, v = cache_k[:, :, :keys], cache_v[:, :, :keys]  # views into a longer cache, as `_Room` gives
+    hidden = torch.finfo(torch.float32).min
+    mask = torch.zeros(batch, 1, queries, keys)
+    mask[0, :, :, 10:20] = hidden
+    mask[2] = torch.triu(torch.full((queries, keys), hidden), diagonal=keys - queries + 1)
+    got = streamed.attention(q, k, v, mask, dim**-0.5)
+    assert got.shape == (batch, queries, heads, dim)
+    expected, _ = invariant.float64_attention(None, q, k, v, mask, dim**-0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    alone = streamed.attention(q[2:, :, 3:4], k[2:], v[2:], mask[2:, :, 3:4], dim**-0.5)
+    assert torch.equal(alone[0, 0], got[2, 3])
+    nan = torch.full((1, kv_heads, 3, dim), float("nan"))
+    holed_k = torch.cat([k[2:, :, :5], nan, k[2:, :, 5:]], dim=2)
+    holed_v = torch.cat([v[2:, :, :5], nan, v[2:, :, 5:]], dim=2)
+    gap = torch.full((1, 1, 1, 3), hidden)
+    holed_mask = torch.cat([mask[2:, :, 3:4, :5], gap, mask[2:, :, 3:4, 5:]], dim=3)
+    holed = streamed.attention(q[2:, :, 3:4], holed_k, holed_v, holed_mask, dim**-0.5)
+    assert torch.equal(holed[0, 0], got[2, 3])
+    # a ragged pass: a row's queries past its length come out zero, the others unchanged
+    ragged = streamed.attention(q, k, v, mask, dim**-0.5, queries=(5, 2, 4))
+    assert torch.equal(ragged[1, :2], got[1, :2]) and not ragged[1, 2:].any()
+
+
+def test_a_float32_targets_cache_keeps_float32_for_the_kernels_attention(streamed_target):
+    assert invariant.cache_dtype(streamed_target.target) == torch.float32
+
+
 @pytest.mark.parametrize("batch", [1, 2, 5, 8])
 def test_a_rows_logits_are_the_same_at_every_width_and_batch(streamed_target, batch):
     """Row 0 verifies 1 to 16 tokens beside batch - 1 rows of other lengths: its logits are

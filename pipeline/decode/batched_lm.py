@@ -112,14 +112,14 @@ class BatchedLM:
 
     def _new_cache(self) -> DynamicCache:
         """An empty cache whose layers write each pass's keys and values into room kept for them
-        (`_Room`) rather than concatenating the whole cache again. A model whose attention runs
-        in float64 (`invariant`) gets them stored in float64 as they arrive, rather than the
-        whole cache converted again in every pass: the same values, so the same bits."""
+        (`_Room`) rather than concatenating the whole cache again, in the dtype the model's
+        attention reads (`invariant.cache_dtype`: float64 for float64 attention, converted as
+        they arrive rather than the whole cache again in every pass)."""
         cache = DynamicCache(config=self.model.config)
-        widen = getattr(self.model.config, "_attn_implementation", None) == invariant.NAME
+        dtype = invariant.cache_dtype(self.model)
         for layer in cache.layers:
             if type(layer) is DynamicLayer:
-                layer.update = _Room(layer, torch.float64 if widen else None).update
+                layer.update = _Room(layer, dtype).update
         return cache
 
     def reserve(self, rows: int, length: int) -> None:

@@ -148,8 +148,8 @@ class StaticLM(BatchedLM):
         # small kernels into a few before the graph captures them (`load_pair(compiled_passes=)`)
         self.compiled = bool(getattr(model, "_compiled_passes", False))
         implementation = model.config._attn_implementation
-        # float64 attention keeps float64 keys and values, as the dynamic path's cache does
-        cache_dtype = torch.float64 if implementation == invariant.NAME else model.dtype
+        # keys and values in the dtype the model's attention reads, as the dynamic path's cache
+        cache_dtype = invariant.cache_dtype(model) or model.dtype
         store = getattr(model, "_static_store", None)
         if store is None or store.dtype != cache_dtype or store.compiled != self.compiled:
             store = model._static_store = _Store(cache_dtype, self.compiled)

@@ -11,9 +11,11 @@ bf16 two kernels break that promise at near-ties, even though the model is the s
    slower than the 1-row one.
 2. Attention. The fused kernel's result for one query depends on how many queries share the
    call and how many masked key slots surround its keys (the speculative cache has holes and
-   padding). Here attention runs in float64 and is rounded back to the model's dtype: the
-   summation order then moves the result by ~1e-16, which survives the rounding to bf16 only
-   if it straddles a rounding boundary (odds ~2^-40 per value).
+   padding). For float32 models on CPUs with the streamed kernel, attention is the kernel's
+   (`streamed.attention`): each query one fixed chain over the keys it sees, so its bits cannot
+   depend on the pass. Elsewhere it runs in float64 and is rounded back to the model's dtype:
+   the summation order then moves the result by ~1e-16, which survives the rounding to bf16
+   only if it straddles a rounding boundary (odds ~2^-40 per value).
 
 Measured on Qwen2.5-Coder 1.5B in bf16 (docstring summaries, 64 new tokens): without this,
 every speculative configuration, ours and HF's assisted generation alike, left target-only
@@ -50,6 +52,51 @@ PREFILL_ROWS = 2048
 # Queries per float64 product in a long pass (a prefill): each block of queries reads only the
 # keys up to the last one any of them may see, which skips most of the masked causal half.
 QUERY_BLOCK = 64
+
+
+def cache_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a model's KV cache keeps its keys and values in (None: as they come): float32
+    where the kernel's attention reads them (a float32 batch-invariant model on a CPU with the
+    streamed kernel), float64 for the float64 attention of other batch-invariant models, so that
+    a pass converts only its own keys, never the whole cache again."""
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        return None
+    if kernel_attends(next(model.parameters()).dtype, next(model.parameters()).device.type):
+        return torch.float32
+    return torch.float64
+
+
+def kernel_attends(dtype: torch.dtype, device: str) -> bool:
+    """Does attention over keys of `dtype` on `device` run in the kernel (`streamed.attention`)?"""
+    return dtype == torch.float32 and device == "cpu" and streamed.library() is not None
+
+
+def invariant_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention whose result for a query does not depend on the pass: the kernel's where the
+    keys are float32 on a CPU (`cache_dtype`), else `float64_attention`."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if (
+        attention_mask is not None
+        and key.dtype == query.dtype
+        and query.shape[-1] % 8 == 0
+        and kernel_attends(key.dtype, key.device.type)
+    ):
+        layout = packing.current()
+        rows = None  # a ragged pass: each row's real queries only
+        if layout is not None and layout.width == query.shape[2] and len(layout.lengths) == query.shape[0]:
+            rows = layout.lengths
+        mask = attention_mask[:, :, :, : key.shape[2]]
+        return streamed.attention(query, key, value, mask, scale, rows), None
+    return float64_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
 def float64_attention(
@@ -130,7 +177,7 @@ def _grouped(
     return torch.matmul(probs, value).view(batch, heads, q_len, dim).to(query.dtype)
 
 
-AttentionInterface.register(NAME, float64_attention)
+AttentionInterface.register(NAME, invariant_attention)
 AttentionMaskInterface.register(NAME, eager_mask)  # an additive mask, always materialized
 
 

@@ -129,7 +129,39 @@ def library() -> ctypes.CDLL | None:
             _INT,
             ctypes.c_int,
         ]
+    # query, B, H, Q, D, keys, values, Hkv, key/value strides, keys, mask, its strides, scale,
+    # real queries per row, out, threads
+    lib.attend_f32.argtypes = [_POINTER, *[_INT] * 4, _POINTER, _POINTER, *[_INT] * 6, _POINTER, _INT, _INT,
+                               ctypes.c_float, _POINTER, _POINTER, ctypes.c_int]  # fmt: skip
     return lib
+
+
+def attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+    queries: tuple[int, ...] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """softmax(q k^T * scale + mask) v by the kernel's row-invariant attention (`attend` in
+    `streamed_linear.cpp`): each query one fixed chain over the keys its additive mask leaves
+    visible, in cache order, whatever shares the call. query [B, H, Q, D], key and value
+    [B, Hkv, k, D] (views into a longer cache are fine), mask [B, 1, Q, >= k], all float32 on
+    the CPU; `queries`: each row's real queries (the first ones; the others come out zero).
+    Returns [B, Q, H, D]."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    query = query.contiguous()
+    key = key if key.stride(-1) == 1 and key.stride(-2) == dim else key.contiguous()
+    value = value if value.stride(-1) == 1 and value.stride(-2) == dim else value.contiguous()
+    mask = mask.expand(batch, 1, q_len, mask.shape[-1])
+    mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    out = torch.empty(batch, q_len, heads, dim)
+    rows = torch.tensor(queries, dtype=torch.int64) if queries is not None else None
+    library().attend_f32(
+        query.data_ptr(), batch, heads, q_len, dim, key.data_ptr(), value.data_ptr(), kv_heads,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_len,
+        mask.data_ptr(), mask.stride(0), mask.stride(2), scale,
+        rows.data_ptr() if rows is not None else None, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 class StreamedLinear(nn.Module):

@@ -184,15 +184,6 @@ constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, 
 constexpr int DIRECT_MAX = 4, STRIPWISE_MAX = 24;  // the paths through a block, by width (`linear_blocks`)
 constexpr int64_t SCRATCH_BYTES = 256 * 1024, ACC_BYTES = 128 * 1024;  // L2: 512 KB
 
-// byte b of a packed Q4_K sub-block holds the codes of k = nibble_k(b) (0..31): the byte
-// shuffle of group g takes bytes 4g..4g+3 of each 128-bit lane into its 8 float lanes
-inline int nibble_k(int b) { return 8 * ((b % 16) / 4) + 4 * (b / 16) + b % 4; }
-
-#define GROUP_LANE(g) 4 * g, -128, -128, -128, 4 * g + 1, -128, -128, -128, 4 * g + 2, -128, -128, -128, 4 * g + 3, -128, -128, -128
-alignas(32) const int8_t GROUP_MASKS[4][32] = {{GROUP_LANE(0), GROUP_LANE(0)}, {GROUP_LANE(1), GROUP_LANE(1)},
-                                               {GROUP_LANE(2), GROUP_LANE(2)}, {GROUP_LANE(3), GROUP_LANE(3)}};
-#undef GROUP_LANE
-
 float half_to_float(uint16_t h) {  // exact; for packing only
     const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
     uint32_t bits;
@@ -250,6 +241,7 @@ void q6k_fields(const uint8_t* blk, float& d, int8_t sc[16], int8_t q[256]) {
 struct Q4K {
     static constexpr int64_t bytes = 4 * 24 + 8 * 128;  // a strip's super-block
     static constexpr int SUBS = 8, GROUPS = 4;          // sub-blocks of 32 k, groups of 8 k in each
+    static constexpr bool FACTORED = true;              // the scale once per sub-block (see `micro_pairs`)
     static void pack(const uint8_t* const rows[8], uint8_t* dst) {  // one strip's super-block
         for (int p = 0; p < 4; ++p) {
             float d[2] = {0, 0}, dmin;
@@ -260,7 +252,7 @@ struct Q4K {
             std::memcpy(dst + 24 * p + 8, sc, 16);
             for (int j = 0; j < 8; ++j)
                 for (int b = 0; b < 32; ++b) {
-                    const int k = 32 * j + nibble_k(b);
+                    const int k = 32 * j + b;
                     dst[96 + 128 * j + 32 * p + b] = static_cast<uint8_t>(q[0][k] | q[1][k] << 4);
                 }
         }
@@ -274,22 +266,24 @@ struct Q4K {
         }
     }
     struct Sub {
-        __m256i lo, hi;  // the sub-block's codes of row o and of row o+1, one a byte
+        const uint8_t* q;  // a pair's 32 bytes of the sub-block
     };
-    static inline Sub sub(const uint8_t* sb, int p, int j) {
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 96 + 128 * j + 32 * p));
-        return {_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)};
+    static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + 96 + 128 * j + 32 * p}; }
+    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // widened: 8 bytes to 8 lanes
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + 8 * g)));
+        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
     }
     static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
-        const __m256i sel = _mm256_load_si256(reinterpret_cast<const __m256i*>(GROUP_MASKS[g]));
-        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(u.lo, sel)), a0);
-        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(u.hi, sel)), a1);
+        codes(u, g, w0, w1);
+        w0 = _mm256_mul_ps(w0, a0);
+        w1 = _mm256_mul_ps(w1, a1);
     }
 };
 struct Q6K {
     static constexpr int64_t bytes = 4 * 40 + 32 * 64;
     static constexpr int SUBS = 16, GROUPS = 2;  // sub-blocks of 16 k
+    static constexpr bool FACTORED = false;      // each weight a*q, then one fma per weight
     static void pack(const uint8_t* const rows[8], uint8_t* dst) {
         for (int p = 0; p < 4; ++p) {
             float d[2] = {0, 0};
@@ -316,10 +310,15 @@ struct Q6K {
         const uint8_t* q;
     };
     static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + 160 + 128 * j + 16 * p}; }
-    static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
+    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {
         const uint8_t* q = u.q + 64 * g;
-        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))), a0);
-        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)))), a1);
+        w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
+    }
+    static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
+        codes(u, g, w0, w1);
+        w0 = _mm256_mul_ps(w0, a0);
+        w1 = _mm256_mul_ps(w1, a1);
     }
 };
 
@@ -356,10 +355,15 @@ void pack_q4k_mins(const uint8_t* src, int64_t O, int64_t K, float* dmin, uint8_
     }
 }
 
-// P pairs of a strip's slice (from pair p0) against N token rows, each output the chain of
-// `micro`. Enough chains in flight (2*P*N, 8 here) that the core does not wait on the latency
-// of their fused multiply-adds; a pair's groups go one after another so that few registers are
-// live (the compiler kept a version that decoded every pair at once in memory).
+// P pairs of a strip's slice (from pair p0) against N token rows. The chain of each output:
+// - FACTORED kinds (Q4_K): per sub-block, t = sum of q*x over its groups of 8 k (a product, then
+//   fused multiply-adds), then acc = fma(a, t, acc): one multiply by the scale per sub-block
+//   rather than per weight, which made a 1-token pass of the 1.5B target's Q4_K layers 1.2x
+//   faster on one core (the widening and the multiply were the cost, not the memory).
+// - others (Q6_K, 16 k a sub-block, where a scale per sub-block saves less than it costs in
+//   wider passes): acc = fma(a*q, x, acc) weight after weight.
+// Each group's x is loaded once for every pair, and 2*P*N chains are in flight (8 here), so
+// that the core waits neither on loads nor on the latency of its fused multiply-adds.
 template <int N, int P, typename B>
 inline void micro_pairs(const uint8_t* w, int p0, const float* x, int64_t K, int64_t len, __m256* acc, bool first) {
     __m256 c[2 * P * N];
@@ -368,21 +372,40 @@ inline void micro_pairs(const uint8_t* w, int p0, const float* x, int64_t K, int
     for (int64_t s = 0; s < len; s += QK, w += B::bytes) {
         alignas(32) float sc[P][2][B::SUBS];
         for (int p = 0; p < P; ++p) B::scales(w, p0 + p, sc[p][0], sc[p][1]);
-        for (int j = 0; j < B::SUBS; ++j)
+        for (int j = 0; j < B::SUBS; ++j) {
+            typename B::Sub u[P];
+            __m256 s0[P], s1[P];
             for (int p = 0; p < P; ++p) {
-                const typename B::Sub u = B::sub(w, p0 + p, j);
-                const __m256 s0 = _mm256_broadcast_ss(&sc[p][0][j]), s1 = _mm256_broadcast_ss(&sc[p][1][j]);
-                for (int g = 0; g < B::GROUPS; ++g) {
-                    __m256 w0, w1;
-                    B::weights(u, g, s0, s1, w0, w1);
-                    const int64_t k = s + SUB_K * j + 8 * g;
-                    for (int n = 0; n < N; ++n) {
-                        const __m256 xv = _mm256_loadu_ps(x + n * K + k);
-                        c[(2 * p) * N + n] = _mm256_fmadd_ps(w0, xv, c[(2 * p) * N + n]);
-                        c[(2 * p + 1) * N + n] = _mm256_fmadd_ps(w1, xv, c[(2 * p + 1) * N + n]);
+                u[p] = B::sub(w, p0 + p, j);
+                s0[p] = _mm256_broadcast_ss(&sc[p][0][j]);
+                s1[p] = _mm256_broadcast_ss(&sc[p][1][j]);
+            }
+            __m256 t[2 * P * N];  // FACTORED: the sub-block's sums
+            for (int g = 0; g < B::GROUPS; ++g)
+                for (int n = 0; n < N; ++n) {
+                    const __m256 xv = _mm256_loadu_ps(x + n * K + s + SUB_K * j + 8 * g);
+                    for (int p = 0; p < P; ++p) {
+                        __m256 w0, w1;
+                        __m256 &c0 = c[(2 * p) * N + n], &c1 = c[(2 * p + 1) * N + n];
+                        if constexpr (B::FACTORED) {
+                            B::codes(u[p], g, w0, w1);
+                            __m256 &t0 = t[(2 * p) * N + n], &t1 = t[(2 * p + 1) * N + n];
+                            t0 = g ? _mm256_fmadd_ps(w0, xv, t0) : _mm256_mul_ps(w0, xv);
+                            t1 = g ? _mm256_fmadd_ps(w1, xv, t1) : _mm256_mul_ps(w1, xv);
+                        } else {
+                            B::weights(u[p], g, s0[p], s1[p], w0, w1);
+                            c0 = _mm256_fmadd_ps(w0, xv, c0);
+                            c1 = _mm256_fmadd_ps(w1, xv, c1);
+                        }
                     }
                 }
-            }
+            if constexpr (B::FACTORED)
+                for (int p = 0; p < P; ++p)
+                    for (int n = 0; n < N; ++n) {
+                        c[(2 * p) * N + n] = _mm256_fmadd_ps(s0[p], t[(2 * p) * N + n], c[(2 * p) * N + n]);
+                        c[(2 * p + 1) * N + n] = _mm256_fmadd_ps(s1[p], t[(2 * p + 1) * N + n], c[(2 * p + 1) * N + n]);
+                    }
+        }
     }
     for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
@@ -405,8 +428,9 @@ inline void micro_direct(int n, const uint8_t* w, const float* x, int64_t K, int
     }
 }
 
-// A strip's slice decoded into float32 pairs (the `f32` layout, a pair's 2 * len values
-// `pair_stride` floats after the last pair's): the weights `micro_pairs` uses.
+// A strip's slice decoded into float32 weights a*q in pairs (the `f32` layout, a pair's 2 * len
+// values `pair_stride` floats after the last pair's): what `micro` reads for wider passes of the
+// kinds that are not FACTORED.
 template <typename B>
 inline void decode_strip(const uint8_t* w, int64_t len, float* dst, int64_t pair_stride) {
     for (int p = 0; p < 4; ++p) {
@@ -426,6 +450,72 @@ inline void decode_strip(const uint8_t* w, int64_t len, float* dst, int64_t pair
                 }
             }
         }
+    }
+}
+
+// The same for FACTORED kinds: float32 codes q in pairs, and each pair's sub-block scales a = d*sc
+// (`scale_stride` floats after the last pair's; row o's from `sc`, row o+1's `half` floats on):
+// what `micro_scaled` reads.
+template <typename B>
+inline void decode_codes(const uint8_t* w, int64_t len, float* dst, int64_t pair_stride, float* sc,
+                         int64_t scale_stride, int64_t half) {
+    for (int p = 0; p < 4; ++p) {
+        float* out = dst + p * pair_stride;
+        float *a0 = sc + p * scale_stride, *a1 = a0 + half;
+        const uint8_t* sb = w;
+        for (int64_t s = 0; s < len; s += QK, sb += B::bytes, a0 += B::SUBS, a1 += B::SUBS) {
+            B::scales(sb, p, a0, a1);
+            for (int j = 0; j < B::SUBS; ++j) {
+                const typename B::Sub u = B::sub(sb, p, j);
+                for (int g = 0; g < B::GROUPS; ++g, out += 16) {
+                    __m256 w0, w1;
+                    B::codes(u, g, w0, w1);
+                    _mm256_store_ps(out, w0);
+                    _mm256_store_ps(out + 8, w1);
+                }
+            }
+        }
+    }
+}
+
+// One pair of decoded rows (`decode_codes`) against N token rows over `len` k, in the chain of
+// `micro_pairs`: per sub-block of SUB_K, t = sum of code*x (a product, then fused multiply-adds
+// in k order), then acc = fma(a, t, acc). One row of the pair after the other: the N sums t and
+// N accumulators of one row fit the registers, those of both did not.
+template <int N, int SUB_K>
+inline void micro_scaled(const float* w, const float* a0, const float* a1, const float* x, int64_t K, int64_t len,
+                         __m256* acc, bool first) {
+    for (int r = 0; r < 2; ++r) {
+        const float* a = r ? a1 : a0;
+        __m256 c[N];
+        for (int n = 0; n < N; ++n) c[n] = first ? _mm256_setzero_ps() : acc[r * N + n];
+        const float* wr = w + 8 * r;
+        for (int64_t k = 0, j = 0; k < len; k += SUB_K, ++j) {
+            __m256 t[N];
+            for (int g = 0; g < SUB_K / 8; ++g, wr += 16) {
+                const __m256 wv = _mm256_load_ps(wr);
+                for (int n = 0; n < N; ++n) {
+                    const __m256 xv = _mm256_loadu_ps(x + n * K + k + 8 * g);
+                    t[n] = g ? _mm256_fmadd_ps(wv, xv, t[n]) : _mm256_mul_ps(wv, xv);
+                }
+            }
+            const __m256 s = _mm256_broadcast_ss(a + j);
+            for (int n = 0; n < N; ++n) c[n] = _mm256_fmadd_ps(s, t[n], c[n]);
+        }
+        for (int n = 0; n < N; ++n) acc[r * N + n] = c[n];
+    }
+}
+
+template <int SUB_K>
+inline void micro_scaled_n(int n, const float* w, const float* a0, const float* a1, const float* x, int64_t K,
+                           int64_t len, __m256* acc, bool first) {
+    switch (n) {
+        case 1: micro_scaled<1, SUB_K>(w, a0, a1, x, K, len, acc, first); break;
+        case 2: micro_scaled<2, SUB_K>(w, a0, a1, x, K, len, acc, first); break;
+        case 3: micro_scaled<3, SUB_K>(w, a0, a1, x, K, len, acc, first); break;
+        case 4: micro_scaled<4, SUB_K>(w, a0, a1, x, K, len, acc, first); break;
+        case 5: micro_scaled<5, SUB_K>(w, a0, a1, x, K, len, acc, first); break;
+        default: micro_scaled<6, SUB_K>(w, a0, a1, x, K, len, acc, first); break;
     }
 }
 
@@ -545,6 +635,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     const int64_t tile_max = path == DIRECT ? DIRECT_MAX : TILE, tiles = (T + tile_max - 1) / tile_max;
     // the k values of a block's rows decoded into L2 at a time on the grouped path: whole slices
     const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (RB * unit) / KB * KB);
+    constexpr int64_t SUB_K = QK / B::SUBS;
+    const int64_t range_subs = range / SUB_K;  // a row's sub-block scales in a decoded range
     // tiles whose accumulators the grouped path keeps at once (in L2 beside the decoded range):
     // a group of tiles goes through every block before the next group starts
     // (one range that covers every k needs no tile's accumulators kept: each tile finishes at once)
@@ -561,6 +653,12 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     {
         const int64_t scratch_bytes = path == GROUPED ? RB * range * unit : path == STRIPWISE ? STRIP * KB * 4 : 0;
         float* scratch = scratch_bytes ? static_cast<float*>(std::aligned_alloc(32, scratch_bytes)) : nullptr;
+        // the decoded rows' sub-block scales (`decode_codes`), row r's at r * (k values / SUB_K)
+        const int64_t scale_floats = !B::FACTORED ? 0
+                                     : path == GROUPED && !prefill ? RB * range_subs
+                                     : path == STRIPWISE          ? STRIP * (KB / SUB_K)
+                                                                  : 0;
+        float* scales = scale_floats ? static_cast<float*>(std::aligned_alloc(32, (scale_floats * 4 + 31) / 32 * 32)) : nullptr;
         uint16_t* halves = reinterpret_cast<uint16_t*>(scratch);  // the prefill's bf16 pairs
         const int64_t acc_tiles = path == DIRECT || (path == GROUPED && whole) ? 1 : group_tiles;
         float* mins = dmin && path == GROUPED ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
@@ -599,12 +697,21 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
             } else if (path == STRIPWISE) {
                 for (int64_t k0 = 0; k0 < K; k0 += KB) {
                     const int64_t len = std::min(KB, K - k0);
+                    const int64_t subs = len / SUB_K;  // each row's scales in the slice
                     for (int64_t i = 0; i < rows; i += STRIP) {
-                        decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch, 2 * len);
+                        if constexpr (B::FACTORED)
+                            decode_codes<B>(slice(wb, rows, k0, len, i), len, scratch, 2 * len, scales, 2 * subs, subs);
+                        else
+                            decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch, 2 * len);
                         for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++))
-                            for (int64_t p = 0; p < STRIP; p += 2)
-                                micro_n(tile_rows(tile), scratch + p * len, x + t * K + k0, K, len,
-                                        acc + tile * MAX_RB * TILE + (i + p) * tile_rows(tile), k0 == 0);
+                            for (int64_t p = 0; p < STRIP; p += 2) {
+                                __m256* at = acc + tile * MAX_RB * TILE + (i + p) * tile_rows(tile);
+                                if constexpr (B::FACTORED)
+                                    micro_scaled_n<SUB_K>(tile_rows(tile), scratch + p * len, scales + p * subs,
+                                                          scales + p * subs + subs, x + t * K + k0, K, len, at, k0 == 0);
+                                else
+                                    micro_n(tile_rows(tile), scratch + p * len, x + t * K + k0, K, len, at, k0 == 0);
+                            }
                     }
                 }
                 for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++))
@@ -621,6 +728,10 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                             if (prefill)
                                 decode_strip_bf16<B>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
                                                      mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
+                            else if constexpr (B::FACTORED)
+                                decode_codes<B>(slice(wb, rows, k0, len, i), len, scratch + at, 2 * range,
+                                                scales + i * range_subs + (k0 - kr0) / SUB_K, 2 * range_subs,
+                                                range_subs);
                             else
                                 decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch + at, 2 * range);
                         }
@@ -632,6 +743,10 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                             const float* xt = x + tile_start(tile) * K + kr0;
                             if (prefill)
                                 micro_n(n, halves + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
+                            else if constexpr (B::FACTORED)
+                                micro_scaled_n<SUB_K>(n, scratch + p * range, scales + p * range_subs,
+                                                      scales + p * range_subs + range_subs, xt, K, kr1 - kr0,
+                                                      at + p * n, kr0 == 0);
                             else
                                 micro_n(n, scratch + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
                         }
@@ -652,8 +767,86 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         std::free(mins);
         std::free(acc);
         std::free(scratch);
+        std::free(scales);
     }
     std::free(sums);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention for float32 models on CPUs, row-invariant by construction: each query's output is
+// one fixed chain over the keys it may see, in their order in the cache, whatever else shares
+// the call. Its scores are dot products over the head dimension (8 lanes of fused multiply-adds,
+// then `hsum`), times the scale, plus the additive mask; the softmax subtracts their maximum
+// (exact, order-free), takes expf of each, and sums the weights and the weighted values key
+// after key in cache order. Masked keys (mask at or below MASKED) are skipped, never added as
+// zeros: a cache's holes and padding may hold anything. So a query's bits depend on the keys it
+// sees alone, not on how many queries, rows or masked slots share the pass.
+
+constexpr float MASKED = -1e30f;  // an additive mask at or below this hides its key
+
+// out[b][i][h][:] for query[b][h][i][:] (contiguous [B, H, Q, D]); keys and values [B, Hkv, L, D]
+// with the given strides (in floats; a key's D values contiguous), query head h reading kv head
+// h / (H / Hkv); mask [B, 1, Q, klen] with strides (its key dimension contiguous). `queries[b]`
+// (nullptr: Q each): row b's real queries, the first ones; the rest of its outputs are zeros.
+void attend(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const float* k, const float* v,
+            int64_t Hkv, int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb,
+            int64_t mq, float scale, const int64_t* queries, float* out, int threads) {
+    const int64_t group = H / Hkv, work = B * H * Q;
+    const int64_t chunks = D / 8;
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, work)))
+    {
+        float* scores = static_cast<float*>(std::aligned_alloc(32, (klen * 4 + 31) / 32 * 32));
+        int64_t* seen = static_cast<int64_t*>(std::malloc(klen * sizeof(int64_t)));
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < work; ++item) {
+            const int64_t b = item / (H * Q), h = item / Q % H, i = item % Q;
+            float* o = out + ((b * Q + i) * H + h) * D;
+            if (queries && i >= queries[b]) {
+                std::memset(o, 0, D * 4);
+                continue;
+            }
+            const float* qv = q + ((b * H + h) * Q + i) * D;
+            const float* kr = k + b * kb + (h / group) * kh;
+            const float* vr = v + b * vb + (h / group) * vh;
+            const float* m = mask + b * mb + i * mq;
+            int64_t n = 0;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < klen; ++j) {
+                if (!(m[j] > MASKED)) continue;
+                const float* kj = kr + j * D;
+                __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_loadu_ps(kj));
+                for (int64_t c = 1; c < chunks; ++c)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), acc);
+                const float s = hsum(acc) * scale + m[j];
+                scores[n] = s;
+                seen[n++] = j;
+                top = std::max(top, s);
+            }
+            if (n == 0) {
+                std::memset(o, 0, D * 4);
+                continue;
+            }
+            float total = 0.0f;
+            for (int64_t r = 0; r < n; ++r) {
+                scores[r] = std::exp(scores[r] - top);
+                total += scores[r];
+            }
+            for (int64_t c0 = 0; c0 < chunks; c0 += 8) {  // 64 values of the head at a time
+                const int64_t width = std::min<int64_t>(8, chunks - c0);
+                __m256 acc[8];
+                for (int64_t c = 0; c < width; ++c) acc[c] = _mm256_setzero_ps();
+                for (int64_t r = 0; r < n; ++r) {
+                    const __m256 p = _mm256_broadcast_ss(scores + r);
+                    const float* vj = vr + seen[r] * D + 8 * c0;
+                    for (int64_t c = 0; c < width; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+                }
+                const __m256 t = _mm256_set1_ps(total);
+                for (int64_t c = 0; c < width; ++c) _mm256_storeu_ps(o + 8 * (c0 + c), _mm256_div_ps(acc[c], t));
+            }
+        }
+        std::free(seen);
+        std::free(scores);
+    }
 }
 
 }  // namespace
@@ -689,6 +882,11 @@ void linear_q4k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t 
 void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* bias, float* y,
                 int64_t RB, int64_t KB, int threads, int prefill) {
     linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads, prefill != 0);
+}
+void attend_f32(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const float* k, const float* v, int64_t Hkv,
+                int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb, int64_t mq,
+                float scale, const int64_t* queries, float* out, int threads) {
+    attend(q, B, H, Q, D, k, v, Hkv, kb, kh, vb, vh, klen, mask, mb, mq, scale, queries, out, threads);
 }
 void linear_i8(const float* x, int64_t T, int64_t K, const int8_t* w, int64_t O, const float* scale, const float* bias,
                float* y, int64_t RB, int64_t KB, int threads) {
