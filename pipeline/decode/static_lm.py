@@ -21,8 +21,9 @@ never move and shapes that never change. So, as in gpt-fast:
 Exactness: every layer runs the model's own modules (`transformers`' decoder layers, so the
 row blocks of `invariant` apply), with the model's own attention function over the slots; only
 the cache and the mask are ours. The result for a token is the dynamic path's (`BatchedLM`) bit
-for bit, up to the order in which attention sums over masked (zero) keys, which float64
-attention absorbs (`invariant`); tests/test_static_lm.py checks logits and greedy outputs.
+for bit: the kernel's attention (float32 on a CPU) skips masked keys, and float64 attention
+absorbs the order in which it sums over them (`invariant`); tests/test_static_lm.py checks
+logits and greedy outputs.
 """
 
 from __future__ import annotations

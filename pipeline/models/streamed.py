@@ -148,12 +148,17 @@ def attention(
     Returns [B, Q, H, D]."""
     batch, heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
+    dtypes = {query.dtype, key.dtype, value.dtype, mask.dtype}
+    if dtypes != {torch.float32} or mask.shape[-1] < k_len or dim % 8:
+        raise ValueError("kernel attention: float32 tensors, heads of 8n values, a mask over every key")
+    if batch * heads * q_len == 0:
+        return query.new_empty(batch, q_len, heads, dim)
     query = query.contiguous()
     key = key if key.stride(-1) == 1 and key.stride(-2) == dim else key.contiguous()
     value = value if value.stride(-1) == 1 and value.stride(-2) == dim else value.contiguous()
     mask = mask.expand(batch, 1, q_len, mask.shape[-1])
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-    out = torch.empty(batch, q_len, heads, dim)
+    out = torch.empty(batch, q_len, heads, dim, dtype=torch.float32)
     rows = torch.tensor(queries, dtype=torch.int64) if queries is not None else None
     library().attend_f32(
         query.data_ptr(), batch, heads, q_len, dim, key.data_ptr(), value.data_ptr(), kv_heads,

@@ -158,26 +158,30 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 // weights and one fp16 d: d*sc_j * (q - 32).
 //
 // The numbers of the block path are the blocks' own, in float32: a = d*sc_j is exact (11 + 8
-// bits), and so is a*q for Q4_K (+ 4 bits), so a Q4_K product is sum_k fma(a*q, x) in the chain
-// above, minus sum_j dmin*m_j * X_j, where X_j is the sum of x over sub-block j (computed once
-// per token row and call). Q6_K's a*q rounds as gguf's own dequantization rounds it. Either way
-// a row's chain does not depend on the pass, so the path is row-invariant.
+// bits). A Q4_K product is sum_j fma(a_j, t_j, .) over its sub-blocks j, t_j = sum of q*x over
+// the sub-block's 32 k (the scale applied once per sub-block, as llama.cpp does, but with float
+// activations; see `micro_pairs`), minus sum_j dmin*m_j * X_j, where X_j is the sum of x over
+// sub-block j (computed once per token row and call). A Q6_K product is sum_k fma(a*q, x) in the
+// chain above, a*q rounded as gguf's own dequantization rounds it. Either way a row's chain does
+// not depend on the pass, so the path is row-invariant.
 //
 // Packed (by `pack_q4k` / `pack_q6k`) per block of rows, k slice and strip of 8 rows (4 pairs),
 // one super-block after another. A strip's super-block:
 //   Q4_K: 4 headers (float d[2]; uint8 sc[2][8]: 24 bytes, one per pair), then per sub-block of
-//         32 k the 4 pairs' 32 bytes, each byte the codes of a pair's two rows at one k (row o
-//         low nibble, o+1 high) in the order `nibble_k` gives, so that one byte shuffle per 8 k
-//         puts them into float lanes in k order: 1120 bytes (4.375 bits a weight; the mins
-//         live apart, `dmin[o][K/256]` and `m[o][K/32]`, read by the epilogue only).
+//         32 k the 4 pairs' 32 bytes, byte i the codes of a pair's two rows at k = i (row o low
+//         nibble, o+1 high), so that one widening of 8 bytes to 32-bit lanes, an `and` and a
+//         shift give both rows' 8 codes: 1120 bytes (4.375 bits a weight; the mins live apart,
+//         `dmin[o][K/256]` and `m[o][K/32]`, read by the epilogue only).
 //   Q6_K: 4 headers (float d[2]; int8 sc[2][16]: 40 bytes), then per group of 8 k the 4 pairs'
 //         16 bytes, 8 codes (q - 32, as int8) of row o and 8 of row o+1: 2208 bytes (8 bits a
 //         weight rather than 6.56, for one widening per 8 weights).
 // A pass of one token row reads a strip as one stream with its 8 outputs' chains in flight
 // together (with 2, the core would mostly wait on their latency); wider passes read it again
-// from L1, a pair at a time. Wide passes (prefills) decode a group of rows once into float32
-// pairs (the `f32` layout) in a per-thread scratch and run `micro` over it, tile after tile: the
-// same values in the same chain, so a row's bits do not depend on which way its pass went.
+// from L1, a pair at a time. Wider passes decode a strip (5-24 token rows) or a group of rows
+// (more) once into float32 pairs in a per-thread scratch (Q4_K: the codes and the scales apart,
+// for `micro_scaled`; Q6_K: a*q, for `micro`) and run every tile over it: the same values in the
+// same chain, so a row's bits do not depend on which way its pass went. Prefills decode to bf16
+// instead (`decode_strip_bf16`), in a chain of their own (prompt tokens are always prefilled).
 
 constexpr int64_t QK = 256, STRIP = 8;
 constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, in the file
