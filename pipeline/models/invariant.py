@@ -72,17 +72,11 @@ def kernel_attends(dtype: torch.dtype, device: str) -> bool:
 
 
 def invariant_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs
 ) -> tuple[torch.Tensor, None]:
     """Attention whose result for a query does not depend on the pass: the kernel's where the
     keys are float32 on a CPU (`cache_dtype`), else `float64_attention`."""
+    scaling = kwargs.get("scaling")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if (
         attention_mask is not None
@@ -96,7 +90,7 @@ def invariant_attention(
             rows = layout.lengths
         mask = attention_mask[:, :, :, : key.shape[2]]
         return streamed.attention(query, key, value, mask, scale, rows), None
-    return float64_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return float64_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def float64_attention(
