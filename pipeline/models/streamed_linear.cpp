@@ -663,6 +663,22 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                                      : path == STRIPWISE          ? STRIP * (KB / SUB_K)
                                                                   : 0;
         float* scales = scale_floats ? static_cast<float*>(std::aligned_alloc(32, (scale_floats * 4 + 31) / 32 * 32)) : nullptr;
+        // The wider paths' two steps, either chain: a strip's slice decoded into float32 pairs
+        // (`stride` floats a pair; for FACTORED kinds the codes, their scales from `scales + at`,
+        // `row_subs` a row), and one decoded pair against n token rows.
+        auto decode = [&](const uint8_t* from, int64_t len, float* dst, int64_t stride, int64_t at, int64_t row_subs) {
+            if constexpr (B::FACTORED)
+                decode_codes<B>(from, len, dst, stride, scales + at, 2 * row_subs, row_subs);
+            else
+                decode_strip<B>(from, len, dst, stride);
+        };
+        auto pair = [&](int n, const float* w, int64_t at, int64_t row_subs, const float* xt, int64_t len,
+                        __m256* out, bool first) {
+            if constexpr (B::FACTORED)
+                micro_scaled_n<SUB_K>(n, w, scales + at, scales + at + row_subs, xt, K, len, out, first);
+            else
+                micro_n(n, w, xt, K, len, out, first);
+        };
         uint16_t* halves = reinterpret_cast<uint16_t*>(scratch);  // the prefill's bf16 pairs
         const int64_t acc_tiles = path == DIRECT || (path == GROUPED && whole) ? 1 : group_tiles;
         float* mins = dmin && path == GROUPED ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
@@ -703,19 +719,11 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                     const int64_t len = std::min(KB, K - k0);
                     const int64_t subs = len / SUB_K;  // each row's scales in the slice
                     for (int64_t i = 0; i < rows; i += STRIP) {
-                        if constexpr (B::FACTORED)
-                            decode_codes<B>(slice(wb, rows, k0, len, i), len, scratch, 2 * len, scales, 2 * subs, subs);
-                        else
-                            decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch, 2 * len);
+                        decode(slice(wb, rows, k0, len, i), len, scratch, 2 * len, 0, subs);
                         for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++))
-                            for (int64_t p = 0; p < STRIP; p += 2) {
-                                __m256* at = acc + tile * MAX_RB * TILE + (i + p) * tile_rows(tile);
-                                if constexpr (B::FACTORED)
-                                    micro_scaled_n<SUB_K>(tile_rows(tile), scratch + p * len, scales + p * subs,
-                                                          scales + p * subs + subs, x + t * K + k0, K, len, at, k0 == 0);
-                                else
-                                    micro_n(tile_rows(tile), scratch + p * len, x + t * K + k0, K, len, at, k0 == 0);
-                            }
+                            for (int64_t p = 0; p < STRIP; p += 2)
+                                pair(tile_rows(tile), scratch + p * len, p * subs, subs, x + t * K + k0, len,
+                                     acc + tile * MAX_RB * TILE + (i + p) * tile_rows(tile), k0 == 0);
                     }
                 }
                 for (int64_t tile = 0, t = 0; tile < tiles; t += tile_rows(tile++))
@@ -732,12 +740,9 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                             if (prefill)
                                 decode_strip_bf16<B>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
                                                      mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
-                            else if constexpr (B::FACTORED)
-                                decode_codes<B>(slice(wb, rows, k0, len, i), len, scratch + at, 2 * range,
-                                                scales + i * range_subs + (k0 - kr0) / SUB_K, 2 * range_subs,
-                                                range_subs);
                             else
-                                decode_strip<B>(slice(wb, rows, k0, len, i), len, scratch + at, 2 * range);
+                                decode(slice(wb, rows, k0, len, i), len, scratch + at, 2 * range,
+                                       i * range_subs + (k0 - kr0) / SUB_K, range_subs);
                         }
                     }
                     for (int64_t tile = tg0; tile < tg1; ++tile) {
@@ -747,12 +752,9 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                             const float* xt = x + tile_start(tile) * K + kr0;
                             if (prefill)
                                 micro_n(n, halves + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
-                            else if constexpr (B::FACTORED)
-                                micro_scaled_n<SUB_K>(n, scratch + p * range, scales + p * range_subs,
-                                                      scales + p * range_subs + range_subs, xt, K, kr1 - kr0,
-                                                      at + p * n, kr0 == 0);
                             else
-                                micro_n(n, scratch + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
+                                pair(n, scratch + p * range, p * range_subs, range_subs, xt, kr1 - kr0, at + p * n,
+                                     kr0 == 0);
                         }
                         if (whole)  // a prefill's mins are in its weights
                             for (int64_t r = 0; r < rows && o0 + r < O; ++r)
