@@ -95,6 +95,34 @@ EOF
     echo "== done ($(date +%T))"
     pack
     ;;
+compiled)
+    # Passes compiled per layer (--compiled-passes) wherever `all` runs the captured eager ones:
+    # whether they should become the GPU default (static tests, calibrate at batch 1 and 64,
+    # bench at batch 64 and 1 with every drafter, then the decoding tests).
+    prepare
+    step() {
+        local limit=$1
+        shift
+        echo "== $* ($(date +%T))"
+        timeout "$limit" "$0" "$res" "$@"
+        pack
+    }
+    xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+    python3 -c "import torch; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$res/env.log"
+    echo "== static path tests ($(date +%T))"
+    PIPELINE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -o addopts= $xdist \
+        tests/test_static_lm.py 2>&1 | tee "$res/tests-static.log"
+    pack
+    NAME=$pair-compiled step 150 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3 --compiled-passes
+    docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
+    NAME=$pair-compiled-batch64 step 170 bench $pair --compiled-passes --tasks translate --corpus licenses \
+        --docs "$docs" --batches 64 --max-new-tokens 64 --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
+    NAME=$pair-compiled-batch1 step 110 bench $pair --compiled-passes --tasks translate --corpus licenses \
+        --docs 4 --batches 1 --max-new-tokens 128 --runs 3 --drafters prompt_lookup,draft_model,auto --no-hf
+    [ -z "${SKIP_TESTS:-}" ] && step 100 tests $xdist
+    echo "== done ($(date +%T))"
+    pack
+    ;;
 probe)
     # The second call of a session: why a batch-1 bench outlasts its step (stacks every 15 s),
     # and passes compiled per layer (--compiled-passes) against the captured eager ones.
@@ -118,7 +146,7 @@ runpy.run_module('pipeline.cli', run_name='__main__')" bench --pair $pair --repo
     pack
     ;;
 *)
-    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all [options]" >&2
+    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all|compiled|probe [options]" >&2
     exit 2
     ;;
 esac
