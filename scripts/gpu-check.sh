@@ -78,54 +78,32 @@ EOF
     [ -z "${SKIP_TESTS:-}" ] && echo "== static path tests ($(date +%T))" &&
     PIPELINE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -o addopts= $xdist \
         tests/test_static_lm.py 2>&1 | tee "$res/tests-static.log"
-    step 120 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3
+    # passes compiled per layer, then captured (models.compiled_passes, on by default on GPUs):
+    # about a minute of compiling per model and batch size
+    step 150 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3
     # HF's eager rows (~30 tok/s) would take the step's whole time: ours only
-    NAME=$pair-batch1 step 100 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \
+    NAME=$pair-batch1 step 110 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \
         --runs 3 --drafters prompt_lookup,draft_model,auto --no-hf
     # 4 documents a slot where the machine has that many license sections (222 on the CPU machines)
     docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
-    NAME=$pair-batch64 step 150 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
+    NAME=$pair-batch64 step 170 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
         --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
-    for kind in stock dynamic; do  # the price of exactness; the old path
-        flags="--stock-kernels --batch 1,64"
-        [ $kind = dynamic ] && flags="--dynamic-passes --batch 1"
-        NAME=$pair-$kind step 60 calibrate qwen-shaped-target --widths 1,8,16 --runs 3 $flags
+    # the price of exactness; captured passes not compiled; the eager path
+    for kind in stock eager dynamic; do
+        flags="--stock-kernels --batch 1,64" limit=90
+        [ $kind = eager ] && flags="--eager-passes --batch 1" limit=60
+        [ $kind = dynamic ] && flags="--dynamic-passes --batch 1" limit=60
+        NAME=qwen-shaped-target-$kind step $limit calibrate qwen-shaped-target --widths 1,8,16 --runs 3 $flags
     done
-    [ -z "${SKIP_TESTS:-}" ] && step 120 tests $xdist
-    echo "== done ($(date +%T))"
-    pack
-    ;;
-compiled)
-    # Passes compiled per layer (--compiled-passes) wherever `all` runs the captured eager ones:
-    # whether they should become the GPU default (static tests, calibrate at batch 1 and 64,
-    # bench at batch 64 and 1 with every drafter, then the decoding tests).
-    prepare
-    step() {
-        local limit=$1
-        shift
-        echo "== $* ($(date +%T))"
-        timeout "$limit" "$0" "$res" "$@"
-        pack
-    }
-    xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-    python3 -c "import torch; print('gpu', torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$res/env.log"
-    echo "== static path tests ($(date +%T))"
-    PIPELINE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -o addopts= $xdist \
-        tests/test_static_lm.py 2>&1 | tee "$res/tests-static.log"
-    pack
-    NAME=$pair-compiled step 150 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3 --compiled-passes
-    docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
-    NAME=$pair-compiled-batch64 step 170 bench $pair --compiled-passes --tasks translate --corpus licenses \
-        --docs "$docs" --batches 64 --max-new-tokens 64 --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
-    NAME=$pair-compiled-batch1 step 110 bench $pair --compiled-passes --tasks translate --corpus licenses \
-        --docs 4 --batches 1 --max-new-tokens 128 --runs 3 --drafters prompt_lookup,draft_model,auto --no-hf
-    [ -z "${SKIP_TESTS:-}" ] && step 100 tests $xdist
+    # every decoding test on CUDA takes another three minutes: the session's second call
+    # (`tests -n 8`), or here with ALL_TESTS=1
+    [ -n "${ALL_TESTS:-}" ] && step 200 tests $xdist
     echo "== done ($(date +%T))"
     pack
     ;;
 probe)
-    # The second call of a session: why a batch-1 bench outlasts its step (stacks every 15 s),
-    # and passes compiled per layer (--compiled-passes) against the captured eager ones.
+    # Why a batch-1 bench outlasts its step (stacks every 15 s), and the batch-1 bench with
+    # captured passes not compiled (--eager-passes) beside the compiled default.
     prepare
     echo "== bench batch 1, stacks every 15 s ($(date +%T))"
     timeout 75 python3 -c "import faulthandler, runpy, sys
@@ -135,18 +113,14 @@ runpy.run_module('pipeline.cli', run_name='__main__')" bench --pair $pair --repo
         --tasks translate --corpus licenses --docs 2 --batches 1 --max-new-tokens 64 --runs 1 \
         --drafters prompt_lookup --no-hf 2>&1 | grep -v "^Loading weights" | tee "$res/bench-batch1.log"
     pack
-    echo "== calibrate, passes compiled per layer ($(date +%T))"
-    NAME=qwen-shaped-target-compiled timeout 150 "$0" "$res" calibrate qwen-shaped-target \
-        --widths 1,8,16 --batch 1 --runs 3 --compiled-passes
-    pack
-    echo "== bench batch 1, compiled ($(date +%T))"
-    NAME=qwen-shaped-target-compiled-batch1 timeout 90 "$0" "$res" bench qwen-shaped-target --compiled-passes \
+    echo "== bench batch 1, captured passes not compiled ($(date +%T))"
+    NAME=qwen-shaped-target-eager-batch1 timeout 90 "$0" "$res" bench qwen-shaped-target --eager-passes \
         --tasks translate --corpus licenses --docs 2 --batches 1 --max-new-tokens 64 --runs 3 --drafters prompt_lookup --no-hf
     echo "== done ($(date +%T))"
     pack
     ;;
 *)
-    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all|compiled|probe [options]" >&2
+    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all|probe [options]" >&2
     exit 2
     ;;
 esac

@@ -177,7 +177,7 @@ def test_a_benchs_engines_share_each_models_slots_sized_once_per_batch(tiny_pair
         return grow(store, layers, shape, *args)
 
     monkeypatch.setattr(static_lm._Store, "grow", counted)
-    run_benchmark(
+    result = run_benchmark(
         loaded,
         tasks=("summarize",),
         docs=3,
@@ -192,6 +192,8 @@ def test_a_benchs_engines_share_each_models_slots_sized_once_per_batch(tiny_pair
     sized = sorted((store is target, rows) for store, rows in grown)
     assert sized == [(False, 1), (False, 2), (True, 1), (True, 2)]
     assert all(store in (target, draft) for store, _ in grown)
+    # without HF's rows there is nothing to compare with HF's target-only: reported as unknown
+    assert all(r.identical and r.identical_to_hf is None for r in result.rows)
 
 
 def test_compiled_passes_keep_every_drafters_output_equal_to_target_only(tiny_pair_dirs):
@@ -223,3 +225,14 @@ def test_compiled_passes_keep_every_drafters_output_equal_to_target_only(tiny_pa
         load_pair(*refs, dtype="float32", device=DEVICE, static_passes=False, compiled_passes=True)
     loaded = load_pair(*refs, dtype="float32", device=DEVICE, static_passes=True, compiled_passes=True)
     assert loaded.manifest()["compiled_passes"] and loaded.draft._compiled_passes
+
+
+def test_passes_are_compiled_by_default_only_where_static_passes_run_on_a_gpu():
+    from pipeline.models.loading import _compiled_passes
+
+    assert _compiled_passes(None, "cuda", True) and _compiled_passes(None, "cuda:1", True)
+    assert not _compiled_passes(None, "cuda", False)  # no static path (an architecture it lacks)
+    assert not _compiled_passes(None, "cpu", True) and not _compiled_passes(False, "cuda", True)
+    assert _compiled_passes(True, "cpu", True)
+    with pytest.raises(ModelError, match="static pass path"):
+        _compiled_passes(True, "cuda", False)

@@ -65,6 +65,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         draft_int8=spec.models.draft_int8,
         weights=spec.models.weights,
         static_passes=spec.models.static_passes,
+        compiled_passes=spec.models.compiled_passes,
         batch=spec.execution.batch_size,
     )
     tokenizer = pair.tokenizer

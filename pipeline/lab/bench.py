@@ -51,7 +51,7 @@ class Row:
     mean_gamma: float | None
     target_passes_per_token: float | None
     identical: bool  # to the target-only decoding it is timed against (ours, or HF's for HF rows)
-    identical_to_hf: bool  # to Hugging Face's target-only decoding with stock kernels
+    identical_to_hf: bool | None  # to Hugging Face's target-only decoding with stock kernels (None: not run)
     seconds_median: float
     seconds_runs: list[float]
     target_share: float | None  # of our engine's wall time: target passes (prefill + verify)
@@ -417,6 +417,7 @@ class TaskBench:
                     c.stats = c.stats or EngineRun()
                     c.stats.add(counted)
         reference = self.configs[0].outputs
+        hf = next((c.outputs for c in self.configs if c.method == "hf target-only"), None)
         medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
         stats = {(c.method, c.batch): c.stats for c in self.configs}
         outputs = {(c.method, c.batch): c.outputs for c in self.configs}
@@ -426,7 +427,7 @@ class TaskBench:
             base = medians.get((c.base, c.batch)) if c.base else None
             base_stats = stats.get((c.base, c.batch)) if c.base else None
             own = outputs.get((c.base, c.batch), reference) if c.base else reference
-            same = (c.outputs == own, c.outputs == reference)
+            same = (c.outputs == own, None if hf is None else c.outputs == hf)
             rows.append(_row(self.task, c, seconds, base, base_stats, same))
         ours = outputs.get(("ours target-only", 1))
         llama = next((r for r in rows if r.method == "llama.cpp target-only"), None)
@@ -494,7 +495,7 @@ def _row(
     seconds: float,
     base: float | None,
     base_stats: EngineRun | None,
-    same: tuple[bool, bool],
+    same: tuple[bool, bool | None],
 ) -> Row:
     tokens = sum(len(o) for o in c.outputs)
     return Row(
@@ -566,7 +567,7 @@ def _cells(r: Row) -> list[str]:
         pct(r.draft_share),
         pct(r.other_share),
         "yes" if r.identical else "NO",
-        "yes" if r.identical_to_hf else "no",
+        "-" if r.identical_to_hf is None else "yes" if r.identical_to_hf else "no",
         f(r.agreement),
         times(r.vs_llama_cpp),
         f"{r.peak_rss_mb:.0f}",
@@ -699,7 +700,7 @@ class BenchOptions:
     threads: int | None
     batch_invariant: bool | None
     static_passes: bool | None
-    compiled_passes: bool
+    compiled_passes: bool | None
     draft_int8: bool | None
     hf_assistant_tokens: tuple[int, ...]
     hf_lookup_tokens: tuple[int, ...]

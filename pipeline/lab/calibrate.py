@@ -190,7 +190,7 @@ class CalibrateOptions:
     against: str | None
     batch_invariant: bool | None
     static_passes: bool | None
-    compiled_passes: bool
+    compiled_passes: bool | None
     runs: int
     head: bool
     as_json: bool

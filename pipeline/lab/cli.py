@@ -61,10 +61,10 @@ weights_option = click.option(
     "load it; see models.static_passes).",
 )
 @click.option(
-    "--compiled-passes",
-    is_flag=True,
-    help="Experimental: the static passes' decoder layers compiled with torch.compile before their "
-    "graphs are captured (fewer, fused kernels).",
+    "--compiled-passes/--eager-passes",
+    default=None,
+    help="The static passes' decoder layers compiled with torch.compile before their graphs are "
+    "captured, or not (default: as a job would load it; see models.compiled_passes).",
 )
 @click.option(
     "--draft-int8/--draft-as-loaded",
@@ -183,10 +183,10 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
     "load it; see models.static_passes).",
 )
 @click.option(
-    "--compiled-passes",
-    is_flag=True,
-    help="Experimental: the static passes' decoder layers compiled with torch.compile before their "
-    "graphs are captured (fewer, fused kernels).",
+    "--compiled-passes/--eager-passes",
+    default=None,
+    help="The static passes' decoder layers compiled with torch.compile before their graphs are "
+    "captured, or not (default: as a job would load it; see models.compiled_passes).",
 )
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option(

@@ -547,6 +547,20 @@ def _static_passes(asked: bool | None, device: str, target, draft) -> bool:
     return True
 
 
+def _compiled_passes(asked: bool | None, device: str, static_passes: bool) -> bool:
+    """Whether the static passes' decoder layers go through `torch.compile` before their graphs
+    are captured (None: on GPUs). On an H200 this halved a captured pass of the 1.5B shape
+    (docs/gpu.md), for tens of seconds of compiling at an actor's start; on a CPU compiling buys
+    little and needs a C++ compiler, so it is asked for there only explicitly (the tests)."""
+    if asked is False or (asked is None and not device.startswith("cuda")):
+        return False
+    if not static_passes:
+        if asked:
+            raise ModelError("compiled passes need the static pass path (models.static_passes)")
+        return False
+    return True
+
+
 def load_pair(
     target: ModelRef,
     draft: ModelRef | None,
@@ -560,7 +574,7 @@ def load_pair(
     weights: str = "auto",
     batch: int | None = None,
     static_passes: bool | None = None,
-    compiled_passes: bool = False,
+    compiled_passes: bool | None = None,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -579,7 +593,8 @@ def load_pair(
     together, informs); gguf-blocks with dtype auto runs float32.
     `static_passes` (None: on GPUs) runs both models' passes through fixed slots and shapes,
     replayed as CUDA graphs on a GPU (see `pipeline.decode.static_lm`), where the model allows;
-    `compiled_passes` (experimental, off until a GPU run shows it pays) compiles their layers first.
+    `compiled_passes` (None: wherever static passes run on a GPU) compiles their decoder layers
+    first, so that each captured graph replays a few fused kernels (`_compiled_passes`).
     """
     device = resolve_device(device)
     if weights == "gguf-blocks" and dtype in (None, "auto") and device == "cpu":
@@ -611,8 +626,7 @@ def load_pair(
         )
         times["draft_s"] = time.perf_counter() - t
     static_passes = _static_passes(static_passes, device, target_model, draft_model)
-    if compiled_passes and not static_passes:
-        raise ModelError("compiled passes need the static pass path (models.static_passes)")
+    compiled_passes = _compiled_passes(compiled_passes, device, static_passes)
     for model in (target_model, draft_model) if compiled_passes else ():
         if getattr(model, "_static_passes", False):
             model._compiled_passes = True
