@@ -112,6 +112,7 @@ def _row(task: str, method: str, batch: int, speedup: float, alpha: float | None
         seconds_median=2.0,
         seconds_runs=[2.0, 2.1],
         target_share=0.6,
+        prefill_share=0.25,
         draft_share=0.3,
         other_share=0.1,
         tokens=24,
@@ -126,13 +127,13 @@ def test_the_report_records_command_machine_pair_settings_and_a_table_per_task(t
         _row("translate", "ours auto", 4, 0.9, 0.4),
     ]
     assert markdown_table(rows[:2]).splitlines() == [
-        "| method | batch | tok/s | speedup | pred | job | alpha | tau | gamma | pass/tok | tgt% | dft% "
-        "| oth% | same | =hf | agree | vs llama | rss MB |",
-        "| --- |" + " ---: |" * 17,
-        "| ours target-only | 1 | 12.35 | 1.00x | - | - | - | - | - | 0.50 | 60 | 30 | 10 | yes | yes "
-        "| - | - | 512 |",
-        "| ours auto | 1 | 12.35 | 1.60x | 1.50x | - | 0.70 | 2.25 | 3.0 | 0.50 | 60 | 30 | 10 | yes | no "
-        "| - | - | 512 |",
+        "| method | batch | tok/s | speedup | pred | job | alpha | tau | gamma | pass/tok | tgt% | pre% "
+        "| dft% | oth% | same | =hf | agree | vs llama | rss MB |",
+        "| --- |" + " ---: |" * 18,
+        "| ours target-only | 1 | 12.35 | 1.00x | - | - | - | - | - | 0.50 | 60 | 25 | 30 | 10 | yes "
+        "| yes | - | - | 512 |",
+        "| ours auto | 1 | 12.35 | 1.60x | 1.50x | - | 0.70 | 2.25 | 3.0 | 0.50 | 60 | 25 | 30 | 10 | yes "
+        "| no | - | - | 512 |",
     ]
     costs = {"target_pass_seconds": {1: 0.25}, "draft_pass_seconds": {1: 0.05}}
     costs["prefill_seconds_per_token"] = {}

@@ -55,6 +55,7 @@ class Row:
     seconds_median: float
     seconds_runs: list[float]
     target_share: float | None  # of our engine's wall time: target passes (prefill + verify)
+    prefill_share: float | None  # of which the target's prefills
     draft_share: float | None  # draft model passes
     other_share: float | None  # everything else: lookup, cache bookkeeping, sampling, Python
     tokens: int
@@ -470,7 +471,7 @@ def _engine_columns(run: EngineRun | None, base: EngineRun | None) -> dict:
     steps per target pass and mean cost ratio, and where the wall time went."""
     if run is None:
         none = ("predicted", "predicted_job", "alpha", "tau", "mean_gamma", "target_passes_per_token")
-        return dict.fromkeys(none + ("target_share", "draft_share", "other_share")) | {
+        return dict.fromkeys(none + ("target_share", "prefill_share", "draft_share", "other_share")) | {
             "acceptance_by_position": {}
         }
     s, wall = run.stats, run.stats.wall_seconds
@@ -483,6 +484,7 @@ def _engine_columns(run: EngineRun | None, base: EngineRun | None) -> dict:
         "mean_gamma": s.mean_gamma,
         "target_passes_per_token": s.target_passes / s.new_tokens,
         "target_share": s.target_seconds / wall if wall else None,
+        "prefill_share": s.prefill_seconds / wall if wall else None,
         "draft_share": s.draft_seconds / wall if wall else None,
         "other_share": (1 - (s.target_seconds + s.draft_seconds) / wall) if wall else None,
         "acceptance_by_position": {name: d.by_position() for name, d in sorted(s.rounds.by_drafter.items())},
@@ -528,6 +530,7 @@ _COLUMNS = (
     ("gamma", ">5"),
     ("pass/tok", ">8"),
     ("tgt%", ">5"),
+    ("pre%", ">5"),
     ("dft%", ">5"),
     ("oth%", ">5"),
     ("same", ">5"),
@@ -564,6 +567,7 @@ def _cells(r: Row) -> list[str]:
         f(r.mean_gamma, ".1f"),
         f(r.target_passes_per_token),
         pct(r.target_share),
+        pct(r.prefill_share),
         pct(r.draft_share),
         pct(r.other_share),
         "yes" if r.identical else "NO",
@@ -656,9 +660,10 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
         "Columns as `pipeline bench` prints them: tokens/s, the speedup over target-only at the "
         "same batch size (HF's rows over HF target-only, ours over ours), `pred` Leviathan's "
         "prediction for the decoding and `job` that prediction carried to the whole job, α, τ, "
-        "mean γ, target passes per token, the shares of our engine's time in target passes, draft "
-        "passes and the rest, whether every output equals its own target-only decoding (`same`) and "
-        "HF target-only greedy (`=hf`), `agree` the mean share of each output's tokens before its "
+        "mean γ, target passes per token, the shares of our engine's time in target passes (`pre%` "
+        "of it in the target's prefills), draft passes and the rest, whether every output equals "
+        "its own target-only decoding (`same`) and HF target-only greedy (`=hf`), `agree` the mean "
+        "share of each output's tokens before its "
         "first difference from ours target-only at batch 1, `vs llama` tokens/s over llama.cpp "
         "target-only's (where llama.cpp ran), and peak RSS.",
     ]
