@@ -102,17 +102,16 @@ EOF
     pack
     ;;
 probe)
-    # Why a batch-1 bench outlasts its step (stacks every 15 s), and the batch-1 bench with
-    # captured passes not compiled (--eager-passes) beside the compiled default.
+    # Where a round's time goes (scripts/gpu_profile.py: the engine's split, cProfile, PyTorch's
+    # profiler) at batch 1 and 64, and the batch-1 bench with captured passes that are not
+    # compiled (--eager-passes) beside the compiled default.
     prepare
-    echo "== bench batch 1, stacks every 15 s ($(date +%T))"
-    timeout 75 python3 -c "import faulthandler, runpy, sys
-faulthandler.dump_traceback_later(15, repeat=True, file=open('$res/stacks-batch1.log', 'w'))
-sys.argv = ['pipeline.cli', *sys.argv[1:]]
-runpy.run_module('pipeline.cli', run_name='__main__')" bench --pair $pair --report "$res/$DATE-bench-$MACHINE-$pair-batch1.md" \
-        --tasks translate --corpus licenses --docs 2 --batches 1 --max-new-tokens 64 --runs 1 \
-        --drafters prompt_lookup --no-hf 2>&1 | grep -v "^Loading weights" | tee "$res/bench-batch1.log"
-    pack
+    for batch in 1 64; do
+        echo "== profile, target-only, batch $batch ($(date +%T))"
+        timeout 150 python3 scripts/gpu_profile.py $pair "$res" --batch $batch --docs $((batch == 1 ? 2 : 128)) \
+            --new 64 2>&1 | grep -v "^Loading weights" | tee -a "$res/profile.log"
+        pack
+    done
     echo "== bench batch 1, captured passes not compiled ($(date +%T))"
     NAME=qwen-shaped-target-eager-batch1 timeout 90 "$0" "$res" bench qwen-shaped-target --eager-passes \
         --tasks translate --corpus licenses --docs 2 --batches 1 --max-new-tokens 64 --runs 3 --drafters prompt_lookup --no-hf
