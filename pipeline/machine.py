@@ -105,6 +105,7 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
                 "draft_int8": loaded.draft_int8,
                 "streamed": bool(getattr(loaded, "streamed", False)),
                 "gguf_blocks": getattr(loaded, "weights", "dense") == "gguf-blocks",
+                "block_activations": getattr(loaded, "block_activations", None),
                 "static_passes": bool(getattr(loaded, "static_passes", False)),
                 "compiled_passes": bool(getattr(loaded, "compiled_passes", False)),
             },

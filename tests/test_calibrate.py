@@ -77,6 +77,7 @@ def test_measure_times_every_batch_and_width_and_reads_back_from_json(tiny_loade
         "draft_int8": True,
         "streamed": streamed,
         "gguf_blocks": False,
+        "block_activations": None,  # no block layers
         "static_passes": False,
         "compiled_passes": False,
     }

@@ -53,16 +53,49 @@ def test_the_product_is_close_to_float64_and_a_rows_bits_do_not_depend_on_the_pa
             assert torch.equal(layer(x[start : start + width]), full[start : start + width]), (width, start)
 
 
+def _rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it for int8 activations: per row and 256 values, x8 = x * 127/max|x|
+    to the nearest integer (ties to even), times max|x|/127."""
+    blocks = x.reshape(x.shape[0], -1, 256)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.round(torch.clamp(blocks * torch.where(amax > 0, 127 / amax, 0), -127, 127))
+    return (codes * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows, cols", SHAPES)
+def test_int8_activations_multiply_the_blocks_with_the_rounded_rows_whatever_the_pass(rows, cols):
+    """`block_activations: int8`: a Q4_K layer's decoding passes give the blocks' product with each
+    row rounded to 8 bits per 256 values (integer sums, then one float step a super-block), the
+    same bits for a row at every width and place; prefills keep the float path's bf16 reading."""
+    raw = random_blocks("Q4_K", rows, cols, 3)
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(3))
+    exact = streamed.BlockLinear(torch.from_numpy(raw), "Q4_K", cols, bias)
+    layer = streamed.BlockLinear(torch.from_numpy(raw), "Q4_K", cols, bias, rounded=True)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(4))
+    x[3] = 0  # a row of zeros rounds to zeros
+    full = layer(x)
+    want = exact(_rounded_rows(x))
+    torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert not torch.equal(full, exact(x))  # the rounding shows
+    for width in [*range(1, 17), 24, 40]:
+        for start in {0, 7 % (41 - width), 40 - width}:
+            assert torch.equal(layer(x[start : start + width]), full[start : start + width]), (width, start)
+    with streamed.prefilling():
+        assert torch.equal(layer(x), exact(x))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_threads_that_compute_a_row_change_no_bit(kind):
-    _, layer = _layer(kind, 300, 512)
+    raw, layer = _layer(kind, 300, 512)
+    layers = [layer, streamed.BlockLinear(torch.from_numpy(raw), kind, 512, rounded=True)]
     x = torch.randn(9, 512)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = [layer(x), layer(x[:1])]
-        torch.set_num_threads(2)
-        assert torch.equal(layer(x), one[0]) and torch.equal(layer(x[:1]), one[1])
+        for layer in layers:
+            torch.set_num_threads(1)
+            one = [layer(x), layer(x[:1])]
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x), one[0]) and torch.equal(layer(x[:1]), one[1])
     finally:
         torch.set_num_threads(threads)
 
@@ -119,10 +152,11 @@ def test_a_prefill_reads_the_blocks_as_the_bf16_weights_the_install_wrote(kind, 
     assert not torch.equal(layer(x), reference(x))  # outside a prefill: the exact values
 
 
-@pytest.fixture(scope="module")
-def block_target():
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def block_target(request):
     """A tiny Qwen2 model whose every Linear reads random Q4_K / Q6_K blocks (a Q4_K_M-like mix),
-    made batch-invariant as the loader makes a float32 target on a CPU."""
+    made batch-invariant as the loader makes a float32 target on a CPU; its Q4_K layers'
+    activations as they are or rounded to int8 (`models.block_activations`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from pipeline.models import invariant
@@ -145,7 +179,7 @@ def block_target():
             kind = "Q6_K" if "down_proj" in name or "lm_head" in name else "Q4_K"
             raw = random_blocks(kind, module.out_features, module.in_features, seed, scale=0.01)
             blocks[f"{name}.weight"] = (kind, torch.from_numpy(raw))
-    assert streamed.use_blocks(model, blocks) == {"Q4_K": 12, "Q6_K": 3}
+    assert streamed.use_blocks(model, blocks, request.param == "int8") == {"Q4_K": 12, "Q6_K": 3}
     streamed.stream_linears(model)
     return invariant.make_batch_invariant(model)
 

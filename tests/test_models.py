@@ -527,8 +527,9 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     pair = load_pair(target, draft, device="cpu", weights="gguf-blocks")
     assert pair.weights == "gguf-blocks" and pair.block_layers == {"Q4_K": 12, "Q6_K": 3}
     assert pair.dtype == torch.float32 and pair.batch_invariant
-    assert pair.manifest()["weights"] == "gguf-blocks"
-    assert sum(isinstance(m, streamed.BlockLinear) for m in pair.target.modules()) == 15
+    assert pair.manifest()["weights"] == "gguf-blocks" and pair.manifest()["block_activations"] == "int8"
+    blocks = [m for m in pair.target.modules() if isinstance(m, streamed.BlockLinear)]
+    assert len(blocks) == 15 and {m.kind for m in blocks if m.rounded} == {"q4k"}
     # the blocks' values: the output layer reads the original (dequantized) weights
     head = pair.target.get_output_embeddings()
     hidden = torch.randn(2, 256)
@@ -551,8 +552,11 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
             assert [o.tokens for o in outputs] == reference, (drafter, batch)
             assert stats.drafted > 0
 
+    exact = load_pair(target, None, device="cpu", weights="gguf-blocks", block_activations="float32")
+    assert exact.block_activations == "float32"
+    assert not any(getattr(m, "rounded", False) for m in exact.target.modules())
     dense = load_pair(target, None, device="cpu", dtype="float32", weights="dense")
-    assert dense.weights == "dense" and dense.block_layers == {}
+    assert dense.weights == "dense" and dense.block_layers == {} and dense.block_activations is None
     assert not any(isinstance(m, streamed.BlockLinear) for m in dense.target.modules())
     # auto: blocks for jobs of 1 or 2 rows at a time, whose passes are bound by reading weights
     assert load_pair(target, None, device="cpu", dtype="float32", batch=2).weights == "gguf-blocks"

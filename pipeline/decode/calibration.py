@@ -252,6 +252,7 @@ def summary(
         # what a pass reads and how fast it read it at width 1, batch 1 (as gpt-fast's
         # "bandwidth achieved"): weight bytes over the pass's seconds
         "weights": getattr(loaded, "weights", "dense"),
+        "block_activations": getattr(loaded, "block_activations", None),
         "weight_bytes": weight_bytes,
         "bandwidth_gb_s": {role: weight_bytes[role] / first[role]["1"]["1"] / 1e9 for role in roles},
         "predicted_speedup": predictions(target["1"], draft["1"]) if draft else None,
@@ -282,6 +283,11 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         "draft_int8": loaded.draft_int8,
         "streamed": bool(getattr(loaded, "streamed", False)),
         "weights": getattr(loaded, "weights", "dense"),
+        **(
+            {"block_activations": loaded.block_activations}
+            if getattr(loaded, "block_activations", None)
+            else {}
+        ),
         **({"static_passes": True} if getattr(loaded, "static_passes", False) else {}),
         **({"compiled_passes": True} if getattr(loaded, "compiled_passes", False) else {}),
         # a changed kernel source changes what a pass costs

@@ -64,6 +64,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         batch_invariant=spec.models.batch_invariant,
         draft_int8=spec.models.draft_int8,
         weights=spec.models.weights,
+        block_activations=spec.models.block_activations,
         static_passes=spec.models.static_passes,
         compiled_passes=spec.models.compiled_passes,
         batch=spec.execution.batch_size,

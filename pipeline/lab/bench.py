@@ -629,6 +629,7 @@ SETTINGS = (
     "hf_assistant_tokens",
     "hf_lookup_tokens",
     "weights",
+    "block_activations",
     "llama_cpp",
 )
 
@@ -714,6 +715,7 @@ class BenchOptions:
     draft_vocab: int
     warm_docs: int
     weights: str
+    block_activations: str
     llama_cpp: bool
     llama_cpp_gguf: str | None
     out_path: str | None
@@ -744,7 +746,11 @@ def _describe_loaded(pair: str, loaded: LoadedPair) -> str:
         + ("batch-invariant target" if loaded.batch_invariant else "stock kernels")
         + (", int8 draft steps" if loaded.draft_int8 else "")
         + (", streamed linears" if loaded.streamed else "")
-        + (", target on its GGUF blocks" if loaded.weights == "gguf-blocks" else "")
+        + (
+            f", target on its GGUF blocks ({loaded.block_activations} activations)"
+            if loaded.weights == "gguf-blocks"
+            else ""
+        )
         + (", static passes" if loaded.static_passes else "")
         + (", compiled" if loaded.compiled_passes else "")
     )
@@ -772,6 +778,7 @@ def _meta(options: BenchOptions, loaded: LoadedPair, started: dict, runner: Llam
         "hf_assistant_tokens": list(o.hf_assistant_tokens),
         "hf_lookup_tokens": list(o.hf_lookup_tokens),
         "weights": loaded.weights,
+        "block_activations": loaded.block_activations,
         "llama_cpp": f"llama-cpp-python {runner.version}, {Path(gguf).name}" if runner else "no",
     }
 
@@ -799,7 +806,15 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         "static_passes": o.static_passes,
         "compiled_passes": o.compiled_passes,
     }
-    loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)
+    loaded = load_pair(
+        target,
+        draft,
+        dtype=o.dtype,
+        device="auto",
+        weights=o.weights,
+        block_activations=o.block_activations,
+        **kernels,
+    )
     echo(_describe_loaded(o.pair, loaded))
     runner = LlamaCpp(gguf, torch.get_num_threads(), context=2048) if gguf else None
     # HF's rows run the models as `transformers` loads them, not on our kernels

@@ -107,7 +107,9 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("weight_bytes"):
         lines.append("")
         lines.append(
-            f"weights read per pass ({result.get('weights', 'dense')}), "
+            f"weights read per pass ({result.get('weights', 'dense')}"
+            + (f", {result['block_activations']} activations" if result.get("block_activations") else "")
+            + "), "
             "bandwidth achieved at width 1, batch 1: "
             + ", ".join(
                 f"{role} {size / 1e9:.2f} GB at {result['bandwidth_gb_s'][role]:.1f} GB/s"
@@ -187,6 +189,7 @@ class CalibrateOptions:
     dtype: str
     threads: int | None
     weights: str
+    block_activations: str
     against: str | None
     batch_invariant: bool | None
     static_passes: bool | None
@@ -216,6 +219,7 @@ def measure_pair(options: CalibrateOptions) -> tuple[LoadedPair, dict[str, Any]]
         "batch_invariant": o.batch_invariant,
         "static_passes": o.static_passes,
         "compiled_passes": o.compiled_passes,
+        "block_activations": o.block_activations,
     }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)
     if not o.against:

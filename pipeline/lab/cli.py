@@ -27,6 +27,13 @@ weights_option = click.option(
     show_default=True,
     help="The target's weights (as models.weights in a job spec).",
 )
+block_activations_option = click.option(
+    "--block-activations",
+    type=click.Choice(["int8", "float32"]),
+    default="int8",
+    show_default=True,
+    help="What the target's Q4_K blocks multiply in decoding passes (as models.block_activations).",
+)
 
 
 @click.command()
@@ -106,6 +113,7 @@ weights_option = click.option(
     "of the task (drafter.suffix_warm_start).",
 )
 @weights_option
+@block_activations_option
 @click.option(
     "--llama-cpp",
     "llama_cpp",
@@ -165,6 +173,7 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: all cores).")
 @weights_option
+@block_activations_option
 @click.option(
     "--against",
     type=click.Choice(["gguf-blocks", "dense"]),

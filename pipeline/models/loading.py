@@ -291,6 +291,9 @@ class LoadedPair:
     # type), else "dense"
     weights: str = "dense"
     block_layers: dict[str, int] = field(default_factory=dict)
+    # what the block layers' decoding passes multiply the blocks with (`models.block_activations`):
+    # "int8" (rounded per super-block) or "float32"; None without block layers
+    block_activations: str | None = None
     # passes through fixed slots and shapes, captured as CUDA graphs on a GPU (`static_lm`)
     static_passes: bool = False
     # the static passes' decoder layers compiled (`torch.compile`) before their graphs are captured
@@ -333,6 +336,7 @@ class LoadedPair:
             "streamed_linears": self.streamed,
             "weights": self.weights,
             "block_layers": self.block_layers,
+            "block_activations": self.block_activations,
             "static_passes": self.static_passes,
             "compiled_passes": self.compiled_passes,
             "tokenizer_vocab_size": self.vocab_size,
@@ -503,11 +507,18 @@ def _target_kernels(
 
 
 def _apply_target_kernels(
-    model, target: ModelRef, kernels: _TargetKernels, weights: str, dtype: torch.dtype, device: str
+    model,
+    target: ModelRef,
+    kernels: _TargetKernels,
+    weights: str,
+    dtype: torch.dtype,
+    device: str,
+    block_activations: str = "int8",
 ) -> dict[str, int]:
     """Give the loaded target its kernels: GGUF blocks, streamed Linear layers for the rest,
     batch invariance; the block layers used, by type."""
-    block_layers = streamed.use_blocks(model, kernels.blocks) if kernels.blocks else {}
+    rounded = block_activations == "int8"
+    block_layers = streamed.use_blocks(model, kernels.blocks, rounded) if kernels.blocks else {}
     kernels.blocks = None  # the blocks' memory back once the layers hold them
     if weights == "gguf-blocks" and not block_layers:
         raise ModelError(
@@ -572,6 +583,7 @@ def load_pair(
     draft_int8: bool | None = None,
     streamed_linears: bool | None = None,
     weights: str = "auto",
+    block_activations: str = "int8",
     batch: int | None = None,
     static_passes: bool | None = None,
     compiled_passes: bool | None = None,
@@ -590,7 +602,9 @@ def load_pair(
     the draft gets them too, with int8 weights unless `draft_int8` is False.
     `weights` (`auto`, `gguf-blocks`, `dense`): whether the target's Linear layers stream the
     GGUF blocks its install kept (see `_target_blocks`, which `batch`, the rows a job decodes
-    together, informs); gguf-blocks with dtype auto runs float32.
+    together, informs); gguf-blocks with dtype auto runs float32. `block_activations` (`int8`,
+    `float32`): what the Q4_K block layers' decoding passes multiply the blocks with (see
+    `streamed.BlockLinear`).
     `static_passes` (None: on GPUs) runs both models' passes through fixed slots and shapes,
     replayed as CUDA graphs on a GPU (see `pipeline.decode.static_lm`), where the model allows;
     `compiled_passes` (None: wherever static passes run on a GPU) compiles their decoder layers
@@ -611,7 +625,11 @@ def load_pair(
     target_model = load_model(target, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     times["target_s"] = time.perf_counter() - t
     _check_embeddings(target_model, tokenizer, target, "target")
-    block_layers = _apply_target_kernels(target_model, target, kernels, weights, torch_dtype, device)
+    if block_activations not in ("int8", "float32"):
+        raise ModelError(f"models.block_activations is int8 or float32, not {block_activations!r}")
+    block_layers = _apply_target_kernels(
+        target_model, target, kernels, weights, torch_dtype, device, block_activations
+    )
     draft_model = None
     if draft is not None:
         t = time.perf_counter()
@@ -643,6 +661,7 @@ def load_pair(
         streamed=streamed_linears,
         weights="gguf-blocks" if block_layers else "dense",
         block_layers=block_layers,
+        block_activations=block_activations if block_layers else None,
         static_passes=static_passes,
         compiled_passes=compiled_passes,
         load_seconds=times,

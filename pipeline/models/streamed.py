@@ -113,7 +113,14 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = _INT
     # x, rows, in, weights, out, [dmin, mins,] bias, y, block rows, k slice, threads
     head, tail = [_POINTER, _INT, _INT, _POINTER, _INT], [_POINTER, _POINTER, _INT, _INT, ctypes.c_int]
-    lib.linear_q4k.argtypes = [*head, _POINTER, _POINTER, *tail, ctypes.c_int]  # ..., prefill
+    lib.linear_q4k.argtypes = [
+        *head,
+        _POINTER,
+        _POINTER,
+        *tail,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]  # ..., prefill, q8
     lib.linear_q6k.argtypes = [*head, *tail, ctypes.c_int]
     for name in ("linear_f32", "linear_bf16", "linear_i8"):
         getattr(lib, name).argtypes = [
@@ -288,7 +295,12 @@ class BlockLinear(StreamedLinear):
     `in_features` must be a multiple of 256."""
 
     def __init__(
-        self, blocks: torch.Tensor, gguf_type: str, in_features: int, bias: torch.Tensor | None = None
+        self,
+        blocks: torch.Tensor,
+        gguf_type: str,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        rounded: bool = False,
     ):
         nn.Module.__init__(self)
         lib = library()
@@ -299,6 +311,8 @@ class BlockLinear(StreamedLinear):
                 f"{gguf_type} blocks [{rows}, {columns}] do not hold rows of {in_features} weights"
             )
         self.out_features, self.in_features, self.kind = rows, in_features, kind
+        # Q4_K decoding passes against activations rounded to 8 bits (the kernel's `quantize_q8`)
+        self.rounded = rounded and kind == "q4k"
         size = getattr(lib, f"packed_bytes_{kind}")(rows, in_features)
         per_row = size // ((rows + 7) // 8 * 8)
         self.block_rows = max(8, min(MAX_BLOCK_ROWS, BLOCK_BYTES // per_row) // 8 * 8)
@@ -321,7 +335,10 @@ class BlockLinear(StreamedLinear):
         return [self.dmin.data_ptr(), self.mins.data_ptr()] if self.kind == "q4k" else []
 
     def _options(self) -> list:
-        return [int(_prefill.get())]
+        return [int(_prefill.get()), int(self.rounded)] if self.kind == "q4k" else [int(_prefill.get())]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", activations rounded to int8" if self.rounded else "")
 
 
 @cache
@@ -338,11 +355,14 @@ def _reads_right(gguf_type: str, sample: bytes) -> bool:
     return torch.equal(got, expected)
 
 
-def use_blocks(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) -> dict[str, int]:
+def use_blocks(
+    model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]], rounded: bool = False
+) -> dict[str, int]:
     """Replace each Linear of `model` whose weight has blocks of a type the kernel reads (see
     `gguf_blocks.read_blocks`) by a BlockLinear, in place; returns how many of each type. A type
     whose blocks the kernel does not read as gguf does (`_reads_right`) stays dense, with a
-    warning."""
+    warning. `rounded`: Q4_K decoding passes against activations rounded to int8
+    (`models.block_activations`)."""
     trusted: dict[str, bool] = {}
     used: dict[str, int] = {}
     for prefix, parent in list(model.named_modules()):
@@ -364,7 +384,7 @@ def use_blocks(model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]]) ->
                         "the block kernel does not read %s blocks as gguf does: they stay dense", gguf_type
                     )
             if trusted[gguf_type]:
-                setattr(parent, name, BlockLinear(raw, gguf_type, child.in_features, child.bias))
+                setattr(parent, name, BlockLinear(raw, gguf_type, child.in_features, child.bias, rounded))
                 used[gguf_type] = used.get(gguf_type, 0) + 1
     return used
 

@@ -618,6 +618,118 @@ inline void finish(const __m256* a, int n, int64_t o, int64_t t, int64_t O, int6
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Q4_K against activations rounded to 8 bits (`linear_q4k(..., q8)`), as llama.cpp's Q8_K:
+// each token row's every super-block of 256 k becomes 256 int8 values x8 and one float scale
+// dx = max|x| / 127. A pair's codes (0..15) and x8 then multiply as integers, 32 at a time
+// (`maddubs`), times the sub-block's 6-bit scale (`madd`), summed over the super-block in int32:
+// exact, so in any order. One float step a super-block: acc = fma(d*dx, sum, acc). About a third
+// of the float path's instructions a weight, so that a 1-token pass is no longer bound by
+// arithmetic. The mins' term reads the same rounded x (`quantize_q8`'s sub-block sums), so the
+// output is the blocks' weights against the rounded activations. Row-invariant like the rest: a
+// row's x8 and dx depend on that row alone, its integer sums on nothing else.
+
+// x8 [T][K], dx [T][K/256] and sums [T][K/32] = dx * (sum of x8 over each sub-block of 32).
+void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, float* sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t s = 0; s < K / QK; ++s) {
+            const float* p = x + t * K + s * QK;
+            __m256 m = _mm256_setzero_ps();
+            for (int k = 0; k < QK; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p + k)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+            const float amax = _mm_cvtss_f32(h), d = amax / 127.0f;
+            const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            dx[t * (K / QK) + s] = d;
+            int8_t* q = x8 + t * K + s * QK;
+            for (int j = 0; j < QK / 32; ++j) {
+                __m256i v[4];
+                for (int g = 0; g < 4; ++g) {  // nearest, ties to even; within [-127, 127]
+                    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(p + 32 * j + 8 * g), inv);
+                    v[g] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-127.0f)),
+                                                            _mm256_set1_ps(127.0f)));
+                }
+                const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+                __m128i r = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+                r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+                r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
+                sums[t * (K / 32) + s * 8 + j] = d * static_cast<float>(_mm_cvtsi128_si32(r));
+                // packs interleave 128-bit lanes; the permute restores k order
+                const __m256i w16 = _mm256_packs_epi32(v[0], v[1]), x16 = _mm256_packs_epi32(v[2], v[3]);
+                const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
+                                                              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j), b);
+            }
+        }
+}
+
+// P pairs of a Q4_K strip's slice (from pair p0) against N rounded token rows (`quantize_q8`):
+// acc[(2p + r) * N + n] as `micro_pairs` lays them out.
+template <int N, int P>
+inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
+                     __m256* acc, bool first) {
+    __m256 c[2 * P * N];
+    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t s = 0, sb = 0; s < len; s += QK, w += Q4K::bytes, ++sb) {
+        __m256i scale[2 * P];  // each row's 8 sub-block scales as int16, in both 128-bit lanes
+        for (int p = 0; p < P; ++p)
+            for (int r = 0; r < 2; ++r) {
+                const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24 * (p0 + p) + 8 + 8 * r));
+                scale[2 * p + r] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc));
+            }
+        __m256i sum[2 * P * N];
+        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | (2 * j + 1) << 8));
+            __m256i xv[N];
+            for (int n = 0; n < N; ++n)
+                xv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + n * K + s + 32 * j));
+            for (int p = 0; p < P; ++p) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 96 + 128 * j + 32 * (p0 + p)));
+                const __m256i c0 = _mm256_and_si256(q, low), c1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                const __m256i s0 = _mm256_shuffle_epi8(scale[2 * p], pick), s1 = _mm256_shuffle_epi8(scale[2 * p + 1], pick);
+                for (int n = 0; n < N; ++n) {
+                    __m256i& t0 = sum[(2 * p) * N + n];
+                    __m256i& t1 = sum[(2 * p + 1) * N + n];
+                    t0 = _mm256_add_epi32(t0, _mm256_madd_epi16(_mm256_maddubs_epi16(c0, xv[n]), s0));
+                    t1 = _mm256_add_epi32(t1, _mm256_madd_epi16(_mm256_maddubs_epi16(c1, xv[n]), s1));
+                }
+            }
+        }
+        for (int p = 0; p < P; ++p) {
+            const float* d = reinterpret_cast<const float*>(w + 24 * (p0 + p));
+            for (int n = 0; n < N; ++n) {
+                const float x_scale = dx[n * (K / QK) + s / QK];
+                for (int r = 0; r < 2; ++r) {
+                    __m256& a = c[(2 * p + r) * N + n];
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * x_scale), _mm256_cvtepi32_ps(sum[(2 * p + r) * N + n]), a);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+}
+
+// A strip's slice against a tile of n rounded token rows (1 to DIRECT_MAX), as `micro_direct`.
+inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const float* dx, int64_t K, int64_t len,
+                            __m256* acc, bool first) {
+    switch (n) {
+        case 1: micro_q8<1, 4>(w, 0, x8, dx, K, len, acc, first); break;
+        case 2:
+            for (int p = 0; p < 4; p += 2) micro_q8<2, 2>(w, p, x8, dx, K, len, acc + 2 * p * 2, first);
+            break;
+        case 3:
+            for (int p = 0; p < 4; ++p) micro_q8<3, 1>(w, p, x8, dx, K, len, acc + 2 * p * 3, first);
+            break;
+        default:
+            for (int p = 0; p < 4; ++p) micro_q8<4, 1>(w, p, x8, dx, K, len, acc + 2 * p * 4, first);
+            break;
+    }
+}
+
 // Three ways through a block of rows, by the width of the pass (the same chain each way):
 // up to DIRECT_MAX token rows decode the blocks in registers, once per tile; up to STRIPWISE_MAX
 // decode each strip's slice once into L1 and run `micro` over it for every tile; wider passes
@@ -626,15 +738,27 @@ inline void finish(const __m256* a, int n, int64_t o, int64_t t, int64_t O, int6
 // per block of rows, not once per few rows (a prefill's rows of a 8960-wide input are 14 MB).
 template <typename B>
 void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
-                   const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads, bool prefill) {
+                   const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads, bool prefill,
+                   bool q8 = false) {
     const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
+    q8 = q8 && !prefill;  // a prefill reads the bf16 rounding, whatever the decoding passes read
     float* sums = nullptr;
+    int8_t* x8 = nullptr;
+    float* dx = nullptr;
     if (dmin) {
         sums = static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32));
-        sub_block_sums(x, T, K, sums);
+        if (q8) {
+            x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
+            dx = static_cast<float*>(std::aligned_alloc(32, (T * (K / QK) * 4 + 31) / 32 * 32));
+            quantize_q8(x, T, K, x8, dx, sums);
+        } else {
+            sub_block_sums(x, T, K, sums);
+        }
     }
     enum { DIRECT, STRIPWISE, GROUPED };
-    const int path = prefill ? GROUPED : T <= DIRECT_MAX ? DIRECT : T <= STRIPWISE_MAX ? STRIPWISE : GROUPED;
+    // rounded activations take the direct path at every width: tiles of up to DIRECT_MAX rows,
+    // the block's weights read from L2 again for each tile after the first
+    const int path = q8 ? DIRECT : prefill ? GROUPED : T <= DIRECT_MAX ? DIRECT : T <= STRIPWISE_MAX ? STRIPWISE : GROUPED;
     const int64_t unit = prefill ? 2 : 4;  // bytes of a decoded weight on the grouped path
     const int64_t tile_max = path == DIRECT ? DIRECT_MAX : TILE, tiles = (T + tile_max - 1) / tile_max;
     // the k values of a block's rows decoded into L2 at a time on the grouped path: whole slices
@@ -709,7 +833,12 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                     for (int64_t k0 = 0; k0 < K; k0 += KB) {
                         const int64_t len = std::min(KB, K - k0);
                         for (int64_t i = 0; i < rows; i += STRIP)
-                            micro_direct<B>(n, slice(wb, rows, k0, len, i), x + t * K + k0, K, len, acc + i * n, k0 == 0);
+                            if (x8)
+                                micro_q8_direct(n, slice(wb, rows, k0, len, i), x8 + t * K + k0, dx + t * (K / QK) + k0 / QK,
+                                                K, len, acc + i * n, k0 == 0);
+                            else
+                                micro_direct<B>(n, slice(wb, rows, k0, len, i), x + t * K + k0, K, len, acc + i * n,
+                                                k0 == 0);
                     }
                     for (int64_t r = 0; r < rows && o0 + r < O; ++r)
                         finish(acc + r * n, n, o0 + r, t, O, K, row_mins(r), sums, bias, y);
@@ -776,6 +905,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         std::free(scales);
     }
     std::free(sums);
+    std::free(x8);
+    std::free(dx);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -882,8 +1013,8 @@ void pack_q6k(const uint8_t* src, int64_t O, int64_t K, int64_t RB, int64_t KB, 
 int64_t packed_bytes_q4k(int64_t O, int64_t K) { return (O + STRIP - 1) / STRIP * (K / QK) * Q4K::bytes; }
 int64_t packed_bytes_q6k(int64_t O, int64_t K) { return (O + STRIP - 1) / STRIP * (K / QK) * Q6K::bytes; }
 void linear_q4k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin, const uint8_t* m,
-                const float* bias, float* y, int64_t RB, int64_t KB, int threads, int prefill) {
-    linear_blocks<Q4K>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads, prefill != 0);
+                const float* bias, float* y, int64_t RB, int64_t KB, int threads, int prefill, int q8) {
+    linear_blocks<Q4K>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads, prefill != 0, q8 != 0);
 }
 void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* bias, float* y,
                 int64_t RB, int64_t KB, int threads, int prefill) {

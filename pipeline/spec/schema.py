@@ -420,6 +420,15 @@ class ModelsSpec(_Section):
         "AVX2 (dtype auto picks float32 on CPUs without AVX512-BF16) and execution.batch_size is at "
         "most 2 (wider passes are bound by arithmetic, and there dense weights are faster), else dense.",
     )
+    block_activations: Literal["int8", "float32"] = Field(
+        "int8",
+        description="With gguf-blocks: what the Q4_K blocks' decoding passes multiply them with. "
+        "int8: each token's activations rounded to 8 bits per 256 values (one scale each, as "
+        "llama.cpp's Q8_K), then integer products: a third of the instructions a weight, about "
+        "as close to the float32 product as llama.cpp's own. float32: the activations as they "
+        "are. Either way every pass computes a token the same way, so speculative output stays "
+        "the target-only output bit for bit; prefills read the bf16 rounding of the blocks.",
+    )
     static_passes: bool | None = Field(
         None,
         description="Decode and verify passes through a KV cache of fixed slots written by position "
