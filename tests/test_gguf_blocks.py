@@ -63,14 +63,15 @@ def _rounded_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows, cols", SHAPES)
-def test_int8_activations_multiply_the_blocks_with_the_rounded_rows_whatever_the_pass(rows, cols):
-    """`block_activations: int8`: a Q4_K layer's decoding passes give the blocks' product with each
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_activations_multiply_the_blocks_with_the_rounded_rows_whatever_the_pass(kind, rows, cols):
+    """`block_activations: int8`: a layer's decoding passes give the blocks' product with each
     row rounded to 8 bits per 256 values (integer sums, then one float step a super-block), the
     same bits for a row at every width and place; prefills keep the float path's bf16 reading."""
-    raw = random_blocks("Q4_K", rows, cols, 3)
+    raw = random_blocks(kind, rows, cols, 3)
     bias = torch.randn(rows, generator=torch.Generator().manual_seed(3))
-    exact = streamed.BlockLinear(torch.from_numpy(raw), "Q4_K", cols, bias)
-    layer = streamed.BlockLinear(torch.from_numpy(raw), "Q4_K", cols, bias, rounded=True)
+    exact = streamed.BlockLinear(torch.from_numpy(raw), kind, cols, bias)
+    layer = streamed.BlockLinear(torch.from_numpy(raw), kind, cols, bias, rounded=True)
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(4))
     x[3] = 0  # a row of zeros rounds to zeros
     full = layer(x)

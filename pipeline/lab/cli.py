@@ -32,7 +32,7 @@ block_activations_option = click.option(
     type=click.Choice(["int8", "float32"]),
     default="int8",
     show_default=True,
-    help="What the target's Q4_K blocks multiply in decoding passes (as models.block_activations).",
+    help="What the target's GGUF blocks multiply in decoding passes (as models.block_activations).",
 )
 
 

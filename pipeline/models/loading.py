@@ -603,7 +603,7 @@ def load_pair(
     `weights` (`auto`, `gguf-blocks`, `dense`): whether the target's Linear layers stream the
     GGUF blocks its install kept (see `_target_blocks`, which `batch`, the rows a job decodes
     together, informs); gguf-blocks with dtype auto runs float32. `block_activations` (`int8`,
-    `float32`): what the Q4_K block layers' decoding passes multiply the blocks with (see
+    `float32`): what the block layers' decoding passes multiply the blocks with (see
     `streamed.BlockLinear`).
     `static_passes` (None: on GPUs) runs both models' passes through fixed slots and shapes,
     replayed as CUDA graphs on a GPU (see `pipeline.decode.static_lm`), where the model allows;

@@ -121,7 +121,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_int,
         ctypes.c_int,
     ]  # ..., prefill, q8
-    lib.linear_q6k.argtypes = [*head, *tail, ctypes.c_int]
+    lib.linear_q6k.argtypes = [*head, *tail, ctypes.c_int, ctypes.c_int]
     for name in ("linear_f32", "linear_bf16", "linear_i8"):
         getattr(lib, name).argtypes = [
             _POINTER,
@@ -311,8 +311,8 @@ class BlockLinear(StreamedLinear):
                 f"{gguf_type} blocks [{rows}, {columns}] do not hold rows of {in_features} weights"
             )
         self.out_features, self.in_features, self.kind = rows, in_features, kind
-        # Q4_K decoding passes against activations rounded to 8 bits (the kernel's `quantize_q8`)
-        self.rounded = rounded and kind == "q4k"
+        # decoding passes against activations rounded to 8 bits (the kernel's `quantize_q8`)
+        self.rounded = rounded
         size = getattr(lib, f"packed_bytes_{kind}")(rows, in_features)
         per_row = size // ((rows + 7) // 8 * 8)
         self.block_rows = max(8, min(MAX_BLOCK_ROWS, BLOCK_BYTES // per_row) // 8 * 8)
@@ -335,7 +335,7 @@ class BlockLinear(StreamedLinear):
         return [self.dmin.data_ptr(), self.mins.data_ptr()] if self.kind == "q4k" else []
 
     def _options(self) -> list:
-        return [int(_prefill.get()), int(self.rounded)] if self.kind == "q4k" else [int(_prefill.get())]
+        return [int(_prefill.get()), int(self.rounded)]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", activations rounded to int8" if self.rounded else "")
@@ -361,7 +361,7 @@ def use_blocks(
     """Replace each Linear of `model` whose weight has blocks of a type the kernel reads (see
     `gguf_blocks.read_blocks`) by a BlockLinear, in place; returns how many of each type. A type
     whose blocks the kernel does not read as gguf does (`_reads_right`) stays dense, with a
-    warning. `rounded`: Q4_K decoding passes against activations rounded to int8
+    warning. `rounded`: decoding passes against activations rounded to int8
     (`models.block_activations`)."""
     trusted: dict[str, bool] = {}
     used: dict[str, int] = {}

@@ -296,8 +296,10 @@ struct Q6K {
                 if (rows[2 * p + r]) q6k_fields(rows[2 * p + r], d[r], sc[r], q[r]);
             std::memcpy(dst + 40 * p, d, 8);
             std::memcpy(dst + 40 * p + 8, sc, 32);
-            for (int g = 0; g < 32; ++g)
-                for (int r = 0; r < 2; ++r) std::memcpy(dst + 160 + 64 * g + 16 * p + 8 * r, q[r] + 8 * g, 8);
+            // per chunk of 32 k, pair after pair, each row's 32 codes in k order (`micro_q8_q6k`
+            // reads them whole)
+            for (int c = 0; c < 8; ++c)
+                for (int r = 0; r < 2; ++r) std::memcpy(dst + 160 + 256 * c + 64 * p + 32 * r, q[r] + 32 * c, 32);
         }
     }
     static inline void scales(const uint8_t* sb, int p, float* a0, float* a1) {
@@ -313,11 +315,11 @@ struct Q6K {
     struct Sub {
         const uint8_t* q;
     };
-    static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + 160 + 128 * j + 16 * p}; }
+    static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + 160 + 256 * (j / 2) + 64 * p + 16 * (j % 2)}; }
     static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {
-        const uint8_t* q = u.q + 64 * g;
+        const uint8_t* q = u.q + 8 * g;
         w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
+        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 32))));
     }
     static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
         codes(u, g, w0, w1);
@@ -655,7 +657,7 @@ void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, fl
                 __m128i r = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
                 r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
                 r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
-                sums[t * (K / 32) + s * 8 + j] = d * static_cast<float>(_mm_cvtsi128_si32(r));
+                if (sums) sums[t * (K / 32) + s * 8 + j] = d * static_cast<float>(_mm_cvtsi128_si32(r));
                 // packs interleave 128-bit lanes; the permute restores k order
                 const __m256i w16 = _mm256_packs_epi32(v[0], v[1]), x16 = _mm256_packs_epi32(v[2], v[3]);
                 const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
@@ -663,6 +665,14 @@ void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, fl
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * j), b);
             }
         }
+}
+
+// The strip's super-block two ahead into L1: with a third of the float path's arithmetic the
+// stream, not the core, sets the pace, and the hardware's prefetcher alone left about 15% of
+// it on the table (one core, one 8960 x 1536 layer from memory: 7.2 against 8.3 GB/s).
+template <int64_t BYTES>
+inline void prefetch_ahead(const uint8_t* w) {
+    for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * BYTES + l), _MM_HINT_T0);
 }
 
 // P pairs of a Q4_K strip's slice (from pair p0) against N rounded token rows (`quantize_q8`):
@@ -682,6 +692,7 @@ inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx
             }
         __m256i sum[2 * P * N];
         for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm256_setzero_si256();
+        if (p0 == 0) prefetch_ahead<Q4K::bytes>(w);
         for (int j = 0; j < 8; ++j) {
             const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | (2 * j + 1) << 8));
             __m256i xv[N];
@@ -713,21 +724,90 @@ inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx
     for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
 
+// The same for Q6_K (codes -32..31, a scale per 16 k): per chunk of 32 k a row's codes whole,
+// |q| times x8 with q's sign (`maddubs` takes one unsigned side), times the two sub-blocks'
+// scales in the low and high halves (`madd`), summed in int32 over the super-block.
+template <int N, int P>
+inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
+                         __m256* acc, bool first) {
+    __m256 c[2 * P * N];
+    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+    for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
+        __m256i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in both lanes
+        for (int p = 0; p < P; ++p)
+            for (int r = 0; r < 2; ++r) {
+                const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 40 * (p0 + p) + 8 + 16 * r));
+                low[2 * p + r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
+                high[2 * p + r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
+            }
+        __m256i sum[2 * P * N];
+        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm256_setzero_si256();
+        if (p0 == 0) prefetch_ahead<Q6K::bytes>(w);
+        for (int ch = 0; ch < 8; ++ch) {
+            // sub-block 2ch's scale in the low 128 bits, 2ch + 1's in the high
+            const int a = (2 * ch) % 8, b = a + 1;
+            const __m256i pick = _mm256_setr_epi8(2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
+                                                  2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
+                                                  2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1,
+                                                  2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1);
+            __m256i xv[N];
+            for (int n = 0; n < N; ++n)
+                xv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + n * K + s + 32 * ch));
+            for (int p = 0; p < P; ++p)
+                for (int r = 0; r < 2; ++r) {
+                    const __m256i q = _mm256_loadu_si256(
+                        reinterpret_cast<const __m256i*>(w + 160 + 256 * ch + 64 * (p0 + p) + 32 * r));
+                    const __m256i mag = _mm256_abs_epi8(q);
+                    const __m256i scale = _mm256_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
+                    for (int n = 0; n < N; ++n) {
+                        const __m256i prod = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv[n], q));
+                        __m256i& t = sum[(2 * p + r) * N + n];
+                        t = _mm256_add_epi32(t, _mm256_madd_epi16(prod, scale));
+                    }
+                }
+        }
+        for (int p = 0; p < P; ++p) {
+            const float* d = reinterpret_cast<const float*>(w + 40 * (p0 + p));
+            for (int n = 0; n < N; ++n) {
+                const float x_scale = dx[n * (K / QK) + s / QK];
+                for (int r = 0; r < 2; ++r) {
+                    __m256& acc_r = c[(2 * p + r) * N + n];
+                    acc_r = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * x_scale), _mm256_cvtepi32_ps(sum[(2 * p + r) * N + n]), acc_r);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+}
+
 // A strip's slice against a tile of n rounded token rows (1 to DIRECT_MAX), as `micro_direct`.
+template <typename B>
 inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const float* dx, int64_t K, int64_t len,
                             __m256* acc, bool first) {
-    switch (n) {
-        case 1: micro_q8<1, 4>(w, 0, x8, dx, K, len, acc, first); break;
-        case 2:
-            for (int p = 0; p < 4; p += 2) micro_q8<2, 2>(w, p, x8, dx, K, len, acc + 2 * p * 2, first);
-            break;
-        case 3:
-            for (int p = 0; p < 4; ++p) micro_q8<3, 1>(w, p, x8, dx, K, len, acc + 2 * p * 3, first);
-            break;
-        default:
-            for (int p = 0; p < 4; ++p) micro_q8<4, 1>(w, p, x8, dx, K, len, acc + 2 * p * 4, first);
-            break;
-    }
+    auto run = [&](auto micro_1, auto micro_2, auto micro_3, auto micro_4) {
+        switch (n) {
+            case 1: micro_1(0, acc); break;
+            case 2:
+                for (int p = 0; p < 4; p += 2) micro_2(p, acc + 2 * p * 2);
+                break;
+            case 3:
+                for (int p = 0; p < 4; ++p) micro_3(p, acc + 2 * p * 3);
+                break;
+            default:
+                for (int p = 0; p < 4; ++p) micro_4(p, acc + 2 * p * 4);
+                break;
+        }
+    };
+    if constexpr (B::FACTORED)
+        run([&](int p, __m256* a) { micro_q8<1, 4>(w, p, x8, dx, K, len, a, first); },
+            [&](int p, __m256* a) { micro_q8<2, 2>(w, p, x8, dx, K, len, a, first); },
+            [&](int p, __m256* a) { micro_q8<3, 1>(w, p, x8, dx, K, len, a, first); },
+            [&](int p, __m256* a) { micro_q8<4, 1>(w, p, x8, dx, K, len, a, first); });
+    else
+        run([&](int p, __m256* a) { micro_q8_q6k<1, 4>(w, p, x8, dx, K, len, a, first); },
+            [&](int p, __m256* a) { micro_q8_q6k<2, 2>(w, p, x8, dx, K, len, a, first); },
+            [&](int p, __m256* a) { micro_q8_q6k<3, 1>(w, p, x8, dx, K, len, a, first); },
+            [&](int p, __m256* a) { micro_q8_q6k<4, 1>(w, p, x8, dx, K, len, a, first); });
 }
 
 // Three ways through a block of rows, by the width of the pass (the same chain each way):
@@ -742,18 +822,15 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                    bool q8 = false) {
     const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
     q8 = q8 && !prefill;  // a prefill reads the bf16 rounding, whatever the decoding passes read
-    float* sums = nullptr;
+    float* sums = dmin ? static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32)) : nullptr;
     int8_t* x8 = nullptr;
     float* dx = nullptr;
-    if (dmin) {
-        sums = static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32));
-        if (q8) {
-            x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
-            dx = static_cast<float*>(std::aligned_alloc(32, (T * (K / QK) * 4 + 31) / 32 * 32));
-            quantize_q8(x, T, K, x8, dx, sums);
-        } else {
-            sub_block_sums(x, T, K, sums);
-        }
+    if (q8) {
+        x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
+        dx = static_cast<float*>(std::aligned_alloc(32, (T * (K / QK) * 4 + 31) / 32 * 32));
+        quantize_q8(x, T, K, x8, dx, sums);
+    } else if (sums) {
+        sub_block_sums(x, T, K, sums);
     }
     enum { DIRECT, STRIPWISE, GROUPED };
     // rounded activations take the direct path at every width: tiles of up to DIRECT_MAX rows,
@@ -834,7 +911,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                         const int64_t len = std::min(KB, K - k0);
                         for (int64_t i = 0; i < rows; i += STRIP)
                             if (x8)
-                                micro_q8_direct(n, slice(wb, rows, k0, len, i), x8 + t * K + k0, dx + t * (K / QK) + k0 / QK,
+                                micro_q8_direct<B>(n, slice(wb, rows, k0, len, i), x8 + t * K + k0, dx + t * (K / QK) + k0 / QK,
                                                 K, len, acc + i * n, k0 == 0);
                             else
                                 micro_direct<B>(n, slice(wb, rows, k0, len, i), x + t * K + k0, K, len, acc + i * n,
@@ -1017,8 +1094,8 @@ void linear_q4k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t 
     linear_blocks<Q4K>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads, prefill != 0, q8 != 0);
 }
 void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* bias, float* y,
-                int64_t RB, int64_t KB, int threads, int prefill) {
-    linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads, prefill != 0);
+                int64_t RB, int64_t KB, int threads, int prefill, int q8) {
+    linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads, prefill != 0, q8 != 0);
 }
 void attend_f32(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const float* k, const float* v, int64_t Hkv,
                 int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb, int64_t mq,

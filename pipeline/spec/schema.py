@@ -422,7 +422,7 @@ class ModelsSpec(_Section):
     )
     block_activations: Literal["int8", "float32"] = Field(
         "int8",
-        description="With gguf-blocks: what the Q4_K blocks' decoding passes multiply them with. "
+        description="With gguf-blocks: what the blocks' decoding passes multiply them with. "
         "int8: each token's activations rounded to 8 bits per 256 values (one scale each, as "
         "llama.cpp's Q8_K), then integer products: a third of the instructions a weight, about "
         "as close to the float32 product as llama.cpp's own. float32: the activations as they "
