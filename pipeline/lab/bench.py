@@ -50,7 +50,7 @@ class Row:
     tau: float | None
     mean_gamma: float | None
     target_passes_per_token: float | None
-    identical: bool  # to the target-only decoding it is timed against (ours, or HF's for HF rows)
+    identical: bool  # to the target-only decoding it is timed against (ours, HF's or llama.cpp's)
     identical_to_hf: bool | None  # to Hugging Face's target-only decoding with stock kernels (None: not run)
     seconds_median: float
     seconds_runs: list[float]
@@ -239,8 +239,8 @@ def run_benchmark(
     our target-only outputs of that many *other* documents of the task, as a nightly job given
     last night's outputs (`drafter.suffix_warm_start`). `llama_cpp`: also llama.cpp's rows, and
     every row's tokens/s against its target-only. `hf=False` leaves out HF's rows (batch 1
-    only, they would take hours beside a large batch of a fast path); ours target-only is then
-    the reference outputs are compared with."""
+    only, they would take hours beside a large batch of a fast path). Every row's outputs are
+    compared with its own target-only's (`Row.identical`) and with HF's target-only where it ran."""
     hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
     if pair.draft is None:  # a target-only pair: the drafters that need no model still run
         dropped = [d for d in drafters if d == "draft_model"]
@@ -269,7 +269,7 @@ def run_benchmark(
             others = task_prompts(tok, task, docs + warm_docs, max_input_tokens, corpus)[docs:]
             warm = [r.tokens for r in engines["none"].generate(others, max_new_tokens, drafter="none")[0]]
         bench = TaskBench(task)
-        # the first configuration is also the reference every output is compared with
+        # HF's rows, then llama.cpp's, then ours: each family timed against its own target-only
         if hf:
             _add_hf_rows(bench, prompts, decoding, hf_assistant_tokens, hf_lookup_tokens, pair)
         if llama_cpp is not None:
@@ -417,7 +417,6 @@ class TaskBench:
                 if counted:  # our engine's rows
                     c.stats = c.stats or EngineRun()
                     c.stats.add(counted)
-        reference = self.configs[0].outputs
         hf = next((c.outputs for c in self.configs if c.method == "hf target-only"), None)
         medians = {(c.method, c.batch): statistics.median(c.times) for c in self.configs}
         stats = {(c.method, c.batch): c.stats for c in self.configs}
@@ -427,7 +426,8 @@ class TaskBench:
             seconds = medians[(c.method, c.batch)]
             base = medians.get((c.base, c.batch)) if c.base else None
             base_stats = stats.get((c.base, c.batch)) if c.base else None
-            own = outputs.get((c.base, c.batch), reference) if c.base else reference
+            # each row against its own target-only (a target-only row is its own)
+            own = outputs[(c.base, c.batch)] if c.base else c.outputs
             same = (c.outputs == own, None if hf is None else c.outputs == hf)
             rows.append(_row(self.task, c, seconds, base, base_stats, same))
         ours = outputs.get(("ours target-only", 1))
