@@ -289,7 +289,8 @@ class BlockLinear(StreamedLinear):
     """A Linear whose weight is a GGUF file's own Q4_K or Q6_K blocks (`gguf_blocks`), repacked
     once for `streamed_linear.cpp`, which rebuilds the weights from their codes and their blocks'
     scales in registers: about a third of the bf16 bytes. A decoding pass computes with the
-    blocks' exact values (for Q4_K, sum a*q*x less the mins' sum b*X, taken apart); a prefill
+    blocks' exact values (for Q4_K, sum a*q*x less the mins' sum b*X, taken apart), against the
+    activations as they are or, `rounded`, rounded to int8 per 256 values; a prefill
     (`prefilling`) with gguf's values rounded to bf16. Row-invariant like every kind of the
     kernel. `blocks` is uint8 [out_features, bytes per row] as the GGUF file has them;
     `in_features` must be a multiple of 256."""
