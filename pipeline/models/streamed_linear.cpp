@@ -675,6 +675,22 @@ inline void prefetch_ahead(const uint8_t* w) {
     for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * BYTES + l), _MM_HINT_T0);
 }
 
+// The one float step of a super-block for both kinds: acc = fma(d * dx, sum, acc) per row of
+// each pair (d, the rows' two float scales, at `header` bytes a pair from the super-block's
+// start) and per token row (dx, its rounding scale, K / 256 floats a token row).
+template <int N, int P>
+inline void super_block_step(const uint8_t* w, int header, int p0, const float* dx, int64_t K, const __m256i* sum,
+                             __m256* c) {
+    for (int p = 0; p < P; ++p) {
+        const float* d = reinterpret_cast<const float*>(w + header * (p0 + p));
+        for (int n = 0; n < N; ++n)
+            for (int r = 0; r < 2; ++r) {
+                const int i = (2 * p + r) * N + n;
+                c[i] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * dx[n * (K / QK)]), _mm256_cvtepi32_ps(sum[i]), c[i]);
+            }
+    }
+}
+
 // P pairs of a Q4_K strip's slice (from pair p0) against N rounded token rows (`quantize_q8`):
 // acc[(2p + r) * N + n] as `micro_pairs` lays them out.
 template <int N, int P>
@@ -710,16 +726,7 @@ inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx
                 }
             }
         }
-        for (int p = 0; p < P; ++p) {
-            const float* d = reinterpret_cast<const float*>(w + 24 * (p0 + p));
-            for (int n = 0; n < N; ++n) {
-                const float x_scale = dx[n * (K / QK) + s / QK];
-                for (int r = 0; r < 2; ++r) {
-                    __m256& a = c[(2 * p + r) * N + n];
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * x_scale), _mm256_cvtepi32_ps(sum[(2 * p + r) * N + n]), a);
-                }
-            }
-        }
+        super_block_step<N, P>(w, 24, p0, dx + s / QK, K, sum, c);
     }
     for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
@@ -766,16 +773,7 @@ inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float
                     }
                 }
         }
-        for (int p = 0; p < P; ++p) {
-            const float* d = reinterpret_cast<const float*>(w + 40 * (p0 + p));
-            for (int n = 0; n < N; ++n) {
-                const float x_scale = dx[n * (K / QK) + s / QK];
-                for (int r = 0; r < 2; ++r) {
-                    __m256& acc_r = c[(2 * p + r) * N + n];
-                    acc_r = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * x_scale), _mm256_cvtepi32_ps(sum[(2 * p + r) * N + n]), acc_r);
-                }
-            }
-        }
+        super_block_step<N, P>(w, 40, p0, dx + s / QK, K, sum, c);
     }
     for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
