@@ -57,7 +57,9 @@ def ray_local(s3_server):
     """One real local Ray for the session, started after the S3 env is set so workers inherit it."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    # "local": test_submit's `ray start --head` in another worker records its address in
+    # /tmp/ray/ray_current_cluster, which a bare ray.init() would join
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 

@@ -165,3 +165,25 @@ def test_status_reads_s3_with_the_storage_options_the_job_was_submitted_with(s3_
     args = ["status", "raysubmit_x", "--address", "http://127.0.0.1:1"]
     result = CliRunner().invoke(main, [*args, "--storage-option", f"endpoint_url={s3_server.endpoint}"])
     assert result.exit_code == 0 and "shards_done: 1" in result.output, result.output
+
+
+def test_no_address_starts_an_embedded_ray_even_where_a_cluster_address_is_recorded():
+    """`ray start` records its address in <tmp>/ray/ray_current_cluster, and a bare ray.init()
+    joins whatever is recorded there (here a dead one). The embedded default must not."""
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    try:
+        os.makedirs(f"{temp_dir}/ray")
+        Path(f"{temp_dir}/ray/ray_current_cluster").write_text("127.0.0.1:9")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_TMPDIR=temp_dir, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+        code = (
+            "import ray\nfrom pipeline.job.executor import ensure_ray\n"
+            "print('started', ensure_ray(None, num_cpus=1), ray.cluster_resources()['CPU'])\nray.shutdown()"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+        )
+        assert "started True 1.0" in done.stdout, done.stderr[-3000:]
+    finally:
+        stop_processes_under(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -99,7 +99,15 @@ def ensure_ray(address: str | None, num_cpus: int | None = None, verbose: bool =
         return False
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=verbose, configure_logging=False)
+    # "local": a new embedded Ray even where `ray start` left a cluster's address in
+    # /tmp/ray/ray_current_cluster, which a bare ray.init() would join (and refuse num_cpus)
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=verbose,
+        configure_logging=False,
+    )
     return True
 
 
