@@ -186,6 +186,7 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 constexpr int64_t QK = 256, STRIP = 8;
 constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, in the file
 constexpr int DIRECT_MAX = 4, STRIPWISE_MAX = 24;  // the paths through a block, by width (`linear_blocks`)
+constexpr int Q8_WIDE_TILE = 3;                    // token rows a tile of a wide pass on rounded rows
 constexpr int64_t SCRATCH_BYTES = 256 * 1024, ACC_BYTES = 128 * 1024;  // L2: 512 KB
 
 float half_to_float(uint16_t h) {  // exact; for packing only
@@ -571,7 +572,8 @@ inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int6
 
 // Sum of each token row's x over every sub-block of 32 (the Q4_K mins' partner): one fixed
 // chain per sub-block (4 vectors added in order, then `hsum`).
-void sub_block_sums(const float* x, int64_t T, int64_t K, float* sums) {
+void sub_block_sums(const float* x, int64_t T, int64_t K, float* sums, int threads) {
+#pragma omp parallel for num_threads(static_cast<int>(std::min<int64_t>(threads, T))) schedule(static)
     for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < K / 32; ++j) {
             const float* p = x + t * K + 32 * j;
@@ -632,8 +634,9 @@ inline void finish(const __m256* a, int n, int64_t o, int64_t t, int64_t O, int6
 // row's x8 and dx depend on that row alone, its integer sums on nothing else.
 
 // x8 [T][K], dx [T][K/256] and sums [T][K/32] = dx * (sum of x8 over each sub-block of 32).
-void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, float* sums) {
+void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, float* sums, int threads) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for num_threads(static_cast<int>(std::min<int64_t>(threads, T))) schedule(static)
     for (int64_t t = 0; t < T; ++t)
         for (int64_t s = 0; s < K / QK; ++s) {
             const float* p = x + t * K + s * QK;
@@ -826,16 +829,18 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     if (q8) {
         x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
         dx = static_cast<float*>(std::aligned_alloc(32, (T * (K / QK) * 4 + 31) / 32 * 32));
-        quantize_q8(x, T, K, x8, dx, sums);
+        quantize_q8(x, T, K, x8, dx, sums, threads);
     } else if (sums) {
-        sub_block_sums(x, T, K, sums);
+        sub_block_sums(x, T, K, sums, threads);
     }
     enum { DIRECT, STRIPWISE, GROUPED };
     // rounded activations take the direct path at every width: tiles of up to DIRECT_MAX rows,
     // the block's weights read from L2 again for each tile after the first
     const int path = q8 ? DIRECT : prefill ? GROUPED : T <= DIRECT_MAX ? DIRECT : T <= STRIPWISE_MAX ? STRIPWISE : GROUPED;
     const int64_t unit = prefill ? 2 : 4;  // bytes of a decoded weight on the grouped path
-    const int64_t tile_max = path == DIRECT ? DIRECT_MAX : TILE, tiles = (T + tile_max - 1) / tile_max;
+    // a wide pass on rounded activations in tiles of 3 (2 pairs' accumulators of 4 spill registers)
+    const int64_t tile_max = path != DIRECT ? TILE : q8 && T > DIRECT_MAX ? Q8_WIDE_TILE : DIRECT_MAX;
+    const int64_t tiles = (T + tile_max - 1) / tile_max;
     // the k values of a block's rows decoded into L2 at a time on the grouped path: whole slices
     const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (RB * unit) / KB * KB);
     constexpr int64_t SUB_K = QK / B::SUBS;
@@ -880,7 +885,9 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         };
         uint16_t* halves = reinterpret_cast<uint16_t*>(scratch);  // the prefill's bf16 pairs
         const int64_t acc_tiles = path == DIRECT || (path == GROUPED && whole) ? 1 : group_tiles;
-        float* mins = dmin && path == GROUPED ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
+        // the Q4_K min factors once per block where many tiles' outputs read them
+        const bool block_mins = dmin && (path == GROUPED || tiles > 1);
+        float* mins = block_mins ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
         __m256* acc = static_cast<__m256*>(std::aligned_alloc(32, acc_tiles * MAX_RB * TILE * sizeof(__m256)));
         for (int64_t tg0 = 0; tg0 < tiles; tg0 += group_tiles) {
         const int64_t tg1 = std::min(tiles, tg0 + group_tiles);
@@ -888,7 +895,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
             const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
-            if (mins && path == GROUPED)  // many token rows: the factors once per block (0 past O)
+            if (mins)  // many token rows: the factors once per block (0 past O)
                 for (int64_t r = 0; r < rows; ++r) {
                     if (o0 + r < O)
                         min_factors(dmin + (o0 + r) * per_row, m + (o0 + r) * per_row * 8, K, mins + r * (K / 32));
@@ -899,7 +906,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
             auto row_mins = [&](int64_t r) -> const RowMins* {
                 if (!dmin) return nullptr;
                 const int64_t o = o0 + r;
-                row_mins_at = {path == GROUPED ? mins + r * (K / 32) : nullptr, dmin + o * per_row, m + o * per_row * 8};
+                row_mins_at = {mins ? mins + r * (K / 32) : nullptr, dmin + o * per_row, m + o * per_row * 8};
                 return &row_mins_at;
             };
             if (path == DIRECT) {
@@ -1000,62 +1007,105 @@ constexpr float MASKED = -1e30f;  // an additive mask at or below this hides its
 // with the given strides (in floats; a key's D values contiguous), query head h reading kv head
 // h / (H / Hkv); mask [B, 1, Q, klen] with strides (its key dimension contiguous). `queries[b]`
 // (nullptr: Q each): row b's real queries, the first ones; the rest of its outputs are zeros.
+// Heads g0..g0+G of a query against key kj: each head's score as the chain above (the product of
+// the first 8 values, fused multiply-adds over the rest in order, `hsum`, the scale, the mask),
+// G chains interleaved so that the core does not wait on one's latency. Into scores[g * stride]
+// (the key's slot of head g's row), the running maxima `top`.
+template <int G, typename Query>
+inline void head_scores(const Query& query, int64_t g0, const float* kj, int64_t chunks, float scale, float mask,
+                        float* scores, int64_t stride, float* top) {
+    const float* qs[G];
+    __m256 acc[G];
+    const __m256 k0 = _mm256_loadu_ps(kj);
+    for (int g = 0; g < G; ++g) {
+        qs[g] = query(g0 + g);
+        acc[g] = _mm256_mul_ps(_mm256_loadu_ps(qs[g]), k0);
+    }
+    for (int64_t c = 1; c < chunks; ++c) {
+        const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[g] + 8 * c), kc, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+        const float s = hsum(acc[g]) * scale + mask;
+        scores[(g0 + g) * stride] = s;
+        top[g0 + g] = std::max(top[g0 + g], s);
+    }
+}
+
 void attend(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const float* k, const float* v,
             int64_t Hkv, int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb,
             int64_t mq, float scale, const int64_t* queries, float* out, int threads) {
-    const int64_t group = H / Hkv, work = B * H * Q;
+    // One work item is a query and the `group` query heads that read one key/value head: each
+    // key (and value chunk) is loaded once for all of them and read again from L1 (L2) rather
+    // than from L3 per head (at 1000 cached tokens a head's keys alone fill L2). Each head's
+    // chain is the one described above, whatever the loop order around it.
+    const int64_t group = H / Hkv, work = B * Hkv * Q;
     const int64_t chunks = D / 8;
 #pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, work)))
     {
-        float* scores = static_cast<float*>(std::aligned_alloc(32, (klen * 4 + 31) / 32 * 32));
+        const int64_t stride = (klen + 7) / 8 * 8;  // a head's scores
+        float* scores = static_cast<float*>(std::aligned_alloc(32, group * stride * 4));
         int64_t* seen = static_cast<int64_t*>(std::malloc(klen * sizeof(int64_t)));
+        float* top = static_cast<float*>(std::malloc(group * sizeof(float)));
+        float* total = static_cast<float*>(std::malloc(group * sizeof(float)));
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < work; ++item) {
-            const int64_t b = item / (H * Q), h = item / Q % H, i = item % Q;
-            float* o = out + ((b * Q + i) * H + h) * D;
+            const int64_t b = item / (Hkv * Q), kvh = item / Q % Hkv, i = item % Q, h0 = kvh * group;
+            auto output = [&](int64_t g) { return out + ((b * Q + i) * H + h0 + g) * D; };
+            auto query = [&](int64_t g) { return q + ((b * H + h0 + g) * Q + i) * D; };
             if (queries && i >= queries[b]) {
-                std::memset(o, 0, D * 4);
+                for (int64_t g = 0; g < group; ++g) std::memset(output(g), 0, D * 4);
                 continue;
             }
-            const float* qv = q + ((b * H + h) * Q + i) * D;
-            const float* kr = k + b * kb + (h / group) * kh;
-            const float* vr = v + b * vb + (h / group) * vh;
+            const float* kr = k + b * kb + kvh * kh;
+            const float* vr = v + b * vb + kvh * vh;
             const float* m = mask + b * mb + i * mq;
-            int64_t n = 0;
-            float top = -INFINITY;
+            int64_t n = 0;  // the visible keys: the same for every head (one mask a query)
+            for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY;
             for (int64_t j = 0; j < klen; ++j) {
                 if (!(m[j] > MASKED)) continue;
                 const float* kj = kr + j * D;
-                __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qv), _mm256_loadu_ps(kj));
-                for (int64_t c = 1; c < chunks; ++c)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * c), _mm256_loadu_ps(kj + 8 * c), acc);
-                const float s = hsum(acc) * scale + m[j];
-                scores[n] = s;
+                for (int64_t g0 = 0; g0 < group; g0 += 4) {  // 4 heads' chains in flight, not 1
+                    switch (std::min<int64_t>(4, group - g0)) {
+                        case 1: head_scores<1>(query, g0, kj, chunks, scale, m[j], scores + n, stride, top); break;
+                        case 2: head_scores<2>(query, g0, kj, chunks, scale, m[j], scores + n, stride, top); break;
+                        case 3: head_scores<3>(query, g0, kj, chunks, scale, m[j], scores + n, stride, top); break;
+                        default: head_scores<4>(query, g0, kj, chunks, scale, m[j], scores + n, stride, top); break;
+                    }
+                }
                 seen[n++] = j;
-                top = std::max(top, s);
             }
             if (n == 0) {
-                std::memset(o, 0, D * 4);
+                for (int64_t g = 0; g < group; ++g) std::memset(output(g), 0, D * 4);
                 continue;
             }
-            float total = 0.0f;
-            for (int64_t r = 0; r < n; ++r) {
-                scores[r] = std::exp(scores[r] - top);
-                total += scores[r];
+            for (int64_t g = 0; g < group; ++g) {
+                float* sg = scores + g * stride;
+                float sum = 0.0f;
+                for (int64_t r = 0; r < n; ++r) {
+                    sg[r] = std::exp(sg[r] - top[g]);
+                    sum += sg[r];
+                }
+                total[g] = sum;
             }
             for (int64_t c0 = 0; c0 < chunks; c0 += 8) {  // 64 values of the head at a time
                 const int64_t width = std::min<int64_t>(8, chunks - c0);
-                __m256 acc[8];
-                for (int64_t c = 0; c < width; ++c) acc[c] = _mm256_setzero_ps();
-                for (int64_t r = 0; r < n; ++r) {
-                    const __m256 p = _mm256_broadcast_ss(scores + r);
-                    const float* vj = vr + seen[r] * D + 8 * c0;
-                    for (int64_t c = 0; c < width; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+                for (int64_t g = 0; g < group; ++g) {  // the chunk's values stay in L2 for the next head
+                    const float* sg = scores + g * stride;
+                    __m256 acc[8];
+                    for (int64_t c = 0; c < width; ++c) acc[c] = _mm256_setzero_ps();
+                    for (int64_t r = 0; r < n; ++r) {
+                        const __m256 p = _mm256_broadcast_ss(sg + r);
+                        const float* vj = vr + seen[r] * D + 8 * c0;
+                        for (int64_t c = 0; c < width; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+                    }
+                    const __m256 t = _mm256_set1_ps(total[g]);
+                    for (int64_t c = 0; c < width; ++c) _mm256_storeu_ps(output(g) + 8 * (c0 + c), _mm256_div_ps(acc[c], t));
                 }
-                const __m256 t = _mm256_set1_ps(total);
-                for (int64_t c = 0; c < width; ++c) _mm256_storeu_ps(o + 8 * (c0 + c), _mm256_div_ps(acc[c], t));
             }
         }
+        std::free(total);
+        std::free(top);
         std::free(seen);
         std::free(scores);
     }
