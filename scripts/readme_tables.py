@@ -98,20 +98,58 @@ def render_table(table: Table, root: Path = ROOT) -> str:
     return "\n".join(lines)
 
 
-def _block(name: str) -> re.Pattern[str]:
+# The sentence on llama.cpp: one `pipeline bench --llama-cpp` report, its rows at batch 1.
+LLAMA_CPP_REPORT = "2026-11-28-llama-cpp-avx2-float32-gguf-blocks-int8-licenses.json"
+TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}
+
+
+def render_llama_cpp(report_name: str = LLAMA_CPP_REPORT, root: Path = ROOT) -> str:
+    """One sentence: ours (default `auto`, and target-only) over llama.cpp's target-only tok/s
+    per task, and the prefill share of ours, from the report's `vs_llama_cpp` and shares."""
+    report = json.loads((root / BENCHMARKS / report_name).read_text(encoding="utf-8"))
+    rows = {(r["task"], r["method"]): r for r in report["rows"] if r["batch"] == 1}
+    ours = ("ours auto", "ours target-only")
+    tasks = [t for t in report["meta"]["tasks"] if all((t, m) in rows for m in ours)]
+    if not tasks or any(rows[(t, m)].get("vs_llama_cpp") is None for t in tasks for m in ours):
+        raise SystemExit(f"{report_name} has no llama.cpp comparison for ours auto and target-only")
+
+    def ratios(method: str, nouns: bool = True) -> str:
+        return " and ".join(
+            f"{rows[(t, method)]['vs_llama_cpp']:.2f}×" + (f" ({TASK_NOUNS.get(t, t)})" if nouns else "")
+            for t in tasks
+        )
+
+    ahead = all(rows[(t, "ours auto")]["vs_llama_cpp"] >= 1 for t in tasks)
+    shares = sorted(round(100 * rows[(t, "ours target-only")]["prefill_share"]) for t in tasks)
+    link = f"{BENCHMARKS}/{report_name.removesuffix('.json')}.md"
+    return (
+        f"Against llama.cpp on the target's own GGUF file ours is {'ahead' if ahead else 'not ahead yet'}: "
+        f"`auto` made {ratios('ours auto')} llama.cpp's target-only, our target-only "
+        f"{ratios('ours target-only', nouns=False)}, {shares[0]}–{shares[-1]}% of it prefill "
+        f"([report]({link}))"
+    )
+
+
+def _block(name: str, kind: str = "table") -> re.Pattern[str]:
     name = re.escape(name)
-    return re.compile(rf"(<!-- table:{name} -->\n)(.*?)(<!-- /table:{name} -->)", re.S)
+    newline = "\n" if kind == "table" else ""
+    return re.compile(rf"(<!-- {kind}:{name} -->{newline})(.*?)(<!-- /{kind}:{name} -->)", re.S)
+
+
+def _blocks(root: Path) -> list[tuple[str, str, str]]:
+    """(kind, name, rendered text) of every generated block: the tables, then the sentences."""
+    blocks = [("table", name, render_table(table, root) + "\n") for name, table in TABLES.items()]
+    return [*blocks, ("figure", "llama-cpp", render_llama_cpp(root=root))]
 
 
 def render_readme(text: str, root: Path = ROOT) -> str:
-    """`text` with every table between its markers rendered again; a missing marker pair is an
-    error, since a table the README lost would otherwise pass the check."""
-    for name, table in TABLES.items():
-        pattern = _block(name)
+    """`text` with every table and figure between its markers rendered again; a missing marker
+    pair is an error, since a figure the README lost would otherwise pass the check."""
+    for kind, name, rendered in _blocks(root):
+        pattern = _block(name, kind)
         if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- table:{name} --> ... <!-- /table:{name} --> block")
-        rendered = render_table(table, root)
-        text = pattern.sub(lambda m, rendered=rendered: m.group(1) + rendered + "\n" + m.group(3), text)
+            raise SystemExit(f"README.md has no <!-- {kind}:{name} --> ... <!-- /{kind}:{name} --> block")
+        text = pattern.sub(lambda m, rendered=rendered: m.group(1) + rendered + m.group(3), text)
     return text
 
 
@@ -129,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             args.readme.write_text(rendered, encoding="utf-8")
         return 0
     if rendered != text:
-        stale = [n for n in TABLES if _block(n).search(text).group(2) != _block(n).search(rendered).group(2)]
+        stale = [
+            name
+            for kind, name, _ in _blocks(ROOT)
+            if _block(name, kind).search(text).group(2) != _block(name, kind).search(rendered).group(2)
+        ]
         hint = "run python scripts/readme_tables.py --write"
         print(f"{args.readme}: stale tables {stale}; {hint}", file=sys.stderr)
         return 1

@@ -89,3 +89,17 @@ def test_readme_tables_check_fails_on_an_edited_figure(tmp_path: Path):
 
 def test_readme_is_short():
     assert len(README.read_bytes()) <= 15 * 1024, "README over 15 KiB: move detail to docs/"
+
+
+def test_readme_llama_cpp_sentence_check_fails_on_an_edited_ratio(tmp_path: Path):
+    text = README.read_text(encoding="utf-8")
+    edited = re.sub(r"(<!-- figure:llama-cpp -->[^<]*?)\d\.\d\d×", r"\g<1>9.99×", text, count=1)
+    assert edited != text
+    (tmp_path / "README.md").write_text(edited, encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "readme_tables.py"), "--check", "--readme", "README.md"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1 and "llama-cpp" in result.stderr
