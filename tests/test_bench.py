@@ -244,3 +244,40 @@ def test_agreement_is_the_share_of_tokens_before_the_first_difference():
     assert _agreement([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == 1.0
     assert _agreement([[1, 2, 9, 4], [5]], [[1, 2, 3, 4], [5, 6]]) == (0.5 + 0.5) / 2
     assert _agreement([[]], [[]]) == 0.0
+
+
+def test_the_dense_reference_row_runs_at_batch_1_against_the_block_paths_target_only(tiny_pair_dirs):
+    """`--dense-reference`: one more target-only row, on another model of the target (here the
+    tiny draft stands in for the dense weights, so that its outputs differ), timed and compared
+    against ours target-only: `agree` is how far the two paths' outputs go together."""
+    from pipeline.lab.bench import DENSE_ROW, run_benchmark
+    from pipeline.models.loading import ModelRef, load_pair
+
+    loaded = load_pair(*(ModelRef(str(d)) for d in tiny_pair_dirs), dtype="float32", device="cpu")
+    result = run_benchmark(
+        loaded,
+        tasks=("summarize",),
+        docs=2,
+        batches=(1, 2),
+        max_new_tokens=6,
+        runs=1,
+        hf_assistant_tokens=(),
+        hf_lookup_tokens=(),
+        drafters=(),
+        dense_target=loaded.draft,
+        hf=False,
+        log=lambda line: None,
+    )
+    rows = {(r.method, r.batch): r for r in result.rows}
+    assert set(rows) == {("ours target-only", 1), ("ours target-only", 2), (DENSE_ROW, 1)}
+    dense, blocks = rows[(DENSE_ROW, 1)], rows[("ours target-only", 1)]
+    assert not dense.identical and dense.agreement < 1.0 and blocks.agreement == 1.0
+    assert abs(dense.speedup - blocks.seconds_median / dense.seconds_median) < 1e-9
+
+
+def test_the_dense_reference_needs_a_target_on_gguf_blocks(tiny_pair_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", write_models_config(tmp_path / "cfg", tiny=tiny_pair_dirs))
+    args = ["bench", "--pair", "tiny", "--docs", "1", "--batches", "1", "--runs", "1", "--no-hf"]
+    args += ["--drafters", "", "--threads", "1", "--dense-reference", "--out", str(tmp_path / "b.json")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "--dense-reference compares the GGUF block path" in result.output

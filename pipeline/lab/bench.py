@@ -210,6 +210,7 @@ class _Decoding:
     hf_target: object
     hf_draft: object
     llama_cpp: LlamaCpp | None
+    dense_target: object = None  # the target on its dense weights (`dense_reference`), or None
 
 
 def run_benchmark(
@@ -229,6 +230,7 @@ def run_benchmark(
     warm_docs: int = 0,
     hf_models: tuple | None = None,
     llama_cpp: LlamaCpp | None = None,
+    dense_target=None,
     hf: bool = True,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
@@ -238,7 +240,9 @@ def run_benchmark(
     drafters that draft from earlier outputs (suffix, auto) also run warm, their corpus holding
     our target-only outputs of that many *other* documents of the task, as a nightly job given
     last night's outputs (`drafter.suffix_warm_start`). `llama_cpp`: also llama.cpp's rows, and
-    every row's tokens/s against its target-only. `hf=False` leaves out HF's rows (batch 1
+    every row's tokens/s against its target-only. `dense_target`: the target on its dense weights
+    where `pair`'s runs on GGUF blocks, for a row whose outputs' agreement with the block path is
+    the point (`DENSE_ROW`). `hf=False` leaves out HF's rows (batch 1
     only, they would take hours beside a large batch of a fast path). Every row's outputs are
     compared with its own target-only's (`Row.identical`) and with HF's target-only where it ran."""
     hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
@@ -250,7 +254,13 @@ def run_benchmark(
         hf_assistant_tokens = ()
     tok = pair.tokenizer
     decoding = _Decoding(
-        max_new_tokens, eos_ids(tok, pair.target), pad_id(tok, pair.target), hf_target, hf_draft, llama_cpp
+        max_new_tokens,
+        eos_ids(tok, pair.target),
+        pad_id(tok, pair.target),
+        hf_target,
+        hf_draft,
+        llama_cpp,
+        dense_target,
     )
     engines = _engines(pair, drafters, draft_vocab, decoding)
     rows: list[Row] = []
@@ -284,10 +294,11 @@ def _engines(
 ) -> dict[str, SpeculativeEngine]:
     """One engine of ours per drafter, and target-only's (`none`) and `auto`'s whatever is asked."""
     tok = pair.tokenizer
-    return {
-        kind: SpeculativeEngine(
-            pair.target,
-            pair.draft,
+
+    def engine(target, draft, kind: str) -> SpeculativeEngine:
+        return SpeculativeEngine(
+            target,
+            draft,
             eos_token_ids=decoding.eos,
             pad_token_id=decoding.pad,
             decode_text=tok.decode,
@@ -295,8 +306,13 @@ def _engines(
             vocab_size=pair.vocab_size,
             config=bench_config(kind, draft_vocab),
         )
-        for kind in dict.fromkeys(("none", "auto", *drafters))
+
+    engines = {
+        kind: engine(pair.target, pair.draft, kind) for kind in dict.fromkeys(("none", "auto", *drafters))
     }
+    if decoding.dense_target is not None:
+        engines[DENSE_ROW] = engine(decoding.dense_target, None, "none")
+    return engines
 
 
 def _add_hf_rows(
@@ -344,14 +360,28 @@ def _add_llama_cpp_rows(bench: TaskBench, prompts, decoding: _Decoding) -> None:
     )
 
 
+# The row of the target on its dense bf16 weights beside the block path's (`dense_reference`): its
+# `agree` is how far the block path's numbers keep the bf16 path's outputs, its speedup the block
+# path's time over its own.
+DENSE_ROW = "ours target-only dense"
+
+
 def _add_our_rows(bench: TaskBench, prompts, decoding: _Decoding, engines, drafters, batches, warm) -> None:
     """At every batch size: ours target-only, then every drafter; the drafters that draft from
-    earlier outputs run cold, and also warm where `warm` outputs are given."""
+    earlier outputs run cold, and also warm where `warm` outputs are given. At batch 1, the
+    dense reference where there is one."""
     max_new = decoding.max_new_tokens
     for batch in batches:
         bench.add(
             "ours target-only", batch, lambda b=batch, p=prompts: ours(engines["none"], p, max_new, b, "none")
         )
+        if batch == 1 and DENSE_ROW in engines:
+            bench.add(
+                DENSE_ROW,
+                batch,
+                partial(ours, engines[DENSE_ROW], prompts, max_new, batch, "none"),
+                base="ours target-only",
+            )
         for kind in drafters:
             engine = engines[kind]
             suffix = "suffix" in engine.sources(engine.config.drafter)
@@ -666,7 +696,14 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
         "its own target-only decoding (`same`) and HF target-only greedy (`=hf`), `agree` the mean "
         "share of each output's tokens before its "
         "first difference from ours target-only at batch 1, `vs llama` tokens/s over llama.cpp "
-        "target-only's (where llama.cpp ran), and peak RSS.",
+        "target-only's (where llama.cpp ran), and peak RSS."
+        + (
+            f" `{DENSE_ROW}`: the target on its dense bf16 weights, timed against the block path's "
+            "target-only (its `speedup` is the block path's time over its own), its `same` and "
+            "`agree` comparing its outputs with the block path's."
+            if any(r.method == DENSE_ROW for r in result.rows)
+            else ""
+        ),
     ]
     for task in dict.fromkeys(r.task for r in result.rows):
         body += ["", f"### {task}", "", markdown_table([r for r in result.rows if r.task == task])]
@@ -718,6 +755,7 @@ class BenchOptions:
     block_activations: str
     llama_cpp: bool
     llama_cpp_gguf: str | None
+    dense_reference: bool
     out_path: str | None
     report_path: str | None
 
@@ -780,6 +818,7 @@ def _meta(options: BenchOptions, loaded: LoadedPair, started: dict, runner: Llam
         "weights": loaded.weights,
         "block_activations": loaded.block_activations,
         "llama_cpp": f"llama-cpp-python {runner.version}, {Path(gguf).name}" if runner else "no",
+        "dense_reference": o.dense_reference,
     }
 
 
@@ -816,6 +855,17 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         **kernels,
     )
     echo(_describe_loaded(o.pair, loaded))
+    dense = None
+    if o.dense_reference:
+        if loaded.weights != "gguf-blocks":
+            import click
+
+            raise click.UsageError(
+                "--dense-reference compares the GGUF block path with the dense one: "
+                "the target here runs on its dense weights already"
+            )
+        dense = load_pair(target, None, dtype=o.dtype, device="auto", weights="dense", **kernels)
+        echo("dense reference: " + _describe_loaded(o.pair, dense))
     runner = LlamaCpp(gguf, torch.get_num_threads(), context=2048) if gguf else None
     # HF's rows run the models as `transformers` loads them, not on our kernels
     hf_models = None
@@ -841,6 +891,7 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         warm_docs=o.warm_docs,
         hf_models=hf_models,
         llama_cpp=runner,
+        dense_target=dense.target if dense else None,
         hf=o.hf,
         log=echo,
     )

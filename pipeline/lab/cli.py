@@ -122,6 +122,12 @@ block_activations_option = click.option(
     "greedy and its prompt lookup, batch 1, with every row's tokens/s against its target-only.",
 )
 @click.option(
+    "--dense-reference",
+    is_flag=True,
+    help="With the target on its GGUF blocks: also run the target on its dense bf16 weights (batch 1, "
+    "target-only) and report how far its outputs agree with the block path's.",
+)
+@click.option(
     "--llama-cpp-gguf",
     type=click.Path(exists=True, dir_okay=False),
     help="The GGUF file llama.cpp runs (default: the one `pipeline models install --keep-gguf` kept "
