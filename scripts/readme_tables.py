@@ -99,7 +99,7 @@ def render_table(table: Table, root: Path = ROOT) -> str:
 
 
 # The sentence on llama.cpp: one `pipeline bench --llama-cpp` report, its rows at batch 1.
-LLAMA_CPP_REPORT = "2026-11-28-llama-cpp-avx2-float32-gguf-blocks-int8-licenses.json"
+LLAMA_CPP_REPORT = "2026-11-28-llama-cpp-avx2-float32-gguf-blocks-int8-licenses-gqa.json"
 TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}
 
 
