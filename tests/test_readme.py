@@ -74,16 +74,20 @@ def test_readme_speed_tables_match_their_reports():
     assert result.returncode == 0, result.stderr
 
 
-def test_readme_tables_check_fails_on_an_edited_figure(tmp_path: Path):
-    edited = README.read_text(encoding="utf-8").replace("| 1.00× |", "| 1.01× |", 1)
+def _check_edited(tmp_path: Path, edited: str) -> subprocess.CompletedProcess:
+    """`readme_tables.py --check` on an edited copy of the README (which must differ)."""
     assert edited != README.read_text(encoding="utf-8")
     (tmp_path / "README.md").write_text(edited, encoding="utf-8")
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "readme_tables.py"), "--check", "--readme", "README.md"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
     )
+
+
+def test_readme_tables_check_fails_on_an_edited_figure(tmp_path: Path):
+    result = _check_edited(tmp_path, README.read_text(encoding="utf-8").replace("| 1.00× |", "| 1.01× |", 1))
     assert result.returncode == 1 and "stale tables" in result.stderr
 
 
@@ -94,12 +98,5 @@ def test_readme_is_short():
 def test_readme_llama_cpp_sentence_check_fails_on_an_edited_ratio(tmp_path: Path):
     text = README.read_text(encoding="utf-8")
     edited = re.sub(r"(<!-- figure:llama-cpp -->[^<]*?)\d\.\d\d×", r"\g<1>9.99×", text, count=1)
-    assert edited != text
-    (tmp_path / "README.md").write_text(edited, encoding="utf-8")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "readme_tables.py"), "--check", "--readme", "README.md"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
+    result = _check_edited(tmp_path, edited)
     assert result.returncode == 1 and "llama-cpp" in result.stderr
