@@ -123,10 +123,10 @@ def render_llama_cpp(report_name: str = LLAMA_CPP_REPORT, root: Path = ROOT) -> 
     shares = sorted(round(100 * rows[(t, "ours target-only")]["prefill_share"]) for t in tasks)
     link = f"{BENCHMARKS}/{report_name.removesuffix('.json')}.md"
     return (
-        f"Against llama.cpp on the target's own GGUF file ours is {'ahead' if ahead else 'not ahead yet'}: "
-        f"`auto` made {ratios('ours auto')} llama.cpp's target-only, our target-only "
-        f"{ratios('ours target-only', nouns=False)}, {shares[0]}–{shares[-1]}% of it prefill "
-        f"([report]({link}))"
+        f"Against llama.cpp on the same GGUF file, {_machine(report['meta'])}, ours is "
+        f"{'ahead' if ahead else 'not ahead yet'}: `auto` made {ratios('ours auto')} its target-only, "
+        f"our target-only {ratios('ours target-only', nouns=False)}, {shares[0]}–{shares[-1]}% of it "
+        f"prefill ([report]({link}))"
     )
 
 
