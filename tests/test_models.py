@@ -567,6 +567,19 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     assert load_pair(target, None, device="cpu", dtype="float32", batch=2).weights == "gguf-blocks"
     assert load_pair(target, None, device="cpu", dtype="float32", batch=4).weights == "dense"
     assert load_pair(target, None, device="cpu", dtype="float32", weights="gguf-blocks", batch=8).block_layers
+    # dtype auto: float32 wherever auto streams the blocks, also where it would mean bf16 dense
+    # (AVX512-BF16 without AMX); bf16 dense where AMX is, or the batch is too wide for the blocks
+    from pipeline.models import loading
+
+    for flags, batch, expected in (
+        ({"avx2", "fma"}, 1, ("gguf-blocks", torch.float32)),
+        ({"avx2", "fma", "avx512_bf16"}, 1, ("gguf-blocks", torch.float32)),
+        ({"avx2", "fma", "avx512_bf16"}, 4, ("dense", torch.bfloat16)),
+        ({"avx2", "fma", "avx512_bf16", "amx_bf16"}, 1, ("dense", torch.bfloat16)),
+    ):
+        monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        auto = load_pair(target, None, device="cpu", batch=batch)
+        assert (auto.weights, auto.dtype) == expected, flags
 
 
 def test_an_install_without_blocks_is_redone_and_gguf_blocks_says_what_is_missing(

@@ -442,6 +442,31 @@ WEIGHTS = ("auto", "gguf-blocks", "dense")
 BLOCKS_MAX_BATCH = 2
 
 
+def _keeps_blocks(target: ModelRef) -> bool:
+    """Does the target's local directory hold the GGUF blocks its install kept? (Nothing read.)"""
+    try:
+        src, is_local = _source(target, "model", ("config.json",))
+    except ModelLoadError:
+        return False
+    return is_local and (Path(src) / gguf_blocks.FILE).is_file()
+
+
+def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int | None) -> bool:
+    """Does `dtype: auto` become float32 for the target's GGUF blocks? Where gguf-blocks is asked
+    for on a CPU, and where `auto` would stream them: a CPU with the kernel, a target that keeps
+    blocks, at most BLOCKS_MAX_BATCH rows. Also on CPUs with AVX512-BF16, where auto otherwise
+    means bf16 dense: there the blocks' decoding passes cost a third of bf16's and a whole job
+    ran faster, though their prefills cost more (docs/cpu-kernels.md). Not on CPUs with AMX,
+    whose bf16 prefills are faster still and where the trade was never measured."""
+    if device != "cpu" or weights == "dense":
+        return False
+    if weights == "gguf-blocks":
+        return True
+    fits = batch is None or batch <= BLOCKS_MAX_BATCH
+    measured = "amx_bf16" not in _cpu_flags()
+    return weights == "auto" and fits and measured and _keeps_blocks(target) and streamed.library() is not None
+
+
 def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: int | None) -> dict | None:
     """The target's GGUF blocks where `weights` asks for them and this machine can stream them
     (None: dense weights). `auto` takes them where the target keeps blocks, float32 runs on a CPU
@@ -602,7 +627,8 @@ def load_pair(
     the draft gets them too, with int8 weights unless `draft_int8` is False.
     `weights` (`auto`, `gguf-blocks`, `dense`): whether the target's Linear layers stream the
     GGUF blocks its install kept (see `_target_blocks`, which `batch`, the rows a job decodes
-    together, informs); gguf-blocks with dtype auto runs float32. `block_activations` (`int8`,
+    together, informs); dtype auto runs float32 wherever the blocks are streamed
+    (`_blocks_decide_dtype`). `block_activations` (`int8`,
     `float32`): what the block layers' decoding passes multiply the blocks with (see
     `streamed.BlockLinear`).
     `static_passes` (None: on GPUs) runs both models' passes through fixed slots and shapes,
@@ -611,7 +637,7 @@ def load_pair(
     first, so that each captured graph replays a few fused kernels (`_compiled_passes`).
     """
     device = resolve_device(device)
-    if weights == "gguf-blocks" and dtype in (None, "auto") and device == "cpu":
+    if dtype in (None, "auto") and _blocks_decide_dtype(target, weights, device, batch):
         dtype = torch.float32  # the block kernel's activations
     torch_dtype = resolve_dtype(dtype, device)
     kernels = _target_kernels(target, weights, torch_dtype, device, batch, streamed_linears, batch_invariant)

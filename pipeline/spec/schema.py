@@ -389,8 +389,8 @@ class ModelsSpec(_Section):
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
-        description="Weights dtype. auto: bfloat16 on GPU or on CPUs with avx512_bf16, else float32 "
-        "(decided at load time).",
+        description="Weights dtype. auto: float32 where the target's GGUF blocks are streamed (see "
+        "weights), else bfloat16 on GPU or on CPUs with avx512_bf16, else float32 (decided at load time).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when the actor has a GPU, else cpu."
@@ -417,8 +417,9 @@ class ModelsSpec(_Section):
         "about a third of the bytes of bf16 weights per pass; decoding passes compute with the blocks' "
         "exact values, prefills with their bf16 rounding (the installed weights). dense: the installed "
         "weights. auto: gguf-blocks where the target keeps blocks, the dtype is float32 on a CPU with "
-        "AVX2 (dtype auto picks float32 on CPUs without AVX512-BF16) and execution.batch_size is at "
-        "most 2 (wider passes are bound by arithmetic, and there dense weights are faster), else dense.",
+        "AVX2 (dtype auto picks float32 there, also on CPUs with AVX512-BF16 but without AMX: a whole "
+        "job ran faster on the blocks than on bf16) and execution.batch_size is at most 2 (wider "
+        "passes are bound by arithmetic, and there dense weights are faster), else dense.",
     )
     block_activations: Literal["int8", "float32"] = Field(
         "int8",
