@@ -34,6 +34,8 @@ SHAPES = [(7, 24), (64, 1536), (33, 520), (1100, 1064)]
 @pytest.mark.parametrize("rows, features", SHAPES)
 @pytest.mark.parametrize("bf16_exact", [True, False])
 def test_the_product_is_torchs_and_a_rows_bits_do_not_depend_on_the_width(rows, features, bf16_exact):
+    """On a CPU with AVX-512, tiles of 4 or more token rows run the 16-lane kernel (`micro_512`)
+    and narrower ones the 8-lane one: there the widths compare the two chains too."""
     linear = _linear(rows, features, bias=rows % 2 == 1, bf16_exact=bf16_exact)
     layer = streamed.StreamedLinear(linear)
     assert layer.packed.dtype == (torch.int16 if bf16_exact else torch.int32)  # half the bytes if exact

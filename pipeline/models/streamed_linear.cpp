@@ -12,6 +12,10 @@
 // thread that computes it. The input width must be a multiple of 8 (no k tail). Compiled with -ffp-contract=off and without
 // -ffast-math so that the compiler keeps that chain as written.
 //
+// The kernel is AVX2 code. Where the CPU also has AVX-512, the products of prefills and of tiles
+// of 4 or more token rows run 16 lanes at a time (`micro_512`), each lane the same operations on
+// the same values as the AVX2 chain, so the outputs are the same bits on either kind of CPU.
+//
 // Weights are float32, or bfloat16 widened to float32 in registers (exact: a bf16 is the top
 // half of a float32), which halves the bytes a memory-bound pass reads, or a GGUF file's own
 // Q4_K / Q6_K blocks (see "GGUF blocks" below), a third of the bf16 bytes.
@@ -97,6 +101,80 @@ inline void micro_n(int n, const W* w, const float* x, int64_t K, int64_t len, _
     }
 }
 
+// The same chain on CPUs with AVX-512, for wide passes (prefills above all): one 16-lane
+// register holds both rows' 8 lanes (row o low, row o+1 high) against the token row's 8 k values
+// in both halves, so one fused multiply-add does what two do in `micro`, lane for lane the same
+// operation on the same values: the outputs are bitwise those of `micro`. Q pairs at a time
+// (acc: the first pair's 2N accumulators, then the next's), `pair_stride` values apart, so that
+// each token row's x is loaded once for all of them: with one pair the loads, not the
+// multiply-adds, set the pace. Compiled for AVX-512 alone (`target`), called only where the CPU
+// has it (`wide_fma`).
+#define AVX512 __attribute__((target("avx512f,avx512dq")))
+AVX512 inline __m512 load_pair_512(const float* p) { return _mm512_loadu_ps(p); }
+AVX512 inline __m512 load_pair_512(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+AVX512 inline __m512 load_pair_512(const uint16_t* p) {
+    // low half: the pair's lanes shifted up 16 bits (row o); high half: their top 16 bits (row o+1)
+    const __m512i shift = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i keep = _mm512_setr_epi32(-1, -1, -1, -1, -1, -1, -1, -1, static_cast<int>(0xFFFF0000u),
+                                           static_cast<int>(0xFFFF0000u), static_cast<int>(0xFFFF0000u),
+                                           static_cast<int>(0xFFFF0000u), static_cast<int>(0xFFFF0000u),
+                                           static_cast<int>(0xFFFF0000u), static_cast<int>(0xFFFF0000u),
+                                           static_cast<int>(0xFFFF0000u));
+    const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_sllv_epi32(_mm512_broadcast_i64x4(both), shift), keep));
+}
+
+constexpr int PAIRS_512 = 4;  // 4 pairs x 6 token rows: 24 of the 32 registers accumulate
+constexpr int WIDE_FMA_ROWS = 4;  // tiles of fewer token rows are bound by the weights' stream
+
+template <int N, typename W>
+AVX512 void micro_512(const W* w, int64_t pair_stride, const float* x, int64_t K, int64_t len, __m256* acc,
+                      bool first) {
+    constexpr int Q = PAIRS_512;
+    __m512 a[Q][N];
+    for (int q = 0; q < Q; ++q)
+        for (int n = 0; n < N; ++n)
+            a[q][n] = first ? _mm512_setzero_ps()
+                            : _mm512_insertf32x8(_mm512_castps256_ps512(acc[2 * N * q + n]), acc[2 * N * q + N + n], 1);
+    for (int64_t k = 0; k < len; k += 8, w += 16) {
+        __m512 wv[Q];
+        for (int q = 0; q < Q; ++q) wv[q] = load_pair_512(w + q * pair_stride);
+        for (int n = 0; n < N; ++n) {
+            const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + n * K + k));
+            for (int q = 0; q < Q; ++q) a[q][n] = _mm512_fmadd_ps(wv[q], xv, a[q][n]);
+        }
+    }
+    for (int q = 0; q < Q; ++q)
+        for (int n = 0; n < N; ++n) {
+            acc[2 * N * q + n] = _mm512_castps512_ps256(a[q][n]);
+            acc[2 * N * q + N + n] = _mm512_extractf32x8_ps(a[q][n], 1);
+        }
+}
+
+template <typename W>
+AVX512 void micro_512_n(int n, const W* w, int64_t pair_stride, const float* x, int64_t K, int64_t len,
+                        __m256* acc, bool first) {
+    switch (n) {
+        case 1: micro_512<1>(w, pair_stride, x, K, len, acc, first); break;
+        case 2: micro_512<2>(w, pair_stride, x, K, len, acc, first); break;
+        case 3: micro_512<3>(w, pair_stride, x, K, len, acc, first); break;
+        case 4: micro_512<4>(w, pair_stride, x, K, len, acc, first); break;
+        case 5: micro_512<5>(w, pair_stride, x, K, len, acc, first); break;
+        default: micro_512<6>(w, pair_stride, x, K, len, acc, first); break;
+    }
+}
+
+// Does this CPU run `micro_512`? (PIPELINE_KERNEL_AVX512=0 says no, to compare the paths.)
+bool wide_fma() {
+    static const bool yes = [] {
+        const char* off = std::getenv("PIPELINE_KERNEL_AVX512");
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && !(off && off[0] == '0');
+    }();
+    return yes;
+}
+
 template <typename W>
 void pack(const W* w, int64_t O, int64_t K, int64_t RB, int64_t KB, W* out) {
     for (int64_t o0 = 0; o0 < O; o0 += RB) {
@@ -131,7 +209,11 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
             for (int64_t k0 = 0; k0 < K; k0 += KB) {
                 const int64_t len = std::min(KB, K - k0);
                 const W* wk = w + o0 * K + rows * k0;
-                for (int64_t p = 0; p < rows; p += 2)
+                int64_t p = 0;
+                if (n >= WIDE_FMA_ROWS && wide_fma())  // PAIRS_512 pairs at a time, then the rest
+                    for (; p + 2 * PAIRS_512 <= rows; p += 2 * PAIRS_512)
+                        micro_512_n(n, wk + p * len, 2 * len, x + t * K + k0, K, len, acc + p * n, k0 == 0);
+                for (; p < rows; p += 2)
                     micro_n(n, wk + p * len, x + t * K + k0, K, len, acc + p * n, k0 == 0);
             }
             for (int64_t p = 0; p < rows; ++p) {
@@ -959,9 +1041,13 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                     for (int64_t tile = tg0; tile < tg1; ++tile) {
                         __m256* at = acc + (whole ? 0 : (tile - tg0) * MAX_RB * TILE);
                         const int n = tile_rows(tile);
-                        for (int64_t p = 0; p < rows; p += 2) {  // a pair's whole range in one call
+                        // a pair's whole range in one call (PAIRS_512 pairs with AVX-512: rows is whole strips)
+                        const bool wide = prefill && wide_fma() && rows % (2 * PAIRS_512) == 0;
+                        for (int64_t p = 0; p < rows; p += wide ? 2 * PAIRS_512 : 2) {
                             const float* xt = x + tile_start(tile) * K + kr0;
-                            if (prefill)
+                            if (wide)
+                                micro_512_n(n, halves + p * range, 2 * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
+                            else if (prefill)
                                 micro_n(n, halves + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
                             else
                                 pair(n, scratch + p * range, p * range_subs, range_subs, xt, kr1 - kr0, at + p * n,
