@@ -464,7 +464,8 @@ def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int
         return True
     fits = batch is None or batch <= BLOCKS_MAX_BATCH
     measured = "amx_bf16" not in _cpu_flags()
-    return weights == "auto" and fits and measured and _keeps_blocks(target) and streamed.library() is not None
+    usable = _keeps_blocks(target) and streamed.library() is not None
+    return weights == "auto" and fits and measured and usable
 
 
 def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: int | None) -> dict | None:
