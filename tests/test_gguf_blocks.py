@@ -192,3 +192,57 @@ def test_a_block_targets_logits_are_the_same_at_every_width_and_batch(block_targ
     """Row 0 verifies 1 to 16 tokens beside batch - 1 rows of other lengths: its logits are
     those of feeding the same tokens one pass at a time (the kernel's three paths included)."""
     assert_widths_alike(block_target, batch, (1, 2, 3, 5, 8, 9, 16))
+
+
+def _every_path_outputs() -> list[torch.Tensor]:
+    """Outputs of each kind of layer the kernel runs (GGUF blocks with float and int8 activations,
+    prefills; float32, bf16 and int8 streamed Linears) at widths 1-9 and 40."""
+    g = torch.Generator().manual_seed(5)
+    outputs = []
+    for kind in KINDS:
+        raw = torch.from_numpy(random_blocks(kind, 72, 512, 6))
+        bias = torch.randn(72, generator=g)
+        x = torch.randn(40, 512, generator=g)
+        for rounded in (False, True):
+            layer = streamed.BlockLinear(raw, kind, 512, bias, rounded=rounded)
+            outputs += [layer(x[:width]) for width in (*range(1, 10), 40)]
+            with streamed.prefilling():
+                outputs.append(layer(x))
+    for kind in ("f32", "bf16", "i8"):
+        dense = nn.Linear(512, 70)
+        if kind == "bf16":
+            with torch.no_grad():
+                dense.weight.copy_(dense.weight.to(torch.bfloat16).float())
+        layer = streamed.StreamedLinear(dense, int8=kind == "i8")
+        assert layer.kind == kind
+        x = torch.randn(40, 512, generator=g)
+        outputs += [layer(x[:width]) for width in (*range(1, 10), 40)]
+    return outputs
+
+
+@pytest.mark.skipif(
+    not {"avx512f", "avx512dq", "avx512bw"} <= streamed._cpu_flags(), reason="the CPU has no AVX-512 kernels"
+)
+def test_the_avx512_kernels_give_the_avx2_kernels_bits(tmp_path):
+    """Where the CPU has AVX-512, wide passes, prefills and int8 activations run 16-lane kernels
+    (`micro_512`, `micro_q8_512`); every output is bitwise what the AVX2 kernels give, computed
+    in a process that has them switched off (PIPELINE_KERNEL_AVX512=0)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    ours = _every_path_outputs()
+    path = tmp_path / "avx2.pt"
+    script = (
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); torch.manual_seed(0); "
+        f"import test_gguf_blocks as t; torch.save(t._every_path_outputs(), {str(path)!r})"
+    )
+    env = {**os.environ, "PIPELINE_KERNEL_AVX512": "0"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    theirs = torch.load(path)
+    assert len(ours) == len(theirs) == 2 * 2 * 11 + 3 * 10
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), [
+        i for i, (a, b) in enumerate(zip(ours, theirs)) if not torch.equal(a, b)
+    ]

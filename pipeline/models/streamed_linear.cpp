@@ -269,6 +269,7 @@ constexpr int64_t QK = 256, STRIP = 8;
 constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, in the file
 constexpr int DIRECT_MAX = 4, STRIPWISE_MAX = 24;  // the paths through a block, by width (`linear_blocks`)
 constexpr int Q8_WIDE_TILE = 3;                    // token rows a tile of a wide pass on rounded rows
+constexpr int Q8_TILE_512 = 6;  // ... with AVX-512's 32 registers (`micro_q8_512`)
 constexpr int64_t SCRATCH_BYTES = 256 * 1024, ACC_BYTES = 128 * 1024;  // L2: 512 KB
 
 float half_to_float(uint16_t h) {  // exact; for packing only
@@ -863,6 +864,117 @@ inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float
     for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
 
+// The same two kernels on CPUs with AVX-512 (BW): each instruction takes two chunks of 32 k
+// (the low half of a register the first, the high half the next) where the ones above take one,
+// and at the end of a super-block the two halves' int32 sums are added lane to lane. A lane then
+// holds the same integer as above (integer sums, exact, in any order), so the one float step and
+// the outputs are bitwise those of `micro_q8` / `micro_q8_q6k`.
+#define AVX512BW __attribute__((target("avx512f,avx512dq,avx512bw")))
+// `shuffle_epi8` control picking int16 element e[i] in 128-bit lane i
+AVX512BW inline __m512i pick_512(int e0, int e1, int e2, int e3) {
+    auto lane = [](int e) { return _mm_set1_epi16(static_cast<int16_t>((2 * e) | (2 * e + 1) << 8)); };
+    const __m512i lo = _mm512_inserti32x4(_mm512_castsi128_si512(lane(e0)), lane(e1), 1);
+    return _mm512_inserti32x4(_mm512_inserti32x4(lo, lane(e2), 2), lane(e3), 3);
+}
+AVX512BW inline __m512i two_chunks(const uint8_t* first, const uint8_t* second) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second)), 1);
+}
+AVX512BW inline __m256i fold(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+template <int N, int P>
+AVX512BW void micro_q8_512(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
+                           __m256* acc, bool first) {
+    __m256 c[2 * P * N];
+    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t s = 0; s < len; s += QK, w += Q4K::bytes) {
+        __m512i scale[2 * P];  // each row's 8 sub-block scales as int16, in every 128-bit lane
+        for (int p = 0; p < P; ++p)
+            for (int r = 0; r < 2; ++r) {
+                const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24 * (p0 + p) + 8 + 8 * r));
+                scale[2 * p + r] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sc));
+            }
+        __m512i sum[2 * P * N];
+        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm512_setzero_si512();
+        if (p0 == 0) prefetch_ahead<Q4K::bytes>(w);
+        for (int j = 0; j < 8; j += 2) {
+            const __m512i pick = pick_512(j, j, j + 1, j + 1);
+            __m512i xv[N];
+            for (int n = 0; n < N; ++n) xv[n] = _mm512_loadu_si512(x8 + n * K + s + 32 * j);
+            for (int p = 0; p < P; ++p) {
+                const __m512i q = two_chunks(w + 96 + 128 * j + 32 * (p0 + p), w + 96 + 128 * (j + 1) + 32 * (p0 + p));
+                const __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+                const __m512i s0 = _mm512_shuffle_epi8(scale[2 * p], pick), s1 = _mm512_shuffle_epi8(scale[2 * p + 1], pick);
+                for (int n = 0; n < N; ++n) {
+                    __m512i& t0 = sum[(2 * p) * N + n];
+                    __m512i& t1 = sum[(2 * p + 1) * N + n];
+                    t0 = _mm512_add_epi32(t0, _mm512_madd_epi16(_mm512_maddubs_epi16(c0, xv[n]), s0));
+                    t1 = _mm512_add_epi32(t1, _mm512_madd_epi16(_mm512_maddubs_epi16(c1, xv[n]), s1));
+                }
+            }
+        }
+        __m256i folded[2 * P * N];
+        for (int i = 0; i < 2 * P * N; ++i) folded[i] = fold(sum[i]);
+        super_block_step<N, P>(w, 24, p0, dx + s / QK, K, folded, c);
+    }
+    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+}
+
+template <int N, int P>
+AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
+                               __m256* acc, bool first) {
+    __m256 c[2 * P * N];
+    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
+        __m512i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in every lane
+        for (int p = 0; p < P; ++p)
+            for (int r = 0; r < 2; ++r) {
+                const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 40 * (p0 + p) + 8 + 16 * r));
+                low[2 * p + r] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(sc));
+                high[2 * p + r] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
+            }
+        __m512i sum[2 * P * N];
+        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm512_setzero_si512();
+        if (p0 == 0) prefetch_ahead<Q6K::bytes>(w);
+        for (int ch = 0; ch < 8; ch += 2) {
+            // chunk ch's two sub-blocks in 128-bit lanes 0 and 1, chunk ch + 1's in lanes 2 and 3
+            const int a = (2 * ch) % 8, b = (2 * ch + 2) % 8;
+            const __m512i pick = pick_512(a, a + 1, b, b + 1);
+            __m512i xv[N];
+            for (int n = 0; n < N; ++n) xv[n] = _mm512_loadu_si512(x8 + n * K + s + 32 * ch);
+            for (int p = 0; p < P; ++p)
+                for (int r = 0; r < 2; ++r) {
+                    const uint8_t* at = w + 160 + 64 * (p0 + p) + 32 * r;
+                    const __m512i q = two_chunks(at + 256 * ch, at + 256 * (ch + 1));
+                    const __m512i mag = _mm512_abs_epi8(q);
+                    const __mmask64 negative = _mm512_movepi8_mask(q);
+                    const __m512i scale = _mm512_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
+                    for (int n = 0; n < N; ++n) {
+                        // x with q's sign (where q is 0 so is |q|, so x's own value does not matter)
+                        const __m512i signed_x = _mm512_mask_sub_epi8(xv[n], negative, zero, xv[n]);
+                        const __m512i prod = _mm512_maddubs_epi16(mag, signed_x);
+                        __m512i& t = sum[(2 * p + r) * N + n];
+                        t = _mm512_add_epi32(t, _mm512_madd_epi16(prod, scale));
+                    }
+                }
+        }
+        __m256i folded[2 * P * N];
+        for (int i = 0; i < 2 * P * N; ++i) folded[i] = fold(sum[i]);
+        super_block_step<N, P>(w, 40, p0, dx + s / QK, K, folded, c);
+    }
+    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+}
+
+// Does this CPU run `micro_q8_512`? (PIPELINE_KERNEL_AVX512=0 says no, as for `wide_fma`.)
+bool wide_int8() {
+    static const bool yes = wide_fma() && __builtin_cpu_supports("avx512bw");
+    return yes;
+}
+
 // A strip's slice against a tile of n rounded token rows (1 to DIRECT_MAX), as `micro_direct`.
 template <typename B>
 inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const float* dx, int64_t K, int64_t len,
@@ -881,6 +993,28 @@ inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const flo
                 break;
         }
     };
+    if (wide_int8()) {  // the same sums, two chunks an instruction, tiles of up to Q8_TILE_512 rows
+        if constexpr (B::FACTORED) {
+            switch (n) {
+                case 1: micro_q8_512<1, 4>(w, 0, x8, dx, K, len, acc, first); break;
+                case 2: for (int p = 0; p < 4; p += 2) micro_q8_512<2, 2>(w, p, x8, dx, K, len, acc + 2 * p * 2, first); break;
+                case 3: for (int p = 0; p < 4; ++p) micro_q8_512<3, 1>(w, p, x8, dx, K, len, acc + 2 * p * 3, first); break;
+                case 4: for (int p = 0; p < 4; ++p) micro_q8_512<4, 1>(w, p, x8, dx, K, len, acc + 2 * p * 4, first); break;
+                case 5: for (int p = 0; p < 4; ++p) micro_q8_512<5, 1>(w, p, x8, dx, K, len, acc + 2 * p * 5, first); break;
+                default: for (int p = 0; p < 4; ++p) micro_q8_512<6, 1>(w, p, x8, dx, K, len, acc + 2 * p * 6, first); break;
+            }
+        } else {
+            switch (n) {
+                case 1: micro_q8_q6k_512<1, 4>(w, 0, x8, dx, K, len, acc, first); break;
+                case 2: for (int p = 0; p < 4; p += 2) micro_q8_q6k_512<2, 2>(w, p, x8, dx, K, len, acc + 2 * p * 2, first); break;
+                case 3: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<3, 1>(w, p, x8, dx, K, len, acc + 2 * p * 3, first); break;
+                case 4: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<4, 1>(w, p, x8, dx, K, len, acc + 2 * p * 4, first); break;
+                case 5: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<5, 1>(w, p, x8, dx, K, len, acc + 2 * p * 5, first); break;
+                default: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<6, 1>(w, p, x8, dx, K, len, acc + 2 * p * 6, first); break;
+            }
+        }
+        return;
+    }
     if constexpr (B::FACTORED)
         run([&](int p, __m256* a) { micro_q8<1, 4>(w, p, x8, dx, K, len, a, first); },
             [&](int p, __m256* a) { micro_q8<2, 2>(w, p, x8, dx, K, len, a, first); },
@@ -921,7 +1055,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     const int path = q8 ? DIRECT : prefill ? GROUPED : T <= DIRECT_MAX ? DIRECT : T <= STRIPWISE_MAX ? STRIPWISE : GROUPED;
     const int64_t unit = prefill ? 2 : 4;  // bytes of a decoded weight on the grouped path
     // a wide pass on rounded activations in tiles of 3 (2 pairs' accumulators of 4 spill registers)
-    const int64_t tile_max = path != DIRECT ? TILE : q8 && T > DIRECT_MAX ? Q8_WIDE_TILE : DIRECT_MAX;
+    const int64_t tile_max = path != DIRECT ? TILE : q8 && T > DIRECT_MAX ? (wide_int8() ? Q8_TILE_512 : Q8_WIDE_TILE) : DIRECT_MAX;
     const int64_t tiles = (T + tile_max - 1) / tile_max;
     // the k values of a block's rows decoded into L2 at a time on the grouped path: whole slices
     const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (RB * unit) / KB * KB);
