@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -975,56 +976,35 @@ bool wide_int8() {
     return yes;
 }
 
-// A strip's slice against a tile of n rounded token rows (1 to DIRECT_MAX), as `micro_direct`.
+// A tile of n token rows through kernel(N, P, p, acc): the strip's 4 pairs, P at a time (all 4
+// for 1 row, 2 for 2 rows, one for more, as the registers allow), N from 1 to MAX (more: MAX).
+template <int N, int MAX, typename Kernel>
+inline void by_tile_width(int n, Kernel kernel, __m256* acc) {
+    if constexpr (N < MAX) {
+        if (n > N) return by_tile_width<N + 1, MAX>(n, kernel, acc);
+    }
+    constexpr int P = N == 1 ? 4 : N == 2 ? 2 : 1;
+    for (int p = 0; p < 4; p += P)
+        kernel(std::integral_constant<int, N>{}, std::integral_constant<int, P>{}, p, acc + 2 * p * N);
+}
+
+// A strip's slice against a tile of n rounded token rows (1 to DIRECT_MAX; with AVX-512, to
+// Q8_TILE_512), as `micro_direct`.
 template <typename B>
 inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const float* dx, int64_t K, int64_t len,
                             __m256* acc, bool first) {
-    auto run = [&](auto micro_1, auto micro_2, auto micro_3, auto micro_4) {
-        switch (n) {
-            case 1: micro_1(0, acc); break;
-            case 2:
-                for (int p = 0; p < 4; p += 2) micro_2(p, acc + 2 * p * 2);
-                break;
-            case 3:
-                for (int p = 0; p < 4; ++p) micro_3(p, acc + 2 * p * 3);
-                break;
-            default:
-                for (int p = 0; p < 4; ++p) micro_4(p, acc + 2 * p * 4);
-                break;
-        }
-    };
-    if (wide_int8()) {  // the same sums, two chunks an instruction, tiles of up to Q8_TILE_512 rows
-        if constexpr (B::FACTORED) {
-            switch (n) {
-                case 1: micro_q8_512<1, 4>(w, 0, x8, dx, K, len, acc, first); break;
-                case 2: for (int p = 0; p < 4; p += 2) micro_q8_512<2, 2>(w, p, x8, dx, K, len, acc + 2 * p * 2, first); break;
-                case 3: for (int p = 0; p < 4; ++p) micro_q8_512<3, 1>(w, p, x8, dx, K, len, acc + 2 * p * 3, first); break;
-                case 4: for (int p = 0; p < 4; ++p) micro_q8_512<4, 1>(w, p, x8, dx, K, len, acc + 2 * p * 4, first); break;
-                case 5: for (int p = 0; p < 4; ++p) micro_q8_512<5, 1>(w, p, x8, dx, K, len, acc + 2 * p * 5, first); break;
-                default: for (int p = 0; p < 4; ++p) micro_q8_512<6, 1>(w, p, x8, dx, K, len, acc + 2 * p * 6, first); break;
-            }
-        } else {
-            switch (n) {
-                case 1: micro_q8_q6k_512<1, 4>(w, 0, x8, dx, K, len, acc, first); break;
-                case 2: for (int p = 0; p < 4; p += 2) micro_q8_q6k_512<2, 2>(w, p, x8, dx, K, len, acc + 2 * p * 2, first); break;
-                case 3: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<3, 1>(w, p, x8, dx, K, len, acc + 2 * p * 3, first); break;
-                case 4: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<4, 1>(w, p, x8, dx, K, len, acc + 2 * p * 4, first); break;
-                case 5: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<5, 1>(w, p, x8, dx, K, len, acc + 2 * p * 5, first); break;
-                default: for (int p = 0; p < 4; ++p) micro_q8_q6k_512<6, 1>(w, p, x8, dx, K, len, acc + 2 * p * 6, first); break;
-            }
-        }
-        return;
+#define Q8_KERNEL(name) [&](auto N, auto P, int p, __m256* a) { name<decltype(N)::value, decltype(P)::value>(w, p, x8, dx, K, len, a, first); }
+    if (wide_int8()) {  // the same sums, two chunks an instruction
+        if constexpr (B::FACTORED)
+            by_tile_width<1, Q8_TILE_512>(n, Q8_KERNEL(micro_q8_512), acc);
+        else
+            by_tile_width<1, Q8_TILE_512>(n, Q8_KERNEL(micro_q8_q6k_512), acc);
+    } else if constexpr (B::FACTORED) {
+        by_tile_width<1, DIRECT_MAX>(n, Q8_KERNEL(micro_q8), acc);
+    } else {
+        by_tile_width<1, DIRECT_MAX>(n, Q8_KERNEL(micro_q8_q6k), acc);
     }
-    if constexpr (B::FACTORED)
-        run([&](int p, __m256* a) { micro_q8<1, 4>(w, p, x8, dx, K, len, a, first); },
-            [&](int p, __m256* a) { micro_q8<2, 2>(w, p, x8, dx, K, len, a, first); },
-            [&](int p, __m256* a) { micro_q8<3, 1>(w, p, x8, dx, K, len, a, first); },
-            [&](int p, __m256* a) { micro_q8<4, 1>(w, p, x8, dx, K, len, a, first); });
-    else
-        run([&](int p, __m256* a) { micro_q8_q6k<1, 4>(w, p, x8, dx, K, len, a, first); },
-            [&](int p, __m256* a) { micro_q8_q6k<2, 2>(w, p, x8, dx, K, len, a, first); },
-            [&](int p, __m256* a) { micro_q8_q6k<3, 1>(w, p, x8, dx, K, len, a, first); },
-            [&](int p, __m256* a) { micro_q8_q6k<4, 1>(w, p, x8, dx, K, len, a, first); });
+#undef Q8_KERNEL
 }
 
 // Three ways through a block of rows, by the width of the pass (the same chain each way):
