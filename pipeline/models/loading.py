@@ -442,6 +442,11 @@ WEIGHTS = ("auto", "gguf-blocks", "dense")
 BLOCKS_MAX_BATCH = 2
 
 
+def _auto_fits(batch: int | None) -> bool:
+    """Does `weights: auto` stream blocks for passes of `batch` rows (None: unknown)?"""
+    return batch is None or batch <= BLOCKS_MAX_BATCH
+
+
 def _keeps_blocks(target: ModelRef) -> bool:
     """Does the target's local directory hold the GGUF blocks its install kept? (Nothing read.)"""
     try:
@@ -462,10 +467,9 @@ def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int
         return False
     if weights == "gguf-blocks":
         return True
-    fits = batch is None or batch <= BLOCKS_MAX_BATCH
     measured = "amx_bf16" not in _cpu_flags()
     usable = _keeps_blocks(target) and streamed.library() is not None
-    return weights == "auto" and fits and measured and usable
+    return weights == "auto" and _auto_fits(batch) and measured and usable
 
 
 def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: int | None) -> dict | None:
@@ -475,7 +479,7 @@ def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: in
     BLOCKS_MAX_BATCH; `gguf-blocks` insists, with an error that says what is missing."""
     if weights not in WEIGHTS:
         raise InvalidOptionError(f"unknown weights {weights!r}; use {', '.join(WEIGHTS)}")
-    if weights == "dense" or (weights == "auto" and batch is not None and batch > BLOCKS_MAX_BATCH):
+    if weights == "dense" or (weights == "auto" and not _auto_fits(batch)):
         return None
     try:
         src, is_local = _source(target, "model", ("config.json",))
