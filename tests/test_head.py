@@ -82,6 +82,33 @@ def test_greedy_with_the_head_is_the_targets_output(case, trained, batch_size, p
     assert 0 < accepted < drafted  # both the accept and the reject paths ran
 
 
+def test_the_head_drafts_as_long_as_the_policy_rule_says_and_learns_its_calibration(case, trained):
+    """Adaptive (the default): the rows draft in step while the policy's rule keeps their
+    drafts (here: at most 2 a round, whatever gamma); outputs stay the target's, and each
+    round's drafts against their confidences calibrate the head's chances."""
+    target, _, tokenizer, prompts, eos, refs = case
+    engine = SpeculativeEngine(
+        target, None, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(drafter="head", gamma_max=6),
+        head=trained[0],
+    )  # fmt: skip
+    engine.policy.head_length = lambda step_seconds: (
+        lambda chances, drafted: [(d <= 2, d < 2) for d in drafted]
+    )
+    outputs, batch = engine.generate(prompts[:3], MAX_NEW)
+    assert [o.tokens for o in outputs] == refs[:3]
+    assert batch.drafted and max(batch.gamma_histogram) == 2
+    calibration = engine.head.calibration
+    assert calibration.drafted > 0 and calibration.value != 1.0
+    # and with the policy's own rule, from the costs it measures
+    engine = SpeculativeEngine(
+        target, None, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(drafter="head", gamma_max=6),
+        head=trained[0],
+    )  # fmt: skip
+    for start in range(0, len(prompts), 3):
+        outputs, _ = engine.generate(prompts[start : start + 3], MAX_NEW)
+        assert [o.tokens for o in outputs] == refs[start : start + 3]
+
+
 def test_the_head_follows_rows_whose_prompts_share_a_template(tiny_models, trained):
     """Rows that reuse a template's start have no target features there: their chains start
     after it, and decoding stays exact."""

@@ -176,6 +176,25 @@ def test_drafting_goes_on_while_the_chain_is_likely_and_the_step_pays(case):
     assert fixed.draft_length(_one_row(), 0, 5, [DRAFT_MODEL]) == (5, None)
 
 
+def test_a_head_draft_is_kept_while_its_chance_pays_for_its_verify_token(case):
+    """The head's confidence is known before its draft goes to the target: a draft is kept
+    while (chance its row's drafts are all accepted) x (seconds a token is worth) exceeds the
+    verify token it adds, and the row drafts on while that also pays a head step."""
+    costs = measured_costs({1: 0.10, 2: 0.14, 3: 0.18, 4: 0.22}, {})
+    policy = _policy_with_costs(case, costs, alpha=0.6)
+    assert policy.head_length(0.01) is None  # nothing measured of a token's worth yet: gamma
+    costs.observe_round(1, 0.1)  # lately 0.1 s per token; a verify token costs 0.04 s
+    rule = policy.head_length(0.01)
+    assert rule([0.9], [1]) == [(True, True)]  # 0.09 - 0.04 pays the draft and a step
+    assert rule([0.45], [2]) == [(True, False)]  # 0.005 over the verify token: not a step too
+    assert rule([0.3], [1]) == [(False, False)]
+    # two rows: each by its own chance, the step shared by the rows still drafting
+    assert rule([0.9, 0.2], [3, 1]) == [(True, True), (False, False)]
+    assert rule([0.0, 0.9], [0, 2]) == [(False, False), (True, True)]
+    fixed = _policy_with_costs(case, costs, alpha=0.6, adaptive=False)
+    assert fixed.head_length(0.01) is None
+
+
 def test_plain_decoding_is_re_measured_while_speculating(case):
     costs = measured_costs(GPU_COSTS[0], {1: GPU_COSTS[1]})
     policy = _policy_with_costs(case, costs, alpha=0.9, probe_every=1)

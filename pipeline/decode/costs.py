@@ -74,15 +74,17 @@ def predicted_speedup(tau: float, draft_steps_per_pass: float, cost_ratio: float
 
 @dataclass
 class RunningRate:
-    """Acceptance rate with exponential forgetting, starting from a prior worth `weight` drafts."""
+    """Acceptance rate with exponential forgetting, starting from a prior worth `weight` drafts
+    (`cap`: the most it says; above 1 for a ratio of accepted to promised drafts)."""
 
     prior: float
     weight: float = 8.0
     decay: float = 0.97
     accepted: float = 0.0
     drafted: float = 0.0
+    cap: float = 0.99
 
-    def update(self, accepted: int, drafted: int) -> None:
+    def update(self, accepted: float, drafted: float) -> None:
         if drafted:
             self.accepted = self.decay * self.accepted + accepted
             self.drafted = self.decay * self.drafted + drafted
@@ -94,7 +96,7 @@ class RunningRate:
     @property
     def value(self) -> float:
         rate = (self.accepted + self.prior * self.weight) / (self.drafted + self.weight)
-        return min(rate, 0.99)
+        return min(rate, self.cap)
 
 
 @dataclass

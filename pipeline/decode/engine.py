@@ -309,7 +309,8 @@ class SpeculativeEngine:
         """One round for every row decoding now: draft, verify, accept, evict."""
         began = time.perf_counter()
         rows = len(batch.active)
-        drafting = self.config.adaptive and (batch.copiers or batch.model is not None)
+        drafters = batch.copiers or batch.model is not None or batch.head is not None
+        drafting = self.config.adaptive and drafters
         asked = not drafting or self.gate.asks(rows)  # see `DraftingGate`
         drafts = self._draft(batch) if asked else _Drafts.none(rows)
         logits = self._verify(batch, drafts)
@@ -334,7 +335,8 @@ class SpeculativeEngine:
         if self.target.max_verify_tokens:  # a verify pass feeds the drafts and the last token
             gamma_cap = min(gamma_cap, self.target.max_verify_tokens - 1)
         if batch.head:
-            proposal = batch.head.propose(seqs, gamma_cap, batch.sampling, batch.generator)
+            rule = self.policy.head_length(batch.head.step_seconds)
+            proposal = batch.head.propose(seqs, gamma_cap, batch.sampling, batch.generator, rule=rule)
             drafts = _Drafts([], [], [], 0)
             for tokens in proposal.tokens:
                 drafts.add(tokens, None, (HEAD, 0) if tokens else None)

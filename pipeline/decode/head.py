@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from pipeline.decode.costs import RunningRate, ema
 from pipeline.decode.settings import HEAD
 
 HEAD_FILE = "head.safetensors"
@@ -311,6 +312,8 @@ class HeadChain:
         self.cache = HeadCache()
         self.start = self.fed = start  # pairs in the cache: i = start .. fed-1
         self.last: torch.Tensor | None = None  # g at pair fed-1
+        self._drafts: list[int] = []  # drafted since `fed` (`step`), until `rollback`
+        self._g: torch.Tensor | None = None  # g after the last of them
 
     @torch.no_grad()
     def feed(self, features: torch.Tensor, seq: Sequence[int]) -> None:
@@ -326,19 +329,34 @@ class HeadChain:
         self.fed, self.last = stop, g[0, -1]
 
     @torch.no_grad()
+    def step(self) -> tuple[int, float]:
+        """One more draft past the accepted sequence and those drafted since `fed`: the token
+        and the head's confidence in it (its largest probability over `vocab_rows`). The
+        drafted pairs stay in the cache until `rollback`."""
+        if self._drafts:  # the pair (g, last draft) goes in first, at the position after fed-1
+            ids = torch.tensor([[self._drafts[-1]]], device=self.head.device)
+            at = self.fed + len(self._drafts) - 1
+            positions = torch.tensor([[at]], device=self.head.device)
+            self._g = self.head(self._g[None, None], ids, positions, self.cache)[0, -1]
+        elif self._g is None:
+            self._g = self.last
+        probs = torch.softmax(self.head.logits(self._g).float(), dim=-1)
+        sure, index = probs.max(dim=-1)
+        token = int(self.head.vocab_rows[int(index)])
+        self._drafts.append(token)
+        return token, float(sure)
+
+    def rollback(self) -> None:
+        """Back to the accepted sequence's `fed` pairs: the drafted pairs leave the cache."""
+        self.cache.crop_to(self.fed - self.start)
+        self._drafts, self._g = [], None
+
     def draft(self, gamma: int) -> list[int]:
         """γ greedy tokens after the accepted sequence; the cache is back at `fed` pairs after."""
         if self.last is None or gamma < 1:
             return []
-        rows = self.head.vocab_rows
-        tokens = [int(rows[int(self.head.logits(self.last).argmax())])]
-        g = self.last
-        for step in range(1, gamma):
-            ids = torch.tensor([[tokens[-1]]], device=self.head.device)
-            positions = torch.tensor([[self.fed + step - 1]], device=self.head.device)
-            g = self.head(g[None, None], ids, positions, self.cache)[0, -1]
-            tokens.append(int(rows[int(self.head.logits(g).argmax())]))
-        self.cache.crop_to(self.fed - self.start)
+        tokens = [self.step()[0] for _ in range(gamma)]
+        self.rollback()
         return tokens
 
 
@@ -530,11 +548,24 @@ def train(
 # the engine's drafter
 
 
+# How a round's head drafts end (see `Policy.head_length`): after each step, given each row's
+# chance that all its drafts so far are accepted and how many it has, whether the row keeps its
+# newest draft and whether it drafts one more.
+HeadRule = Callable[[list[float], list[int]], list[tuple[bool, bool]]]
+
+
 class HeadDrafter:
     """The head as one of the engine's drafters (`Drafter`): a chain per row, fed the target's
     features of every pass (`lm.features`, kept while this drafter follows the rows) once the
     round's accepted tokens are known (`follow`), drafting greedily. A greedy draft is a point
-    mass, so the target's check keeps sampled decoding exact as well."""
+    mass, so the target's check keeps sampled decoding exact as well.
+
+    The rows draft in step (one head step for every row still going), each step's draft kept
+    while the chance that the row's drafts are all accepted pays for its verify token (`rule`,
+    from the policy). That chance is the product of the head's confidences, scaled by
+    `calibration`: how many drafts the target accepted for each one the confidences promised,
+    measured on this drafter's own rounds (the confidences of a head trained on a few thousand
+    tokens need not be calibrated)."""
 
     name = HEAD
 
@@ -543,10 +574,14 @@ class HeadDrafter:
         self.lm = lm  # the target's runner (`BatchedLM`), whose passes leave their features
         self.chains: list[HeadChain | None] = []
         self.seconds = 0.0  # spent drafting and feeding, for the engine's stats
+        self.step_seconds: float | None = None  # one step of every going row, lately
+        self.calibration = RunningRate(prior=1.0, weight=4.0, cap=4.0)
+        self._proposed: list[tuple[int, list[int], list[float]]] = []  # per row: length, drafts, chances
 
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.keep_features = True
         self.chains = []
+        self._proposed = []
         self.admit(prompts)
 
     def admit(self, prompts: list[list[int]]) -> None:
@@ -561,22 +596,54 @@ class HeadDrafter:
         self.seconds += time.perf_counter() - began
 
     def follow(self, seqs: list[list[int]]) -> None:
-        """The round's verify pass is in and each row's accepted sequence is `seqs`: feed the
-        pairs whose features the pass computed after accepted tokens."""
+        """The round's verify pass is in and each row's accepted sequence is `seqs`: learn how
+        the drafts fared against their chances, then feed the pairs whose features the pass
+        computed after accepted tokens."""
         began = time.perf_counter()
+        for (length, drafts, chances), seq in zip(self._proposed, seqs):
+            got = seq[length : length + len(drafts)]
+            hits = next((k for k, (t, d) in enumerate(zip(got, drafts)) if t != d), len(got))
+            self.calibration.update(hits, sum(chances))
+        self._proposed = []
         for chain, seq, (start, features) in zip(self.chains, seqs, self.lm.features):
             if chain.fed < start:  # features missing (a row the head was not following): restart
                 chain.restart(start)
             chain.feed(features[chain.fed - start :], seq)
         self.seconds += time.perf_counter() - began
 
-    def propose(self, seqs, gamma, params, generator, keep=None, guess=None):
+    def propose(self, seqs, gamma, params, generator, keep=None, guess=None, rule: HeadRule | None = None):
+        """Up to `gamma` drafts per row; with `rule`, each row's as many as pay (see the class)."""
         from pipeline.decode.drafters import Proposal
 
         began = time.perf_counter()
-        tokens = [chain.draft(gamma) for chain in self.chains]
+        drafts: list[list[int]] = [[] for _ in self.chains]
+        chances = [[] for _ in self.chains]  # per row: the confidences' product over drafts 1..k
+        going = [gamma > 0 and chain.last is not None for chain in self.chains]
+        while any(going):
+            stepped = time.perf_counter()
+            for i, chain in enumerate(self.chains):
+                if going[i]:
+                    token, sure = chain.step()
+                    drafts[i].append(token)
+                    chances[i].append((chances[i][-1] if chances[i] else 1.0) * sure)
+            self.step_seconds = ema(self.step_seconds, time.perf_counter() - stepped, 0.3)
+            scale = self.calibration.value
+            verdicts = None
+            if rule is not None:
+                verdicts = rule([c[-1] * scale if c else 0.0 for c in chances], [len(d) for d in drafts])
+            for i in range(len(going)):
+                if not going[i]:
+                    continue
+                kept, more = verdicts[i] if verdicts else (True, True)
+                if not kept:
+                    drafts[i].pop()
+                    chances[i].pop()
+                going[i] = kept and more and len(drafts[i]) < gamma
+        for chain in self.chains:
+            chain.rollback()
+        self._proposed = [(len(seq), d, c) for seq, d, c in zip(seqs, drafts, chances)]
         self.seconds += time.perf_counter() - began
-        return Proposal(tokens=tokens, probs=[None] * len(tokens))
+        return Proposal(tokens=drafts, probs=[None] * len(drafts))
 
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
         self.chains = [self.chains[k] for k in keep]

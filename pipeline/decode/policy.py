@@ -23,6 +23,7 @@ from pipeline.decode.costs import (
     iid_survival,
 )
 from pipeline.decode.drafters import KeepRule
+from pipeline.decode.head import HeadRule
 from pipeline.decode.settings import DRAFT_MODEL
 
 if TYPE_CHECKING:
@@ -302,6 +303,37 @@ class Policy:
             return going if net > step_seconds else [False] * rows
 
         return steps, keep
+
+    def head_length(self, step_seconds: float | None) -> HeadRule | None:
+        """When the draft head's rows stop drafting (see `HeadDrafter.propose`); no rule (draft
+        gamma) until a round's worth of a token has been measured, or with `adaptive=False`.
+
+        A head step costs a small share of a target pass, and its confidence is read before
+        the draft goes to the target, so each draft is judged on its own: it is kept while the
+        chance that the row's drafts up to it are all accepted (`chances`, calibrated), times
+        what a token is worth lately, pays for the verify token it adds to the pass; the row
+        drafts one more while it pays for a head step too. Drafts that fade stop at the first
+        doubt, and a head that is seldom right drafts nothing where verify tokens are dear."""
+        token_value = self.costs.token_seconds()
+        if not self.config.adaptive or token_value is None:
+            return None
+
+        def rule(chances: list[float], drafted: list[int]) -> list[tuple[bool, bool]]:
+            lengths = [1 + d for d in drafted]
+            now = self.costs.target_time(self.target.pass_tokens(lengths))
+            going = sum(d > 0 for d in drafted) or 1
+            verdicts = []
+            for i, (chance, d) in enumerate(zip(chances, drafted)):
+                if not d:
+                    verdicts.append((False, False))
+                    continue
+                narrower = lengths[:i] + [d] + lengths[i + 1 :]
+                verify_token = max(now - self.costs.target_time(self.target.pass_tokens(narrower)), 0.0)
+                gain = chance * token_value - verify_token
+                verdicts.append((gain > 0, gain > (step_seconds or 0.0) / going))
+            return verdicts
+
+        return rule
 
     def best(self, options: RoundOptions, from_model: list[float]) -> Choice:
         """The choice of `choose` when the draft model, drafting k tokens, gains at least j of
