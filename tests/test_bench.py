@@ -281,3 +281,28 @@ def test_the_dense_reference_needs_a_target_on_gguf_blocks(tiny_pair_dirs, tmp_p
     args += ["--drafters", "", "--threads", "1", "--dense-reference", "--out", str(tmp_path / "b.json")]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "--dense-reference compares the GGUF block path" in result.output
+
+
+def test_the_head_drafter_runs_with_a_saved_head_and_needs_one(tiny_pair_dirs, tmp_path, monkeypatch):
+    """`--head DIR --drafters head`: a row drafting with a saved head (an untrained one here: the
+    harness, not its acceptance), its outputs its target-only's; without --head, a usage error."""
+    import torch
+
+    from pipeline.decode.head import DraftHead
+    from pipeline.models.loading import ModelRef, load_model
+
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", write_models_config(tmp_path / "cfg", tiny=tiny_pair_dirs))
+    dense = load_model(ModelRef(str(tiny_pair_dirs[0])), dtype=torch.float32, device="cpu")
+    DraftHead.from_target(dense).save(tmp_path / "head")
+    args = ["bench", "--pair", "tiny", "--docs", "2", "--batches", "1", "--runs", "1", "--no-hf"]
+    args += ["--max-new-tokens", "6", "--threads", "1", "--dtype", "float32", "--drafters", "head"]
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, [*args, "--out", str(out)])
+    assert result.exit_code == 2 and "the head drafter needs --head DIR" in result.output
+    result = CliRunner().invoke(main, [*args, "--head", str(tmp_path / "head"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["meta"]["head"] == str(tmp_path / "head")
+    rows = {(r["task"], r["method"]): r for r in report["rows"]}
+    for task in ("summarize", "translate"):
+        assert rows[(task, "ours head")]["identical"]

@@ -231,6 +231,7 @@ def run_benchmark(
     hf_models: tuple | None = None,
     llama_cpp: LlamaCpp | None = None,
     dense_target=None,
+    head=None,
     hf: bool = True,
     log: Callable[[str], None] = print,
 ) -> Benchmark:
@@ -242,7 +243,8 @@ def run_benchmark(
     last night's outputs (`drafter.suffix_warm_start`). `llama_cpp`: also llama.cpp's rows, and
     every row's tokens/s against its target-only. `dense_target`: the target on its dense weights
     where `pair`'s runs on GGUF blocks, for a row whose outputs' agreement with the block path is
-    the point (`DENSE_ROW`). `hf=False` leaves out HF's rows (batch 1
+    the point (`DENSE_ROW`). `head`: the draft head (`DraftHead`) the `head` drafter drafts
+    with. `hf=False` leaves out HF's rows (batch 1
     only, they would take hours beside a large batch of a fast path). Every row's outputs are
     compared with its own target-only's (`Row.identical`) and with HF's target-only where it ran."""
     hf_target, hf_draft = hf_models if hf_models is not None else (pair.target, pair.draft)
@@ -262,7 +264,7 @@ def run_benchmark(
         llama_cpp,
         dense_target,
     )
-    engines = _engines(pair, drafters, draft_vocab, decoding)
+    engines = _engines(pair, drafters, draft_vocab, decoding, head)
     rows: list[Row] = []
     for task in tasks:
         prompts = task_prompts(tok, task, docs, max_input_tokens, corpus)
@@ -290,7 +292,7 @@ def run_benchmark(
 
 
 def _engines(
-    pair: LoadedPair, drafters, draft_vocab: int, decoding: _Decoding
+    pair: LoadedPair, drafters, draft_vocab: int, decoding: _Decoding, head=None
 ) -> dict[str, SpeculativeEngine]:
     """One engine of ours per drafter, and target-only's (`none`) and `auto`'s whatever is asked."""
     tok = pair.tokenizer
@@ -305,6 +307,7 @@ def _engines(
             encode_text=partial(tok.encode, add_special_tokens=False),
             vocab_size=pair.vocab_size,
             config=bench_config(kind, draft_vocab),
+            head=head if target is pair.target else None,
         )
 
     engines = {
@@ -756,6 +759,7 @@ class BenchOptions:
     llama_cpp: bool
     llama_cpp_gguf: str | None
     dense_reference: bool
+    head_path: str | None
     out_path: str | None
     report_path: str | None
 
@@ -819,6 +823,7 @@ def _meta(options: BenchOptions, loaded: LoadedPair, started: dict, runner: Llam
         "block_activations": loaded.block_activations,
         "llama_cpp": f"llama-cpp-python {runner.version}, {Path(gguf).name}" if runner else "no",
         "dense_reference": o.dense_reference,
+        "head": o.head_path,
     }
 
 
@@ -866,6 +871,18 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
             )
         dense = load_pair(target, None, dtype=o.dtype, device="auto", weights="dense", **kernels)
         echo("dense reference: " + _describe_loaded(o.pair, dense))
+    head = None
+    if "head" in o.drafters or o.head_path:
+        import click
+
+        from pipeline.decode.head import DraftHead, HeadError
+
+        if not o.head_path:
+            raise click.UsageError("the head drafter needs --head DIR (from `pipeline distill --head`)")
+        try:
+            head = DraftHead.load(o.head_path, loaded.target).pack()
+        except HeadError as e:
+            raise click.UsageError(str(e)) from None
     runner = LlamaCpp(gguf, torch.get_num_threads(), context=2048) if gguf else None
     # HF's rows run the models as `transformers` loads them, not on our kernels
     hf_models = None
@@ -892,6 +909,7 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         hf_models=hf_models,
         llama_cpp=runner,
         dense_target=dense.target if dense else None,
+        head=head,
         hf=o.hf,
         log=echo,
     )

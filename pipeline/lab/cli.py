@@ -112,6 +112,13 @@ block_activations_option = click.option(
     help="Also run suffix and auto warm: their corpus holds our outputs of this many other documents "
     "of the task (drafter.suffix_warm_start).",
 )
+@click.option(
+    "--head",
+    "head_path",
+    type=click.Path(exists=True, file_okay=False),
+    help="A draft head trained on this pair's target (`pipeline distill --head`): the `head` drafter "
+    "drafts with it (name it in --drafters).",
+)
 @weights_option
 @block_activations_option
 @click.option(
