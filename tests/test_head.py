@@ -109,6 +109,24 @@ def test_the_head_drafts_as_long_as_the_policy_rule_says_and_learns_its_calibrat
         assert [o.tokens for o in outputs] == refs[start : start + 3]
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_auto_with_the_head_among_its_sources_decodes_the_targets_output(case, trained, batch_size):
+    """`auto` weighs the head's chains beside prompt lookup's and suffix's copies row by row;
+    whatever it picks, the output is the target's, and the head calibrates only on the drafts
+    of its that went to the target."""
+    target, _, tokenizer, prompts, eos, refs = case
+    config = EngineConfig(drafter="auto", gamma_max=4, auto_sources=("prompt_lookup", "suffix", "head"))
+    head = trained[0]
+    engine = SpeculativeEngine(target, None, eos_token_ids=eos, pad_token_id=0, config=config, head=head)
+    sent = []
+    real_sent = engine.head.sent
+    engine.head.sent = lambda counts: (sent.append(list(counts)), real_sent(counts))
+    for start in range(0, len(prompts), batch_size):
+        outputs, batch = engine.generate(prompts[start : start + batch_size], MAX_NEW)
+        assert [o.tokens for o in outputs] == refs[start : start + batch_size]
+    assert sent  # the head offered drafts in some rounds
+
+
 def test_the_head_follows_rows_whose_prompts_share_a_template(tiny_models, trained):
     """Rows that reuse a template's start have no target features there: their chains start
     after it, and decoding stays exact."""

@@ -17,7 +17,7 @@ from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.costs import AcceptanceByPosition, CostModel, RunningRate, iid_survival
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.decode.policy import DraftingGate, Offer, Policy, RoundOptions
-from pipeline.decode.settings import DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX
+from pipeline.decode.settings import DRAFT_MODEL, HEAD, PROMPT_LOOKUP, SUFFIX
 
 
 def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):
@@ -275,6 +275,23 @@ def test_each_row_takes_the_copy_its_source_and_depth_have_earned(case):
         8,
         [PROMPT_LOOKUP, SUFFIX, DRAFT_MODEL],
     )
+
+
+def test_a_head_offer_is_weighed_by_its_own_chances(case):
+    """In `auto` the draft head's drafts come with the chance that drafts 1..k are all accepted
+    (its calibrated confidences), which the policy takes over any measured rate: a sure head
+    chain beats a weak copy, an unsure one does not, and a row takes only the head drafts that
+    pay (the cap)."""
+    costs = measured_costs({1: 0.150, 2: 0.152, 3: 0.155, 4: 0.156, 6: 0.168, 9: 0.181}, {1: 0.1})
+    policy = _policy_with_costs(case, costs, alpha=0.3)
+    policy.copy_rates[(PROMPT_LOOKUP, 1)] = AcceptanceByPosition(prior=0.3, weight=1e6)
+    sure = Offer(HEAD, 4, 0, (0.95, 0.9, 0.85, 0.8))
+    unsure = Offer(HEAD, 4, 0, (0.1, 0.01, 0.001, 0.0001))
+    copy = Offer(PROMPT_LOOKUP, 6, 1)
+    choice = policy.choose(RoundOptions([[copy, sure]], False, 8, remaining=100, catch_up=0.0))
+    assert choice.sources == [HEAD] and choice.cap == 4
+    choice = policy.choose(RoundOptions([[copy, unsure]], False, 8, remaining=100, catch_up=0.0))
+    assert choice.sources == [PROMPT_LOOKUP]
 
 
 def test_the_draft_model_and_copies_are_priced_by_the_drafts_the_target_tested(case):

@@ -117,6 +117,13 @@ def test_auto_without_the_draft_model_needs_no_draft(tmp_path: Path):
     assert spec.models.draft is None and spec.drafter.auto_sources == ["prompt_lookup", "suffix"]
 
 
+def test_a_head_given_joins_autos_sources_unless_they_are_named(tmp_path: Path):
+    spec = load_spec(write(tmp_path, VALID + "drafter: {head: heads/mine}\n"))
+    assert spec.drafter.auto_sources == ["draft_model", "prompt_lookup", "suffix", "head"]
+    spec = load_spec(write(tmp_path, VALID + "drafter: {head: heads/mine, auto_sources: [suffix]}\n"))
+    assert spec.drafter.auto_sources == ["suffix"]
+
+
 def test_overrides(tmp_path: Path):
     spec = load_spec(
         write(tmp_path, VALID),
@@ -253,9 +260,17 @@ BROKEN = [
     (
         "bad-auto-source",
         VALID + "drafter:\n  auto_sources: [suffix, beam]\n",
-        ["drafter.auto_sources[1]: expected one of 'draft_model', 'prompt_lookup' or 'suffix', got 'beam'"],
+        [
+            "drafter.auto_sources[1]: expected one of 'draft_model', 'prompt_lookup', 'suffix' or 'head', "
+            "got 'beam'"
+        ],
     ),
     ("no-auto-source", VALID + "drafter:\n  auto_sources: []\n", ["drafter.auto_sources: "]),
+    (
+        "auto-head-without-head",
+        VALID + "drafter:\n  auto_sources: [suffix, head]\n",
+        ["drafter.head: required when drafter.auto_sources names head"],
+    ),
     ("section-not-mapping", VALID + "execution: 3\n", ["execution: expected a mapping, got 3"]),
     ("missing-required-name", VALID.replace("name: t1\n", ""), ["name: required field is missing"]),
     (

@@ -327,33 +327,41 @@ class SpeculativeEngine:
         self._fill(batch)
 
     def _draft(self, batch: _Batch) -> _Drafts:
-        """The free drafters' copies, then the draft model for the rows the policy gives it;
-        or the draft head's γ tokens for every row."""
+        """The free drafters' copies and the draft head's chains, then the draft model for the
+        rows the policy gives it; with the head alone, its drafts for every row."""
         seqs = [r.seq for r in batch.active]
         left = [batch.max_new_tokens - r.stats.new_tokens for r in batch.active]  # each row's budget
         gamma_cap = min(self.config.gamma_max, min(left))
         if self.target.max_verify_tokens:  # a verify pass feeds the drafts and the last token
             gamma_cap = min(gamma_cap, self.target.max_verify_tokens - 1)
-        if batch.head:
+        head = None
+        if batch.head:  # a few cheap steps, each draft kept while it pays (`Policy.head_length`)
             rule = self.policy.head_length(batch.head.step_seconds)
-            proposal = batch.head.propose(seqs, gamma_cap, batch.sampling, batch.generator, rule=rule)
-            drafts = _Drafts([], [], [], 0)
-            for tokens in proposal.tokens:
-                drafts.add(tokens, None, (HEAD, 0) if tokens else None)
-            return drafts
+            head = batch.head.propose(seqs, gamma_cap, batch.sampling, batch.generator, rule=rule)
+            if not batch.copiers and batch.model is None:
+                drafts = _Drafts([], [], [], 0)
+                for tokens in head.tokens:
+                    drafts.add(tokens, None, (HEAD, 0) if tokens else None)
+                return drafts
         # A lone row's prompt-lookup copy is also a guess at the draft model's own chain.
         guessing = batch.model is not None and len(seqs) == 1 and self.config.guess_tokens > 0
         asked = batch.copiers + ([self.lookup] if guessing and self.lookup not in batch.copiers else [])
         copies = {d.name: d.propose(seqs, gamma_cap, batch.sampling, batch.generator) for d in asked}
+        offers = [
+            [
+                Offer(d.name, len(copies[d.name].tokens[i]), copies[d.name].depths[i])
+                for d in batch.copiers
+                if copies[d.name].tokens[i]
+            ]
+            for i in range(len(seqs))
+        ]
+        if head is not None:  # offered with its own chances, calibrated, for the policy to weigh
+            copies[HEAD] = head
+            for row, tokens, chances in zip(offers, head.tokens, batch.head.chances()):
+                if tokens:
+                    row.append(Offer(HEAD, len(tokens), 0, tuple(chances)))
         options = RoundOptions(
-            offers=[
-                [
-                    Offer(d.name, len(copies[d.name].tokens[i]), copies[d.name].depths[i])
-                    for d in batch.copiers
-                    if copies[d.name].tokens[i]
-                ]
-                for i in range(len(seqs))
-            ],
+            offers=offers,
             use_model=batch.model is not None,
             gamma_cap=gamma_cap,
             remaining=sum(left),
@@ -368,9 +376,12 @@ class SpeculativeEngine:
             if source == DRAFT_MODEL and model.tokens[i]:
                 drafts.add(model.tokens[i], model.probs[i], (DRAFT_MODEL, 0))
             elif source in copies:
-                drafts.add(copies[source].tokens[i][: choice.cap], None, (source, copies[source].depths[i]))
+                depth = copies[source].depths[i] if copies[source].depths else 0
+                drafts.add(copies[source].tokens[i][: choice.cap], None, (source, depth))
             else:
                 drafts.add([], None, None)
+        if head is not None:  # the head learns from the drafts of its that went to the target
+            batch.head.sent([len(t) if k and k[0] == HEAD else 0 for t, k in zip(drafts.tokens, drafts.keys)])
         return drafts
 
     def _verify(self, batch: _Batch, drafts: _Drafts) -> list[torch.Tensor]:

@@ -58,12 +58,15 @@ class HeadError(ValueError):
 
 def target_fingerprint(target: PreTrainedModel) -> str:
     """What a head depends on in its target: the architecture's shape and its output layer's
-    and embedding's values (a head trained on another target's features is useless)."""
+    and embedding's values (a head trained on another target's features is useless), these
+    rounded to bfloat16: the same target loaded in another dtype (trained on bf16 features,
+    served in float32) is the same target."""
     config = target.config
     shape = [type(target).__name__, config.hidden_size, config.num_hidden_layers, config.vocab_size]
     digest = hashlib.sha256(json.dumps(shape).encode())
     weight = target.get_input_embeddings().weight.detach()  # an embedding is never repacked
-    digest.update(weight[:: max(1, weight.shape[0] // 64)].float().cpu().numpy().tobytes())
+    sample = weight[:: max(1, weight.shape[0] // 64)].to(torch.bfloat16).float()
+    digest.update(sample.cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -463,7 +466,9 @@ def documents(
 @torch.no_grad()
 def _choices(target: PreTrainedModel, features: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     layer = target.get_output_embeddings()
-    return torch.cat([layer(features[i : i + chunk]).argmax(-1) for i in range(0, len(features), chunk)])
+    dtype = layer.weight.dtype  # the target's own (bfloat16 when its features were computed so)
+    parts = [layer(features[i : i + chunk].to(dtype)).argmax(-1) for i in range(0, len(features), chunk)]
+    return torch.cat(parts)
 
 
 def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.Tensor:
@@ -644,6 +649,17 @@ class HeadDrafter:
         self._proposed = [(len(seq), d, c) for seq, d, c in zip(seqs, drafts, chances)]
         self.seconds += time.perf_counter() - began
         return Proposal(tokens=drafts, probs=[None] * len(drafts))
+
+    def chances(self) -> list[list[float]]:
+        """Per row of the last proposal: the calibrated chance that its drafts 1..k are all
+        accepted, for each k (what `auto` weighs them by)."""
+        scale = self.calibration.value
+        return [[c * scale for c in chances] for _, _, chances in self._proposed]
+
+    def sent(self, counts: list[int]) -> None:
+        """How many of each row's drafts went to the target (`auto` may have chosen another
+        drafter for a row, or cut the head's drafts): only those say how the head fares."""
+        self._proposed = [(length, d[:n], c[:n]) for (length, d, c), n in zip(self._proposed, counts)]
 
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
         self.chains = [self.chains[k] for k in keep]

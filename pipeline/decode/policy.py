@@ -33,11 +33,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Offer:
-    """Tokens a free drafter proposes for a row, and how deep its match was (see `Proposal`)."""
+    """Tokens a free drafter proposes for a row, and how deep its match was (see `Proposal`);
+    `chances`: where the drafter knows them (the draft head), the chance that its drafts 1..k
+    are all accepted, for each k, which the policy then takes over the source's measured rates."""
 
     source: str
     tokens: int
     depth: int
+    chances: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,14 @@ class Policy:
 
         return steps, keep
 
+    def _survival(self, offer: Offer, gamma_cap: int) -> list[float]:
+        """P(an offer's first drafts gain at least k tokens), k = 1, 2, ...: its own chances
+        where it has them, else its source's measured acceptance by depth and position."""
+        drafts = min(offer.tokens, gamma_cap)
+        if offer.chances:
+            return [1.0, *offer.chances[:drafts]]
+        return self.copy_rate(offer.source, offer.depth).survival(drafts)
+
     def head_length(self, step_seconds: float | None) -> HeadRule | None:
         """When the draft head's rows stop drafting (see `HeadDrafter.propose`); no rule (draft
         gamma) until a round's worth of a token has been measured, or with `adaptive=False`.
@@ -365,10 +376,7 @@ class Policy:
         best = Choice(0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
         # P(at least k tokens) by drafts verified, by position for the draft model and each copy
-        from_copies = [
-            [(o, self.copy_rate(o.source, o.depth).survival(min(o.tokens, gamma_cap))) for o in row_offers]
-            for row_offers in offers
-        ]
+        from_copies = [[(o, self._survival(o, gamma_cap)) for o in row_offers] for row_offers in offers]
         for cap in range(gamma_cap + 1) if any(offers) else [0]:
             for gamma in range(gamma_cap + 1) if options.use_model else [0]:
                 model_survival = from_model[: gamma + 1]

@@ -11,8 +11,9 @@ from __future__ import annotations
 AUTO, NONE = "auto", "none"
 DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX = "draft_model", "prompt_lookup", "suffix"
 HEAD = "head"  # a draft head on the target's features (`pipeline.decode.head`)
-# the drafters `auto` chooses among per row
+# the drafters `auto` chooses among per row by default; also the head, where a job names one
 AUTO_SOURCES = (DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX)
+AUTO_CHOICES = (*AUTO_SOURCES, HEAD)
 DRAFTERS = (AUTO, *AUTO_SOURCES, HEAD, NONE)
 # the drafters that need no draft model loaded
 MODEL_FREE = (NONE, PROMPT_LOOKUP, SUFFIX, HEAD)
@@ -51,5 +52,5 @@ def check(settings: object) -> None:
             shown = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
             raise ValueError(f"{name} must be in {shown}, got {value}")
     sources = settings.auto_sources
-    if not sources or not set(sources) <= set(AUTO_SOURCES):
-        raise ValueError(f"auto_sources must be a non-empty part of {AUTO_SOURCES}: {tuple(sources)}")
+    if not sources or not set(sources) <= set(AUTO_CHOICES):
+        raise ValueError(f"auto_sources must be a non-empty part of {AUTO_CHOICES}: {tuple(sources)}")

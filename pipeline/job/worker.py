@@ -72,7 +72,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     tokenizer = pair.tokenizer
     drafter = spec.drafter.kind
     head = None
-    if drafter == HEAD:
+    if drafter == HEAD or (drafter == "auto" and HEAD in spec.drafter.auto_sources):
         from pipeline.decode.head import DraftHead
 
         head = DraftHead.load(spec.drafter.head, pair.target).pack()

@@ -55,7 +55,7 @@ def distill_head(
     from pipeline.decode.head import DraftHead, documents, replay, train
     from pipeline.job.worker import model_refs
     from pipeline.machine import cpu_info, git_state
-    from pipeline.models.loading import load_model, load_tokenizer
+    from pipeline.models.loading import load_model, load_tokenizer, resolve_dtype
 
     commit, dirty = git_state()
     directory = Path(out)
@@ -65,9 +65,13 @@ def distill_head(
     target_ref, _ = model_refs(run.spec)
     models = run.spec.models
     tokenizer = load_tokenizer(target_ref, trust_remote_code=models.trust_remote_code)
-    # dense float32, as training needs it: the head starts from the target's last layer
+    # dense weights: the head starts from a copy of the target's last layer (in float32, as
+    # it trains). The target itself only computes features, in bfloat16 where the CPU has bf16
+    # products (several times float32's speed): a head's inputs need not be the serving path's
+    # bits, the target checks every draft
     remote = models.trust_remote_code
-    target = load_model(target_ref, dtype=torch.float32, device="cpu", trust_remote_code=remote)
+    dtype = resolve_dtype("auto", "cpu")
+    target = load_model(target_ref, dtype=dtype, device="cpu", trust_remote_code=remote)
     examples = build_examples(run, tokenizer, end_of_turn(tokenizer, target))
     train_ids, held_ids = split_holdout([e.id for e in examples], settings.holdout)
     held = set(held_ids)
@@ -120,6 +124,7 @@ def distill_head(
             "train_completion_tokens": sum(len(d.completion) for d in train_docs),
             "held_out": held_ids,
             "features_seconds": round(features_seconds, 1),
+            "features_dtype": str(dtype).removeprefix("torch."),
             "prompt_positions": settings.prompts,
         },
         "head": {
@@ -170,7 +175,8 @@ def write_head_report(path: str, result: dict) -> str:
         f"{result['source_run']['run_id']}",
         "",
         f"`{result['command']}` at commit {(m['git_commit'] or '?')[:7]}{dirty}; {m['cpu_model']}, "
-        f"AVX2 {m['avx2']}, AVX-512 BF16 {m['avx512_bf16']}, {m['threads']} threads, float32.",
+        f"AVX2 {m['avx2']}, AVX-512 BF16 {m['avx512_bf16']}, {m['threads']} threads; the target's "
+        f"features in {result['data'].get('features_dtype', 'float32')}, the head trained in float32.",
         "",
         f"- data: {result['data']['train']} documents to train on "
         f"({result['data']['train_completion_tokens']} completion tokens), "

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.decode.settings import AUTO_SOURCES, DRAFTERS, field_bounds
+from pipeline.decode.settings import AUTO_CHOICES, AUTO_SOURCES, DRAFTERS, field_bounds
 from pipeline.spec.errors import rule_error
 from pipeline.storage.secrets import CREDENTIALS_HINT, find_credentials, has_userinfo, redact_options
 from pipeline.storage.urls import GLOB_CHARS, split_scheme
@@ -520,10 +520,12 @@ class DrafterSpec(_Section):
         description="The suffix drafter proposes nothing where no suffix of the text this long matches "
         "(1, as prompt lookup: a short match's acceptance is measured apart and prices its drafts).",
     )
-    auto_sources: list[Literal[AUTO_SOURCES]] = Field(
+    auto_sources: list[Literal[AUTO_CHOICES]] = Field(
         list(AUTO_SOURCES),
         min_length=1,
-        description="The drafters `auto` chooses among per row (leave one out to measure what it adds).",
+        description="The drafters `auto` chooses among per row (leave one out to measure what it adds). "
+        "head needs drafter.head; where drafter.head is given and this is left as it is, auto chooses "
+        "among the head too.",
     )
     suffix_warm_start: str | None = Field(
         None,
@@ -546,6 +548,10 @@ class DrafterSpec(_Section):
     def _head_given(self) -> DrafterSpec:
         if self.kind == "head" and not self.head:
             raise rule_error("drafter.head", "required when drafter.kind is 'head' (a head for the target)")
+        if "head" in self.auto_sources and not self.head:
+            raise rule_error("drafter.head", "required when drafter.auto_sources names head")
+        if self.head and "auto_sources" not in self.model_fields_set and "head" not in self.auto_sources:
+            self.auto_sources = [*self.auto_sources, "head"]
         return self
 
     @field_validator("ngram_min")
