@@ -632,10 +632,10 @@ class HeadDrafter:
                     drafts[i].append(token)
                     chances[i].append((chances[i][-1] if chances[i] else 1.0) * sure)
             self.step_seconds = ema(self.step_seconds, time.perf_counter() - stepped, 0.3)
-            scale = self.calibration.value
             verdicts = None
             if rule is not None:
-                verdicts = rule([c[-1] * scale if c else 0.0 for c in chances], [len(d) for d in drafts])
+                now = [self._calibrated(c[-1]) if c else 0.0 for c in chances]
+                verdicts = rule(now, [len(d) for d in drafts])
             for i in range(len(going)):
                 if not going[i]:
                     continue
@@ -653,8 +653,10 @@ class HeadDrafter:
     def chances(self) -> list[list[float]]:
         """Per row of the last proposal: the calibrated chance that its drafts 1..k are all
         accepted, for each k (what `auto` weighs them by)."""
-        scale = self.calibration.value
-        return [[c * scale for c in chances] for _, _, chances in self._proposed]
+        return [[self._calibrated(c) for c in chances] for _, _, chances in self._proposed]
+
+    def _calibrated(self, chance: float) -> float:
+        return min(chance * self.calibration.value, 0.99)
 
     def sent(self, counts: list[int]) -> None:
         """How many of each row's drafts went to the target (`auto` may have chosen another
