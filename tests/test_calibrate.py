@@ -167,7 +167,7 @@ def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, m
 
     report = tmp_path / "docs" / "calibrate-tiny.md"
     args = ["calibrate", "--pair", "tiny", "--batch", "1", "--widths", "1,2", "--context", "12"]
-    args += ["--runs", "1", "--head", "--report", str(report)]
+    args += ["--runs", "1", "--head", "--head-vocab", "40", "--report", str(report)]
     monkeypatch.setattr("sys.argv", ["pipeline", *args])  # the command the report records
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -177,6 +177,7 @@ def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, m
     assert "| CPU flags | avx2 " in text and "target pass" in text and written["pair"]["name"] == "tiny"
     head = written["head"]  # a draft head's step beside the target's pass (--head)
     assert head["step_seconds"] > 0 and head["parameters"] > 0 and head["context"] == 12
+    assert head["vocab_rows"] == 40  # --head-vocab: the output layer's rows, as a distilled head has
     width_one = written["target_pass_seconds_by_batch"]["1"]["1"]
     assert head["share_of_target_pass"] == head["step_seconds"] / width_one
     assert "draft head step" in text and "of a width-1 target pass" in text

@@ -219,4 +219,8 @@ def test_distill_head_trains_a_head_on_the_run_and_writes_where_it_came_from(set
     assert again.exit_code == 0, again.output
     whole = json.loads(again.stdout)
     assert whole["data"]["prompt_positions"] and not record["data"]["prompt_positions"]
-    assert whole["head"]["vocab_rows"] >= record["head"]["vocab_rows"]
+    # the head proposes the tokens of the training completions alone, unless --head-vocab asks more
+    assert whole["head"]["vocab_rows"] == record["head"]["vocab_rows"] < tiny_models[0].config.vocab_size
+    wide = CliRunner().invoke(main, [*args, "--force", "--epochs", "1", "--json", "--head-vocab", "0"])
+    assert wide.exit_code == 0, wide.output
+    assert json.loads(wide.stdout)["head"]["vocab_rows"] == tiny_models[0].config.vocab_size

@@ -157,6 +157,7 @@ def measure(
     draft_vocab: int = EngineConfig.draft_vocab,
     pair_name: str | None = None,
     head: bool = False,
+    head_vocab: int | None = None,
 ) -> dict[str, Any]:
     """Time target and draft passes of every width at every batch size over `context` cached
     tokens (median of `runs` after a warm-up), and each model's prefill per token; with `head`,
@@ -201,7 +202,7 @@ def measure(
     if head:
         from pipeline.decode.head import step_seconds
 
-        step = step_seconds(loaded.target, draft_vocab, context, max(runs, 3))
+        step = step_seconds(loaded.target, head_vocab or draft_vocab, context, max(runs, 3))
         step["share_of_target_pass"] = step["step_seconds"] / passes["target"]["1"]["1"]
         result["head"] = step
     result["seconds"] = time.perf_counter() - began

@@ -104,12 +104,17 @@ class DraftHead(torch.nn.Module):
         self._lm: torch.Tensor | None = None
 
     @classmethod
-    def from_target(cls, target: PreTrainedModel, vocab: int = 0, rows: Sequence[int] = ()) -> DraftHead:
+    def from_target(
+        cls, target: PreTrainedModel, vocab: int | None = 0, rows: Sequence[int] = (), only_rows: bool = False
+    ) -> DraftHead:
         """A new head for `target`: its layer a copy of the target's last one (a better start
         than random for a layer that must compute one more step of the same stack), proposing
-        token ids below `vocab` (0: all) and `rows`."""
+        token ids below `vocab` (0: all) and `rows`; with `only_rows`, `rows` alone."""
         last = target.base_model.layers[-1]
-        vocab_rows = _vocab_rows(target, vocab, rows)
+        if only_rows:
+            vocab_rows = torch.tensor(sorted(set(rows)), dtype=torch.long)
+        else:
+            vocab_rows = _vocab_rows(target, vocab or 0, rows)
         head = cls(target.config, type(last), vocab_rows, target_fingerprint(target))
         try:
             head.layer.load_state_dict(last.state_dict())

@@ -196,6 +196,7 @@ class CalibrateOptions:
     compiled_passes: bool | None
     runs: int
     head: bool
+    head_vocab: int | None
     as_json: bool
     out_path: str | None
     report_path: str | None
@@ -223,7 +224,16 @@ def measure_pair(options: CalibrateOptions) -> tuple[LoadedPair, dict[str, Any]]
     }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)
     if not o.against:
-        return loaded, measure(loaded, o.batches, o.widths, o.context, o.runs, pair_name=o.pair, head=o.head)
+        return loaded, measure(
+            loaded,
+            o.batches,
+            o.widths,
+            o.context,
+            o.runs,
+            pair_name=o.pair,
+            head=o.head,
+            head_vocab=o.head_vocab,
+        )
     other = load_pair(target, None, dtype=o.dtype, device="auto", weights=o.against, **kernels)
     result, theirs = measure_alternating(
         [loaded, other], o.batches, o.widths, o.context, runs=o.runs, pair_name=o.pair

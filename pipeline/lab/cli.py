@@ -215,7 +215,13 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
     "--head",
     is_flag=True,
     help="Also time a draft head's step (drafter.kind head: one decoder layer of the target's shape "
-    "and its output layer over drafter.draft_vocab tokens) beside the target's pass.",
+    "and its output layer over --head-vocab tokens) beside the target's pass.",
+)
+@click.option(
+    "--head-vocab",
+    type=click.IntRange(min=1),
+    help="With --head: the rows of the head's output layer (default: drafter.draft_vocab's 32768; a "
+    "head from `pipeline distill --head` has its distill.json's vocab_rows).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON instead of a table.")
 @click.option("--out", "out_path", help="Also write the JSON to this file.")
@@ -280,6 +286,13 @@ def calibrate(batches, widths, **options):
     "choice there (more data per document; the target's output layer runs over every position once).",
 )
 @click.option(
+    "--head-vocab",
+    type=click.IntRange(min=0),
+    help="With --head: the head proposes token ids below this plus every token of the training "
+    "completions (0: the whole vocabulary). Default: only the completions' tokens, the smallest "
+    "output layer and so the cheapest step.",
+)
+@click.option(
     "--gamma",
     type=click.IntRange(min=1),
     help="With --head: drafts per round when the held-out documents are replayed (default: the "
@@ -340,6 +353,7 @@ def distill(
     out_name,
     head,
     prompts,
+    head_vocab,
     gamma,
     as_json,
     report_path,
@@ -377,7 +391,10 @@ def distill(
         chosen = {k: settings[k] for k in ("holdout", "max_seconds", "seed", "force")}
         chosen |= {k: settings[k] for k in ("epochs", "lr") if settings[k] is not None}
         job = partial(
-            distill_head, run_output_url, out_name, HeadSettings(**chosen, gamma=gamma, prompts=prompts)
+            distill_head,
+            run_output_url,
+            out_name,
+            HeadSettings(**chosen, gamma=gamma, prompts=prompts, vocab=head_vocab),
         )
         write = write_head_report
     else:

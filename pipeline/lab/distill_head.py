@@ -40,6 +40,9 @@ class HeadSettings:
     force: bool = False
     # also learn at the prompts' positions, labelled with the target's own choices there
     prompts: bool = False
+    # the tokens the head proposes: ids below this plus the training completions' tokens (0: all);
+    # None: the completions' tokens alone (each row of the output layer costs every step)
+    vocab: int | None = None
 
 
 def distill_head(
@@ -86,10 +89,10 @@ def distill_head(
         f"({sum(len(d.completion) for d in train_docs)} completion tokens), {len(held_docs)} held out; "
         f"the target's features took {features_seconds:.1f} s"
     )
+    # what the head can propose: the tokens the target wrote in the training completions (a
+    # label outside them, at a prompt's position, is not learned), below `vocab` where asked
     seen = {t for d in train_docs for t in d.completion}
-    if settings.prompts:
-        seen |= {int(t) for d in train_docs for t in d.choices}
-    head = DraftHead.from_target(target, run.spec.drafter.draft_vocab, sorted(seen))
+    head = DraftHead.from_target(target, settings.vocab, sorted(seen), only_rows=settings.vocab is None)
     gamma = settings.gamma or max(run.spec.drafter.gamma_max, 1)
     before = _replayed(replay, head, held_docs, gamma)
     torch.manual_seed(settings.seed)
