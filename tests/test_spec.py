@@ -117,11 +117,11 @@ def test_auto_without_the_draft_model_needs_no_draft(tmp_path: Path):
     assert spec.models.draft is None and spec.drafter.auto_sources == ["prompt_lookup", "suffix"]
 
 
-def test_a_head_given_joins_autos_sources_unless_they_are_named(tmp_path: Path):
+def test_auto_chooses_among_a_head_only_where_its_sources_name_it(tmp_path: Path):
     spec = load_spec(write(tmp_path, VALID + "drafter: {head: heads/mine}\n"))
-    assert spec.drafter.auto_sources == ["draft_model", "prompt_lookup", "suffix", "head"]
-    spec = load_spec(write(tmp_path, VALID + "drafter: {head: heads/mine, auto_sources: [suffix]}\n"))
-    assert spec.drafter.auto_sources == ["suffix"]
+    assert "head" not in spec.drafter.auto_sources
+    spec = load_spec(write(tmp_path, VALID + "drafter: {head: heads/mine, auto_sources: [suffix, head]}\n"))
+    assert spec.drafter.auto_sources == ["suffix", "head"]
 
 
 def test_overrides(tmp_path: Path):

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -162,16 +162,13 @@ class LlamaCpp:
         return outputs, None
 
 
-def bench_config(kind: str, draft_vocab: int, head: bool = False) -> EngineConfig:
+def bench_config(kind: str, draft_vocab: int) -> EngineConfig:
     """The engine for a bench drafter: a drafter's name, or `auto:A+B` for `auto` choosing
-    among drafters A and B only (`auto:draft_model+prompt_lookup` is auto without suffix).
-    With a `head`, plain `auto` chooses among it too, as a job naming drafter.head does."""
+    among drafters A and B only (`auto:draft_model+prompt_lookup` is auto without suffix,
+    `auto:draft_model+prompt_lookup+suffix+head` auto with a draft head too)."""
     drafter, _, sources = kind.partition(":")
     if not sources:
-        config = EngineConfig(drafter=drafter, draft_vocab=draft_vocab)
-        if head and drafter == "auto":
-            config = replace(config, auto_sources=(*config.auto_sources, "head"))
-        return config
+        return EngineConfig(drafter=drafter, draft_vocab=draft_vocab)
     if drafter != "auto":
         raise ValueError(f"only auto takes a list of drafters, got {kind!r}")
     return EngineConfig(drafter="auto", draft_vocab=draft_vocab, auto_sources=tuple(sources.split("+")))
@@ -310,7 +307,7 @@ def _engines(
             decode_text=tok.decode,
             encode_text=partial(tok.encode, add_special_tokens=False),
             vocab_size=pair.vocab_size,
-            config=bench_config(kind, draft_vocab, head is not None and target is pair.target),
+            config=bench_config(kind, draft_vocab),
             head=head if target is pair.target else None,
         )
 

@@ -524,8 +524,8 @@ class DrafterSpec(_Section):
         list(AUTO_SOURCES),
         min_length=1,
         description="The drafters `auto` chooses among per row (leave one out to measure what it adds). "
-        "head needs drafter.head; where drafter.head is given and this is left as it is, auto chooses "
-        "among the head too.",
+        "head (which needs drafter.head) is not among them unless named: measured on license sections "
+        "a head trained on 85 others made auto slower (docs/choosing-a-draft.md).",
     )
     suffix_warm_start: str | None = Field(
         None,
@@ -550,8 +550,6 @@ class DrafterSpec(_Section):
             raise rule_error("drafter.head", "required when drafter.kind is 'head' (a head for the target)")
         if "head" in self.auto_sources and not self.head:
             raise rule_error("drafter.head", "required when drafter.auto_sources names head")
-        if self.head and "auto_sources" not in self.model_fields_set and "head" not in self.auto_sources:
-            self.auto_sources = [*self.auto_sources, "head"]
         return self
 
     @field_validator("ngram_min")
