@@ -15,7 +15,7 @@ from decode_case import MAX_NEW, TEXTS, reference
 from tiny_models import CORPUS
 
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.decode.head import ChainFigures, DraftHead, HeadError, documents, replay, train
+from pipeline.decode.head import ChainFigures, DraftHead, HeadChain, HeadError, documents, replay, train
 from pipeline.decode.sampling import SamplingParams
 
 
@@ -125,6 +125,39 @@ def test_auto_with_the_head_among_its_sources_decodes_the_targets_output(case, t
         outputs, batch = engine.generate(prompts[start : start + batch_size], MAX_NEW)
         assert [o.tokens for o in outputs] == refs[start : start + batch_size]
     assert sent  # the head offered drafts in some rounds
+
+
+def test_features_kept_for_later_feed_the_chain_as_feeding_them_at_once(trained):
+    """A chain keeps the target's features until a draft needs them (`defer`, then `flush`):
+    the same cache (up to rounding) and the same drafts as feeding every round."""
+    head, held, _ = trained
+    doc = held[0]
+    seq = doc.prompt + doc.completion
+    now, later = HeadChain(head), HeadChain(head)
+    for end in range(len(doc.prompt) + 1, len(seq) + 1, 3):  # rounds accepting 3 tokens
+        now.feed(doc.features[now.fed :], seq[:end])
+        later.defer(doc.features[later.known :], seq[:end])
+        assert later.known == now.fed
+    later.flush()  # one wider pass through the layer: the same values up to rounding
+    assert later.fed == now.fed and torch.allclose(later.last, now.last, atol=1e-4)
+    assert later.draft(4) == now.draft(4)
+
+
+def test_a_head_that_does_not_pay_rests_and_the_output_stays_the_targets(case, trained):
+    """An untrained head's drafts are almost never accepted: judged after a few rounds against
+    its own seconds, it rests (drafts nothing, feeds nothing), then tries again."""
+    target, _, tokenizer, prompts, eos, refs = case
+    untrained = trained[2]
+    config = EngineConfig(drafter="head", gamma_max=4)
+    engine = SpeculativeEngine(target, None, eos_token_ids=eos, pad_token_id=0, config=config, head=untrained)
+    engine.head.JUDGE_ROUNDS, engine.head.REST_ROUNDS = 2, 3
+    rested = []
+    real = engine.head.propose
+    engine.head.propose = lambda *a, **k: (rested.append(engine.head.resting), real(*a, **k))[1]
+    for prompt, ref in zip(prompts, refs):
+        outputs, _ = engine.generate([prompt], MAX_NEW)
+        assert [o.tokens for o in outputs] == [ref]
+    assert any(rested) and not all(rested)
 
 
 def test_the_head_follows_rows_whose_prompts_share_a_template(tiny_models, trained):

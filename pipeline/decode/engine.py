@@ -336,8 +336,10 @@ class SpeculativeEngine:
             gamma_cap = min(gamma_cap, self.target.max_verify_tokens - 1)
         head = None
         if batch.head:  # a few cheap steps, each draft kept while it pays (`Policy.head_length`)
-            rule = self.policy.head_length(batch.head.step_seconds)
-            head = batch.head.propose(seqs, gamma_cap, batch.sampling, batch.generator, rule=rule)
+            rule = self.policy.head_length(batch.head.step_seconds)  # None with fixed gamma
+            worth = self.costs.token_seconds() if self.config.adaptive else None  # None: never rests
+            sampling, generator = batch.sampling, batch.generator
+            head = batch.head.propose(seqs, gamma_cap, sampling, generator, rule=rule, token_seconds=worth)
             if not batch.copiers and batch.model is None:
                 drafts = _Drafts([], [], [], 0)
                 for tokens in head.tokens:

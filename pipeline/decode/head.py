@@ -322,6 +322,29 @@ class HeadChain:
         self.last: torch.Tensor | None = None  # g at pair fed-1
         self._drafts: list[int] = []  # drafted since `fed` (`step`), until `rollback`
         self._g: torch.Tensor | None = None  # g after the last of them
+        # features of the pairs from `fed` on, kept until a draft needs them (`defer`)
+        self._waiting: list[torch.Tensor] = []
+        self._seq: Sequence[int] = ()
+
+    @property
+    def known(self) -> int:
+        """Pairs whose features the chain holds: fed, or kept to feed (`defer`)."""
+        return self.fed + sum(len(f) for f in self._waiting)
+
+    def defer(self, features: torch.Tensor, seq: Sequence[int]) -> None:
+        """As `feed` (features[i] is the target's feature at position `known` + i), but kept
+        until the next draft: a head that is not asked to draft costs nothing, and when it is,
+        the pairs go through its layer in one pass."""
+        n = min(len(seq) - 1 - self.known, features.shape[0])
+        if n > 0:
+            self._waiting.append(features[:n])
+        self._seq = seq
+
+    def flush(self) -> None:
+        """Feed the pairs `defer` kept."""
+        if self._waiting:
+            waiting, self._waiting = torch.cat(self._waiting), []
+            self.feed(waiting, self._seq)
 
     @torch.no_grad()
     def feed(self, features: torch.Tensor, seq: Sequence[int]) -> None:
@@ -341,6 +364,7 @@ class HeadChain:
         """One more draft past the accepted sequence and those drafted since `fed`: the token
         and the head's confidence in it (its largest probability over `vocab_rows`). The
         drafted pairs stay in the cache until `rollback`."""
+        self.flush()
         if self._drafts:  # the pair (g, last draft) goes in first, at the position after fed-1
             ids = torch.tensor([[self._drafts[-1]]], device=self.head.device)
             at = self.fed + len(self._drafts) - 1
@@ -587,6 +611,16 @@ class HeadDrafter:
         self.step_seconds: float | None = None  # one step of every going row, lately
         self.calibration = RunningRate(prior=1.0, weight=4.0, cap=4.0)
         self._proposed: list[tuple[int, list[int], list[float]]] = []  # per row: length, drafts, chances
+        # what the head's accepted drafts were worth against what its steps cost, lately (`_judge`)
+        self._worth = self._cost = 0.0
+        self._judged = 0  # rounds since the last judgement
+        self._rest = 0  # rounds left without drafting
+        self._rest_gap = self.REST_ROUNDS
+        self._token_seconds: float | None = None
+        self._round_seconds = 0.0
+
+    REST_ROUNDS = 16  # rounds a head that does not pay rests at first (doubling while it does not)
+    JUDGE_ROUNDS = 8  # rounds of drafting before the head is judged
 
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.keep_features = True
@@ -601,7 +635,7 @@ class HeadDrafter:
         began = time.perf_counter()
         for seq, (start, features) in zip(prompts, self.lm.features):
             chain = HeadChain(self.head, start)
-            chain.feed(features, seq)
+            chain.defer(features, seq)
             self.chains.append(chain)
         self.seconds += time.perf_counter() - began
 
@@ -610,24 +644,64 @@ class HeadDrafter:
         the drafts fared against their chances, then feed the pairs whose features the pass
         computed after accepted tokens."""
         began = time.perf_counter()
+        worth = 0
         for (length, drafts, chances), seq in zip(self._proposed, seqs):
             got = seq[length : length + len(drafts)]
             hits = next((k for k, (t, d) in enumerate(zip(got, drafts)) if t != d), len(got))
             self.calibration.update(hits, sum(chances))
+            worth += hits
+        if self._proposed:
+            self._judge(worth)
         self._proposed = []
         for chain, seq, (start, features) in zip(self.chains, seqs, self.lm.features):
-            if chain.fed < start:  # features missing (a row the head was not following): restart
+            if chain.known < start:  # features missing (a row the head was not following): restart
                 chain.restart(start)
-            chain.feed(features[chain.fed - start :], seq)
+            chain.defer(features[chain.known - start :], seq)
         self.seconds += time.perf_counter() - began
 
-    def propose(self, seqs, gamma, params, generator, keep=None, guess=None, rule: HeadRule | None = None):
-        """Up to `gamma` drafts per row; with `rule`, each row's as many as pay (see the class)."""
+    def _judge(self, accepted: int) -> None:
+        """After a round the head drafted in: did its accepted drafts, at what a token is worth
+        lately, pay for its seconds? Judged over the last rounds (their sums decaying), once
+        `JUDGE_ROUNDS` have passed; a head that did not pay rests (drafts nothing, and its
+        chains only keep the target's features, which costs nothing) for `REST_ROUNDS`, twice
+        as many after each judgement it fails again, then drafts again to be judged anew."""
+        if self._token_seconds is None:
+            return
+        self._worth = 0.9 * self._worth + accepted * self._token_seconds
+        self._cost = 0.9 * self._cost + self._round_seconds
+        self._judged += 1
+        if self._judged < self.JUDGE_ROUNDS:
+            return
+        if self._worth >= self._cost:
+            self._rest_gap = self.REST_ROUNDS
+            return
+        self._rest, self._rest_gap = self._rest_gap, min(2 * self._rest_gap, 8 * self.REST_ROUNDS)
+        self._worth = self._cost = 0.0
+        self._judged = 0
+
+    @property
+    def resting(self) -> bool:
+        return self._rest > 0
+
+    def propose(
+        self, seqs, gamma, params, generator, keep=None, guess=None, rule: HeadRule | None = None,
+        token_seconds: float | None = None,
+    ):  # fmt: skip
+        """Up to `gamma` drafts per row; with `rule`, each row's as many as pay (see the class);
+        none while the head rests (`_judge`; `token_seconds`: what a token is worth lately)."""
         from pipeline.decode.drafters import Proposal
 
+        if self._rest > 0:
+            self._rest -= 1
+            self._proposed = []
+            return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs))
+        self._token_seconds = token_seconds
         began = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in self.chains]
         chances = [[] for _ in self.chains]  # per row: the confidences' product over drafts 1..k
+        if gamma > 0:
+            for chain in self.chains:
+                chain.flush()
         going = [gamma > 0 and chain.last is not None for chain in self.chains]
         while any(going):
             stepped = time.perf_counter()
@@ -652,7 +726,8 @@ class HeadDrafter:
         for chain in self.chains:
             chain.rollback()
         self._proposed = [(len(seq), d, c) for seq, d, c in zip(seqs, drafts, chances)]
-        self.seconds += time.perf_counter() - began
+        self._round_seconds = time.perf_counter() - began
+        self.seconds += self._round_seconds
         return Proposal(tokens=drafts, probs=[None] * len(drafts))
 
     def chances(self) -> list[list[float]]:
