@@ -524,8 +524,8 @@ class DrafterSpec(_Section):
         list(AUTO_SOURCES),
         min_length=1,
         description="The drafters `auto` chooses among per row (leave one out to measure what it adds). "
-        "head (which needs drafter.head) is not among them unless named: measured on license sections "
-        "a head trained on 85 others made auto slower (docs/choosing-a-draft.md).",
+        "head (which needs drafter.head) is not among them unless named: see docs/choosing-a-draft.md "
+        "for why.",
     )
     suffix_warm_start: str | None = Field(
         None,
