@@ -378,8 +378,7 @@ class SpeculativeEngine:
             if source == DRAFT_MODEL and model.tokens[i]:
                 drafts.add(model.tokens[i], model.probs[i], (DRAFT_MODEL, 0))
             elif source in copies:
-                depth = copies[source].depths[i] if copies[source].depths else 0
-                drafts.add(copies[source].tokens[i][: choice.cap], None, (source, depth))
+                drafts.add(copies[source].tokens[i][: choice.cap], None, (source, copies[source].depths[i]))
             else:
                 drafts.add([], None, None)
         if head is not None:  # the head learns from the drafts of its that went to the target

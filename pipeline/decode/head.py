@@ -694,7 +694,7 @@ class HeadDrafter:
         if self._rest > 0:
             self._rest -= 1
             self._proposed = []
-            return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs))
+            return Proposal(tokens=[[] for _ in seqs], probs=[None] * len(seqs), depths=[0] * len(seqs))
         self._token_seconds = token_seconds
         began = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in self.chains]
@@ -728,7 +728,7 @@ class HeadDrafter:
         self._proposed = [(len(seq), d, c) for seq, d, c in zip(seqs, drafts, chances)]
         self._round_seconds = time.perf_counter() - began
         self.seconds += self._round_seconds
-        return Proposal(tokens=drafts, probs=[None] * len(drafts))
+        return Proposal(tokens=drafts, probs=[None] * len(drafts), depths=[0] * len(drafts))  # one kind
 
     def chances(self) -> list[list[float]]:
         """Per row of the last proposal: the calibrated chance that its drafts 1..k are all
