@@ -105,16 +105,13 @@ class DraftHead(torch.nn.Module):
 
     @classmethod
     def from_target(
-        cls, target: PreTrainedModel, vocab: int | None = 0, rows: Sequence[int] = (), only_rows: bool = False
+        cls, target: PreTrainedModel, vocab: int | None = 0, rows: Sequence[int] = ()
     ) -> DraftHead:
         """A new head for `target`: its layer a copy of the target's last one (a better start
         than random for a layer that must compute one more step of the same stack), proposing
-        token ids below `vocab` (0: all) and `rows`; with `only_rows`, `rows` alone."""
+        token ids below `vocab` (0: all; None: none) and `rows`."""
         last = target.base_model.layers[-1]
-        if only_rows:
-            vocab_rows = torch.tensor(sorted(set(rows)), dtype=torch.long)
-        else:
-            vocab_rows = _vocab_rows(target, vocab or 0, rows)
+        vocab_rows = _vocab_rows(target, vocab, rows)
         head = cls(target.config, type(last), vocab_rows, target_fingerprint(target))
         try:
             head.layer.load_state_dict(last.state_dict())
@@ -253,9 +250,10 @@ class HeadCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-def _vocab_rows(target: PreTrainedModel, vocab: int, rows: Sequence[int]) -> torch.Tensor:
+def _vocab_rows(target: PreTrainedModel, vocab: int | None, rows: Sequence[int]) -> torch.Tensor:
+    """Ids below `vocab` (0: every id; None: none) and `rows`, sorted."""
     size = target.get_output_embeddings().out_features
-    low = range(min(vocab, size) if vocab else size)
+    low = range(0) if vocab is None else range(min(vocab, size) if vocab else size)
     return torch.tensor(sorted(set(low).union(r for r in rows if 0 <= r < size)), dtype=torch.long)
 
 

@@ -92,7 +92,7 @@ def distill_head(
     # what the head can propose: the tokens the target wrote in the training completions (a
     # label outside them, at a prompt's position, is not learned), below `vocab` where asked
     seen = {t for d in train_docs for t in d.completion}
-    head = DraftHead.from_target(target, settings.vocab, sorted(seen), only_rows=settings.vocab is None)
+    head = DraftHead.from_target(target, settings.vocab, sorted(seen))
     gamma = settings.gamma or max(run.spec.drafter.gamma_max, 1)
     before = _replayed(replay, head, held_docs, gamma)
     torch.manual_seed(settings.seed)
