@@ -252,3 +252,135 @@ def test_a_job_drafting_with_a_saved_head_writes_the_targets_outputs(
     check_output(tiny_models, spec, Storage(str(tmp_path / "out")), rows_in)
     out = Storage(str(tmp_path / "out"))
     assert sum((out.read_json(n).get("drafted_by") or {}).get("head", 0) for n in out.list("stats")) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# online: the head learns between shards from the rows its engine decoded (drafter.head_online)
+
+
+def _online_engine(target, eos, share: float = 4.0, head=None, gamma: int = 4):
+    config = EngineConfig(drafter="head", gamma_max=gamma, head_online=True, head_online_share=share)
+    head = head if head is not None else DraftHead.from_target(target)
+    return SpeculativeEngine(target, None, eos_token_ids=eos, pad_token_id=0, config=config, head=head)
+
+
+def test_a_learning_head_keeps_each_decoded_row_with_the_targets_features(tiny_models):
+    """The documents the engine hands its learner are the rows as decoded (prompt, the
+    target's output) with the target's features over them, as `documents` computes them in
+    one pass; rows decoded again (corpus off, as a speedup sample's repeats and warm-ups) are
+    not learned twice."""
+    target, _, tokenizer = tiny_models
+    docs = _docs(target, tokenizer, 5, seed=7)
+    engine = _online_engine(target, [1])
+    outputs, _ = engine.generate([d.prompt for d in docs], 24, batch_size=2)
+    assert [o.tokens for o in outputs] == [d.completion for d in docs]  # exact, as ever
+    kept = list(engine.learner.kept)
+    assert sorted(d.completion for d in kept) == sorted(d.completion for d in docs)
+    for doc in kept:
+        # a prompt whose start the target reused from an earlier one is kept from where its
+        # features begin
+        (source,) = [
+            d for d in docs if d.completion == doc.completion and d.prompt[-len(doc.prompt) :] == doc.prompt
+        ]
+        skipped = len(source.prompt) - len(doc.prompt)
+        want = source.features[skipped : len(source.prompt) + len(source.completion) - 1]
+        assert doc.features.shape == want.shape
+        torch.testing.assert_close(doc.features.float(), want, atol=0.05, rtol=0.02)  # kept in bf16
+    engine.generate([d.prompt for d in docs], 24, batch_size=2, corpus=False)
+    assert len(engine.learner.kept) == 5 and engine.learner.fresh == 5
+
+
+def test_a_head_refined_between_batches_drafts_better_and_decodes_the_targets_text(tiny_models):
+    """Grown from a new head on the engine's own rows, batch after batch: held-out acceptance
+    rises as the offline training's does, the engine drafts with the refined head, and every
+    output stays the target's."""
+    target, _, tokenizer = tiny_models
+    torch.manual_seed(0)
+    docs = _docs(target, tokenizer, 150, seed=3)
+    learn, held = docs[:120], docs[120:]
+    engine = _online_engine(target, [1], share=4.0)
+    untrained = engine.learner.head.snapshot()
+    drafting = engine.head.head
+    engine.learner.CHECKED = 20  # every new row replayed: 8 of the tiny target's rows are too few
+    records = []
+    for start in range(0, len(learn), 20):
+        chunk = learn[start : start + 20]
+        outputs, _ = engine.generate([d.prompt for d in chunk], 24, batch_size=4)
+        assert [o.tokens for o in outputs] == [d.completion for d in chunk]
+        records.append(engine.refine_head())
+    assert all(r["steps"] > 0 and r["documents_new"] == 20 for r in records), records
+    # each refinement first replays the new rows with the head that drafted them: on the last
+    # batch, the refined head's acceptance against the new head's on the same rows
+    last = records[-1]["replayed"]
+    assert last["documents"] == 20 and last["first_position"] > 2 * _figures(untrained, learn[100:]).first
+    assert engine.refine_head() is None  # nothing new decoded
+    assert engine.head.head is not drafting  # drafting with the refined copy, packed where it can be
+    assert sum(r["steps"] for r in records) >= 120  # share 4: at least every document once
+    before, after = _figures(untrained, held), _figures(engine.learner.head, held)
+    assert after.first > 2 * before.first, (before.to_dict(), after.to_dict())
+    outputs, _ = engine.generate([d.prompt for d in held], 24, batch_size=3)
+    assert [o.tokens for o in outputs] == [d.completion for d in held]
+
+
+def test_refinement_keeps_to_its_share_of_the_decoding_time(tiny_models):
+    target, _, tokenizer = tiny_models
+    docs = _docs(target, tokenizer, 12, seed=5)
+    engine = _online_engine(target, [1], share=0.0)
+    engine.generate([d.prompt for d in docs], 24, batch_size=4)
+    record = engine.refine_head()
+    assert record["budget_seconds"] == 0 and record["steps"] == 0 and record["documents_new"] == 12
+    assert engine.learner.fresh == 0 and len(engine.learner.kept) == 12
+    engine.learner.share = 0.5
+    engine.generate([d.prompt for d in docs[:4]], 24, batch_size=4)
+    decoded = engine.learner.decode_seconds
+    record = engine.refine_head()
+    assert 0 < record["steps"] <= 16  # each kept document at most once a refinement
+    step = record["seconds"] / record["steps"]
+    assert record["seconds"] <= 0.5 * decoded + step + 0.05  # at most one step past its budget
+
+
+def test_a_new_head_reads_a_packed_targets_last_layer_back(tiny_pair_dirs):
+    """A job whose target runs on the CPU kernel (weights repacked into its blocks) can still
+    grow a head: the last layer's weights are read back through the kernel, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models import streamed
+
+    if streamed.library() is None:
+        pytest.skip("the CPU kernel is not built on this machine")
+    dense = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[0], dtype=torch.float32).eval()
+    packed = copy.deepcopy(dense)
+    assert streamed.stream_linears(packed) > 0
+    assert not isinstance(getattr(packed.base_model.layers[-1].mlp.down_proj, "weight", None), torch.Tensor)
+    torch.manual_seed(0)
+    want = DraftHead.from_target(dense)
+    torch.manual_seed(0)  # the same random start for `fc`
+    got = DraftHead.from_target(packed)
+    for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(got._lm, want._lm, rtol=0, atol=0)
+
+
+def test_a_job_grows_its_own_head_shard_after_shard(tiny_models, tiny_pair_dirs, tmp_path, ray_local):
+    """drafter.head_online with no head given: the actor starts from a new head, refines it
+    before each shard from the ones before, records each refinement in the shard's stats,
+    and writes the target's outputs."""
+    from pipeline_helpers import check_output, job_dict, write_corpus
+
+    from pipeline.job.executor import run_job
+    from pipeline.spec import spec_from_dict
+    from pipeline.storage import Storage
+
+    rows_in = write_corpus(Storage(str(tmp_path / "in")))
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+    data["drafter"] = {"kind": "head", "head_online": True, "head_online_share": 2.0, "gamma_max": 4}
+    spec = spec_from_dict(data)
+    result = run_job(spec, progress=False)
+    assert result.ok and len(result.done) == 4
+    check_output(tiny_models, spec, Storage(str(tmp_path / "out")), rows_in)
+    out = Storage(str(tmp_path / "out"))
+    stats = sorted((out.read_json(n) for n in out.list("stats")), key=lambda s: s["started"])
+    records = [s["head_online"] for s in stats if s["status"] == "ok"]  # one actor: shard after shard
+    assert len(records) >= 3
+    assert records[0] is None  # the first shard: nothing decoded before it
+    assert all(r and r["steps"] > 0 and r["documents_new"] > 0 for r in records[1:]), records

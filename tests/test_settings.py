@@ -50,7 +50,7 @@ def test_names_are_the_spec_choices():
 
 def test_from_spec_copies_every_shared_field():
     spec = DrafterSpec(
-        kind="suffix",
+        kind="auto",
         gamma_max=5,
         adaptive=False,
         ngram_min=2,
@@ -59,13 +59,16 @@ def test_from_spec_copies_every_shared_field():
         guess_tokens=9,
         suffix_max_tokens=123,
         suffix_min_match=3,
-        auto_sources=["suffix", "prompt_lookup"],
+        auto_sources=["suffix", "prompt_lookup", "head"],
+        head="heads/mine",
+        head_online=True,
+        head_online_share=1.5,
     )
     config = EngineConfig.from_spec(spec)
     shared = [f.name for f in fields(EngineConfig) if f.name in DrafterSpec.model_fields]
-    assert len(shared) == 9  # every drafter setting but `kind` and the warm start's URL
+    assert len(shared) == 11  # every drafter setting but `kind`, the head's and the warm start's URLs
     for name in shared:
         expected = getattr(spec, name)
         assert getattr(config, name) == (tuple(expected) if isinstance(expected, list) else expected)
-    assert config.drafter == "suffix"
+    assert config.drafter == "auto" and config.head_online_share == 1.5
     assert EngineConfig.from_spec(spec, "none").drafter == "none"  # the target-only twin

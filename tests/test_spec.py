@@ -124,6 +124,13 @@ def test_auto_chooses_among_a_head_only_where_its_sources_name_it(tmp_path: Path
     assert spec.drafter.auto_sources == ["suffix", "head"]
 
 
+def test_a_learning_head_needs_no_head_to_start_from(tmp_path: Path):
+    spec = load_spec(write(tmp_path, VALID + "drafter: {kind: head, head_online: true}\n"))
+    assert spec.drafter.head is None and spec.drafter.head_online_share == 0.25
+    spec = load_spec(write(tmp_path, VALID + "drafter: {head_online: true, auto_sources: [suffix, head]}\n"))
+    assert spec.drafter.head is None
+
+
 def test_overrides(tmp_path: Path):
     spec = load_spec(
         write(tmp_path, VALID),
@@ -269,7 +276,17 @@ BROKEN = [
     (
         "auto-head-without-head",
         VALID + "drafter:\n  auto_sources: [suffix, head]\n",
-        ["drafter.head: required when drafter.auto_sources names head"],
+        ["drafter.head: required when auto_sources names head, unless head_online"],
+    ),
+    (
+        "learning-head-not-drafting",
+        VALID + "drafter:\n  kind: suffix\n  head_online: true\n",
+        ["drafter.head_online: needs the head among the drafters (kind head, or head in auto_sources)"],
+    ),
+    (
+        "learning-share-out-of-range",
+        VALID + "drafter:\n  kind: head\n  head_online: true\n  head_online_share: 9\n",
+        ["drafter.head_online_share: expected a number >= 0 and <= 4"],
     ),
     ("section-not-mapping", VALID + "execution: 3\n", ["execution: expected a mapping, got 3"]),
     ("missing-required-name", VALID.replace("name: t1\n", ""), ["name: required field is missing"]),

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from pipeline.decode import settings, static_lm
 from pipeline.decode.costs import CostModel
 from pipeline.decode.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, Proposal
-from pipeline.decode.head import DraftHead, HeadDrafter
+from pipeline.decode.head import DraftHead, HeadDrafter, OnlineHead
 from pipeline.decode.policy import Choice, DraftingGate, Offer, Policy, RoundOptions
 from pipeline.decode.sampling import SamplingParams, choose, verify
 from pipeline.decode.settings import AUTO_SOURCES, DRAFT_MODEL, DRAFTERS, HEAD, PROMPT_LOOKUP
@@ -72,6 +72,10 @@ class EngineConfig:
     suffix_min_match: int = 1
     # The drafters `auto` chooses among: leaving one out measures what it adds to the others.
     auto_sources: tuple[str, ...] = AUTO_SOURCES
+    # The draft head learns from the rows it drafts for, between shards (`refine_head`), for
+    # this many seconds per second of decoding (`OnlineHead`).
+    head_online: bool = False
+    head_online_share: float = 0.25
 
     def __post_init__(self) -> None:
         settings.check(self)
@@ -183,6 +187,11 @@ class SpeculativeEngine:
             self.draft = DraftModelDrafter(
                 draft, pad_token_id, vocab, head_tokens=self.config.draft_vocab, always=tuple(eos_token_ids)
             )
+        # a head that learns as the job runs: a float32 master learns, a packed copy drafts
+        self.learner = None
+        if head is not None and self.config.head_online:
+            self.learner = OnlineHead(head, self.config.head_online_share, self.config.gamma_max)
+            head = self.learner.drafting
         self.head = HeadDrafter(head, self.target) if head is not None else None
         self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)
         # given the tokenizer both ways, the suffix drafter also matches each prompt reflowed
@@ -217,8 +226,8 @@ class SpeculativeEngine:
         take their places (continuous batching), so a row that speculation finishes early
         frees its place for the next one instead of idling until the slowest row is done.
         `corpus=False` keeps the suffix drafter to each row's own text, and these outputs out of
-        its corpus: for decoding rows again whose outputs the corpus already holds (a speedup
-        sample), which would otherwise find themselves there.
+        its corpus and out of a learning head's lessons: for decoding rows again whose outputs
+        the corpus already holds (a speedup sample), which would otherwise find themselves there.
         """
         sampling = sampling or SamplingParams()
         drafter = drafter or self.config.drafter
@@ -246,6 +255,9 @@ class SpeculativeEngine:
         stats = batch.stats
         stats.new_tokens = sum(r.stats.new_tokens for r in rows)
         stats.wall_seconds = time.perf_counter() - started
+        if batch.head and batch.head.learning:
+            self.learner.add(batch.head.finished, stats.wall_seconds)
+            batch.head.finished = []
         stats.target_seconds = self.target.forward_seconds - target_seconds0
         stats.draft_seconds = self._draft_seconds() - draft_seconds0
         outputs = [
@@ -263,6 +275,14 @@ class SpeculativeEngine:
     def sources(self, drafter: str) -> set[str]:
         """The drafters a run with `drafter` drafts from (`auto`: those it chooses among)."""
         return set(self.config.auto_sources) if drafter == "auto" else {drafter} - {"none"}
+
+    def refine_head(self) -> dict | None:
+        """With `head_online`: train the head on the rows decoded since the last call (see
+        `OnlineHead.refine`) and draft with it from now on; what the training did, or None."""
+        record = self.learner.refine() if self.learner else None
+        if record:
+            self.head.replace(self.learner.drafting)
+        return record
 
     def reserve(self, rows: int, prompt_tokens: int, max_new_tokens: int, drafter: str | None = None) -> None:
         """Static slots (`StaticLM.reserve`) for `rows` rows of prompts up to `prompt_tokens`
@@ -285,6 +305,8 @@ class SpeculativeEngine:
         head = self.head if HEAD in uses else None
         self.target.keep_features = head is not None
         drafters += [head] if head else []
+        if head:  # rows decoded again (corpus off) teach the head nothing new
+            head.learning, head.finished = self.learner is not None and corpus, []
         self.target.reset(0)
         for d in drafters:
             d.start([])

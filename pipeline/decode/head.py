@@ -36,6 +36,7 @@ import json
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,21 +72,50 @@ def target_fingerprint(target: PreTrainedModel) -> str:
 
 
 @torch.no_grad()
-def output_rows(target: PreTrainedModel, rows: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+def output_rows(target: PreTrainedModel, rows: torch.Tensor) -> torch.Tensor:
     """The target's output layer's weight rows `rows` [len(rows), H], float32, whatever holds
-    them: a Linear's weight, or a kernel's packed blocks (`StreamedLinear`), read back by
-    applying the layer to unit vectors (w·e_j is w_j exactly; the bias taken off)."""
-    layer = target.get_output_embeddings()
+    them (see `_weight_rows`)."""
+    return _weight_rows(target.get_output_embeddings(), target.config.hidden_size, rows)
+
+
+@torch.no_grad()
+def _weight_rows(
+    layer: torch.nn.Module, in_features: int, rows: torch.Tensor | None = None, chunk: int = 256
+) -> torch.Tensor:
+    """A linear layer's weight rows `rows` (None: all), float32: its `weight` where it has one,
+    else read back from a kernel's packed blocks (`StreamedLinear`, `BlockLinear`) by applying
+    the layer to unit vectors (w·e_j is w_j exactly; the bias taken off)."""
     weight = getattr(layer, "weight", None)
     if isinstance(weight, torch.Tensor):
-        return weight.detach()[rows.to(weight.device)].float().contiguous()
-    hidden = target.config.hidden_size
-    bias = layer(torch.zeros(1, hidden))[0]
+        weight = weight.detach()
+        return (weight if rows is None else weight[rows.to(weight.device)]).float().contiguous()
+    bias = layer(torch.zeros(1, in_features))[0]
     parts = []
-    for begin in range(0, hidden, chunk):
-        units = torch.eye(hidden)[begin : begin + chunk]
-        parts.append((layer(units) - bias)[:, rows])  # [chunk, len(rows)]
+    for begin in range(0, in_features, chunk):
+        units = torch.eye(in_features)[begin : begin + chunk]
+        out = layer(units) - bias  # [chunk, out]
+        parts.append(out if rows is None else out[:, rows])
     return torch.cat(parts).T.contiguous()
+
+
+@torch.no_grad()
+def _copy_layer(source: torch.nn.Module, into: torch.nn.Module) -> None:
+    """`into`'s weights from `source`, a module of the same class: the state as it is where
+    `source` holds plain weights, else each Linear's read back from the kernel's blocks."""
+    try:
+        into.load_state_dict(source.state_dict())
+        return
+    except RuntimeError:
+        pass
+    found = dict(source.named_modules())
+    for name, module in into.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.copy_(_weight_rows(found[name], module.in_features))
+            if module.bias is not None:
+                module.bias.copy_(found[name](torch.zeros(1, module.in_features))[0])
+        else:  # a norm's weight, say
+            for key, value in module.named_parameters(recurse=False):
+                value.copy_(getattr(found[name], key).detach())
 
 
 class DraftHead(torch.nn.Module):
@@ -113,18 +143,12 @@ class DraftHead(torch.nn.Module):
         last = target.base_model.layers[-1]
         vocab_rows = _vocab_rows(target, vocab, rows)
         head = cls(target.config, type(last), vocab_rows, target_fingerprint(target))
-        try:
-            head.layer.load_state_dict(last.state_dict())
-        except RuntimeError:
-            raise HeadError(
-                "a new head starts from the target's last layer, which this target holds repacked "
-                "for a kernel: load the target with dense weights to train a head"
-            ) from None
+        head.to(dtype=torch.float32)
+        _copy_layer(last, head.layer)
         with torch.no_grad():  # start as "the feature, moved a little by the token"
             hidden = target.config.hidden_size
             head.fc.weight.mul_(0.1)
             head.fc.weight[:, hidden:] += torch.eye(hidden)
-        head.to(dtype=torch.float32)
         return head.bind(target)
 
     def bind(self, target: PreTrainedModel) -> DraftHead:
@@ -144,6 +168,16 @@ class DraftHead(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return self.vocab_rows.device  # a buffer: the linears' weights go when packed
+
+    def snapshot(self) -> DraftHead:
+        """A copy of the weights, borrowing what this head borrows (no second copy of the
+        target's output rows): what a job drafts with, packed, while this head goes on learning
+        (`OnlineHead`)."""
+        twin = DraftHead(self.config, type(self.layer), self.vocab_rows.cpu(), self.fingerprint)
+        twin.load_state_dict(self.state_dict())
+        twin.__dict__.update(_embed=self.__dict__["_embed"], _rotary=self.__dict__["_rotary"])
+        twin._lm = self._lm
+        return twin.to(self.device).eval()
 
     def forward(
         self,
@@ -308,8 +342,9 @@ class HeadChain:
     """The head following one row: its cache holds the pairs (f_i, x_{i+1}) of the accepted
     sequence, with the target's true features; `draft` runs γ steps past it and rolls back."""
 
-    def __init__(self, head: DraftHead, start: int = 0):
+    def __init__(self, head: DraftHead, start: int = 0, record: bool = False):
         self.head = head
+        self.record = record
         self.restart(start)
 
     def restart(self, start: int) -> None:
@@ -323,6 +358,8 @@ class HeadChain:
         # features of the pairs from `fed` on, kept until a draft needs them (`defer`)
         self._waiting: list[torch.Tensor] = []
         self._seq: Sequence[int] = ()
+        # with `record`: every feature the chain was given, pairs start .. known-1 (`document`)
+        self.recorded: list[torch.Tensor] = []
 
     @property
     def known(self) -> int:
@@ -336,7 +373,21 @@ class HeadChain:
         n = min(len(seq) - 1 - self.known, features.shape[0])
         if n > 0:
             self._waiting.append(features[:n])
+            if self.record:
+                self.recorded.append(features[:n].to(torch.bfloat16))
         self._seq = seq
+
+    def document(self, prompt_len: int) -> Document | None:
+        """The row as a training document (`OnlineHead`): prompt, the target's completion, and
+        the features recorded since `start` (the pairs before it, a reused prompt start the
+        target computed none for, left out). None without a completion to learn from."""
+        seq = list(self._seq)
+        if not self.record or prompt_len <= self.start or len(seq) - prompt_len < 2:
+            return None
+        features = torch.cat(self.recorded) if self.recorded else torch.empty(0)
+        if len(features) < len(seq) - 1 - self.start:
+            return None
+        return Document(seq[self.start : prompt_len], seq[prompt_len:], features)
 
     def flush(self) -> None:
         """Feed the pairs `defer` kept."""
@@ -517,7 +568,7 @@ def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.
     predicted = g[first : first + len(labels)]
     loss = F.cross_entropy(head.logits(predicted), index, ignore_index=-100)
     if regression:
-        target = doc.features[first + 1 : first + 1 + len(predicted)].to(head.device)
+        target = doc.features[first + 1 : first + 1 + len(predicted)].to(head.device, torch.float32)
         loss = loss + regression * F.smooth_l1_loss(predicted, target)
     return loss
 
@@ -560,14 +611,9 @@ def train(
         if not order:
             order = list(range(len(docs)))
             rng.shuffle(order)
-        loss = head_loss(head, docs[order.pop()])
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        record.loss.append(_learn(head, optimizer, params, docs[order.pop()]))
         schedule.step()
         record.steps += 1
-        record.loss.append(round(loss.item(), 4))
         if on_step:
             on_step(step, record.loss[-1])
     head.eval()
@@ -575,6 +621,122 @@ def train(
     record.seconds = round(time.perf_counter() - began, 2)
     return record
 
+
+def _tokens(doc: Document) -> int:
+    return len(doc.prompt) + len(doc.completion)
+
+
+def _learn(head: DraftHead, optimizer, params, doc: Document) -> float:
+    """One training step on one document; its loss."""
+    loss = head_loss(head, doc)
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return round(loss.item(), 4)
+
+
+class OnlineHead:
+    """A head that goes on learning while its job runs (`drafter.head_online`).
+
+    Every row the engine decodes with the head is a labelled example of the target on the job's
+    own corpus: the prompt, the target's completion, and the target's features at every
+    position, which its passes computed anyway (the head's chains record them, `HeadChain
+    .document`): no extra pass. Between shards (`refine`) the head trains on them, each new
+    document once, newest first, then older ones, for `share` times the seconds the documents
+    took to decode; the engine then drafts with a packed copy (`drafting`) while this float32
+    one keeps its optimizer's state for the next shard.
+
+    Before learning from them, the drafting copy is replayed over the newest documents
+    (`replay`, up to `CHECKED`): its first-draft acceptance and τ on rows it had not learned
+    from, the same whatever the policy let it draft, so that shard after shard the stats show
+    what the job taught it.
+
+    Why: a head distilled offline knows its training texts (0.36 first-draft acceptance on
+    held-out sections of the corpus it came from, 0.23 on another text: docs/choosing-a-draft.md);
+    a nightly job's corpus has its own terms and phrasing, and a job that starts with no head
+    at all can grow one."""
+
+    KEEP_TOKENS = 1 << 16  # documents kept to learn from, newest first (bf16 features: 2·H bytes a token)
+    LR = 1e-3
+    WARM_STEPS = 20
+    CHECKED = 8  # the newest documents replayed before each refinement
+
+    def __init__(self, head: DraftHead, share: float, gamma: int = 8):
+        if "_lm_packed" in head.__dict__:
+            raise HeadError("a packed head cannot learn: give OnlineHead the head as loaded")
+        self.head = head
+        self.share = share
+        self.gamma = max(gamma, 1)  # drafts per round in the replay
+        self.drafting = head.snapshot().pack()
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.LR, weight_decay=0.0)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / self.WARM_STEPS)
+        )
+        self.kept: deque[Document] = deque()
+        self.fresh = 0  # the newest documents in `kept` not trained on yet
+        self.decode_seconds = 0.0  # decoding with the head since the last refinement
+        self.owed = 0.0  # seconds the last refinement ran past its budget (its last step)
+        self.steps = 0
+
+    def add(self, docs: Sequence[Document], seconds: float) -> None:
+        """Documents the engine just decoded with the head, in `seconds`."""
+        self.kept.extend(docs)
+        self.fresh = min(self.fresh + len(docs), len(self.kept))
+        self.decode_seconds += seconds
+        while len(self.kept) > 1 and sum(map(_tokens, self.kept)) > self.KEEP_TOKENS:
+            self.kept.popleft()
+            self.fresh = min(self.fresh, len(self.kept))
+
+    def refine(self) -> dict | None:
+        """Train within the budget (see the class); what it did, or None with nothing new.
+        A step that starts within the budget finishes: what it ran past comes off the next."""
+        if not self.fresh:
+            return None
+        budget = self.share * self.decode_seconds - self.owed
+        docs = list(self.kept)
+        new, old = docs[len(docs) - self.fresh :][::-1], docs[: len(docs) - self.fresh]
+        random.Random(self.steps).shuffle(old)
+        began = time.perf_counter()
+        checked = ChainFigures()
+        for doc in new[: self.CHECKED]:
+            replay(self.drafting, doc.prompt, doc.completion, doc.features, self.gamma, checked)
+        check_seconds = time.perf_counter() - began
+        began = time.perf_counter()
+        losses: list[float] = []
+        self.head.train()
+        for doc in new + old:
+            if time.perf_counter() - began >= budget:
+                break
+            losses.append(_learn(self.head, self.optimizer, self.params, doc))
+            self.schedule.step()
+        self.head.eval()
+        seconds = time.perf_counter() - began
+        self.drafting = self.head.snapshot().pack()
+        record = {
+            "replayed": {
+                "documents": min(self.fresh, self.CHECKED),
+                "gamma": self.gamma,
+                "first_position": round(checked.first, 4),
+                "tau": round(checked.tau, 4),
+                "by_position": checked.by_position,
+                "rounds": checked.rounds,
+                "seconds": round(check_seconds, 3),
+            },
+            "documents_new": self.fresh,
+            "documents_kept": len(docs),
+            "tokens_kept": sum(map(_tokens, docs)),
+            "steps": len(losses),
+            "seconds": round(seconds, 3),
+            "budget_seconds": round(max(budget, 0.0), 3),
+            "loss_mean": round(sum(losses) / len(losses), 4) if losses else None,
+        }
+        self.steps += len(losses)
+        self.owed = max(seconds - max(budget, 0.0), 0.0)
+        self.fresh = 0  # those the budget left untrained join the older ones
+        self.decode_seconds = 0.0
+        return record
 
 # --------------------------------------------------------------------------------------------
 # the engine's drafter
@@ -616,6 +778,11 @@ class HeadDrafter:
         self._rest_gap = self.REST_ROUNDS
         self._token_seconds: float | None = None
         self._round_seconds = 0.0
+        # with `learning` (an `OnlineHead` refines the head between shards): each finished
+        # row as a training document, until the learner takes them
+        self.learning = False
+        self.finished: list[Document] = []
+        self._prompt_lens: list[int] = []
 
     REST_ROUNDS = 16  # rounds a head that does not pay rests at first (doubling while it does not)
     JUDGE_ROUNDS = 8  # rounds of drafting before the head is judged
@@ -623,6 +790,7 @@ class HeadDrafter:
     def start(self, prompts: list[list[int]]) -> None:
         self.lm.keep_features = True
         self.chains = []
+        self._prompt_lens = []
         self._proposed = []
         self.admit(prompts)
 
@@ -632,9 +800,10 @@ class HeadDrafter:
             return
         began = time.perf_counter()
         for seq, (start, features) in zip(prompts, self.lm.features):
-            chain = HeadChain(self.head, start)
+            chain = HeadChain(self.head, start, record=self.learning)
             chain.defer(features, seq)
             self.chains.append(chain)
+            self._prompt_lens.append(len(seq) - 1)  # an admitted row holds the prefill's token
         self.seconds += time.perf_counter() - began
 
     def follow(self, seqs: list[list[int]]) -> None:
@@ -680,6 +849,13 @@ class HeadDrafter:
     @property
     def resting(self) -> bool:
         return self._rest > 0
+
+    def replace(self, head: DraftHead) -> None:
+        """Draft with `head` from the next batch on (a refined one, `OnlineHead`): judged
+        afresh, so a head that rested for want of skill drafts again."""
+        self.head = head
+        self._rest, self._rest_gap, self._judged = 0, self.REST_ROUNDS, 0
+        self._worth = self._cost = 0.0
 
     def propose(
         self, seqs, gamma, params, generator, keep=None, guess=None, rule: HeadRule | None = None,
@@ -742,4 +918,11 @@ class HeadDrafter:
         self._proposed = [(length, d[:n], c[:n]) for (length, d, c), n in zip(self._proposed, counts)]
 
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
+        if self.learning:
+            kept = set(keep)
+            for k, (chain, prompt_len) in enumerate(zip(self.chains, self._prompt_lens)):
+                doc = chain.document(prompt_len) if k not in kept else None
+                if doc is not None:
+                    self.finished.append(doc)
         self.chains = [self.chains[k] for k in keep]
+        self._prompt_lens = [self._prompt_lens[k] for k in keep]

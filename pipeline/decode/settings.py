@@ -22,9 +22,9 @@ MODEL_FREE = (NONE, PROMPT_LOOKUP, SUFFIX, HEAD)
 # longest match it can demand (`suffix_min_match`).
 SUFFIX_MAX_DEPTH = 32
 
-# (lowest, highest) each integer setting may take; None: no limit that side.
+# (lowest, highest) each numeric setting may take; None: no limit that side.
 # gamma_max 0 drafts nothing: target-only decoding, as the drafter "none".
-BOUNDS: dict[str, tuple[int | None, int | None]] = {
+BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "gamma_max": (0, 32),
     "ngram_min": (1, 16),
     "ngram_max": (1, 16),
@@ -32,10 +32,11 @@ BOUNDS: dict[str, tuple[int | None, int | None]] = {
     "guess_tokens": (0, 16),
     "suffix_max_tokens": (0, None),
     "suffix_min_match": (1, SUFFIX_MAX_DEPTH),
+    "head_online_share": (0, 4),
 }
 
 
-def field_bounds(name: str) -> dict[str, int]:
+def field_bounds(name: str) -> dict[str, float]:
     """`BOUNDS[name]` as pydantic's Field keywords (ge, le)."""
     low, high = BOUNDS[name]
     return {k: v for k, v in (("ge", low), ("le", high)) if v is not None}

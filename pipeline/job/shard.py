@@ -138,6 +138,8 @@ class ShardProcessor:
             prompts.append(prompt)
             good.append(row)
 
+        # a learning head trains on the rows of the shards before this one (`refine_head`)
+        refined = self.engine.refine_head()
         decoded, totals, sample = self._decode_measured([p.ids for p in prompts])
 
         out_rows = []
@@ -167,6 +169,8 @@ class ShardProcessor:
         self.output.write_parquet(paths["outputs"], pa.Table.from_pylist(out_rows, schema=schema))
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist(errors, schema=ERROR_SCHEMA))
         stats = self._stats(shard_url, name, rows, errors, totals, truncated, tokens_in, sample)
+        if self.engine.learner:
+            stats.context["head_online"] = refined
         stats.context.update(attempt=attempt, started=started, finished=time.time())
         record = stats.to_json()
         self.output.write_json(paths["stats"], record)

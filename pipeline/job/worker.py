@@ -75,7 +75,12 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     if drafter == HEAD or (drafter == "auto" and HEAD in spec.drafter.auto_sources):
         from pipeline.decode.head import DraftHead
 
-        head = DraftHead.load(spec.drafter.head, pair.target).pack()
+        if spec.drafter.head:
+            head = DraftHead.load(spec.drafter.head, pair.target)
+        else:  # head_online: grown from a new head
+            head = DraftHead.from_target(pair.target, spec.drafter.draft_vocab)
+        if not spec.drafter.head_online:  # a learning head is packed by the engine, as a copy
+            head = head.pack()
     engine = SpeculativeEngine(
         pair.target,
         pair.draft,

@@ -478,8 +478,21 @@ class DrafterSpec(_Section):
     head: str | None = Field(
         None,
         description="A local directory holding a draft head trained on this target's features "
-        "(`pipeline distill --head`); required when kind is head. A head trained on another target "
-        "is refused when the actors load it.",
+        "(`pipeline distill --head`); required when kind is head, unless head_online grows one. A head "
+        "trained on another target is refused when the actors load it.",
+    )
+    head_online: bool = Field(
+        False,
+        description="Each actor's head goes on learning between shards from the rows it decoded (their "
+        "prompts, the target's outputs and the target's features, which its passes computed anyway), "
+        "for head_online_share of their decoding time; the shard stats record each refinement. With no "
+        "drafter.head, the actors start from a new head (its layer a copy of the target's last one, "
+        "proposing token ids below draft_vocab).",
+    )
+    head_online_share: float = Field(
+        0.25,
+        **field_bounds("head_online_share"),
+        description="Seconds a learning head trains per second of decoding with it (head_online).",
     )
     gamma_max: int = Field(
         8, **field_bounds("gamma_max"), description="Maximum tokens drafted per verification step (0: none)."
@@ -546,10 +559,19 @@ class DrafterSpec(_Section):
 
     @model_validator(mode="after")
     def _head_given(self) -> DrafterSpec:
+        drafts = self.kind == "head" or (self.kind == "auto" and "head" in self.auto_sources)
+        if self.head_online and not drafts:
+            needs = "needs the head among the drafters (kind head, or head in auto_sources)"
+            raise rule_error("drafter.head_online", needs)
+        if self.head_online:
+            return self  # grown from a new head where none is given
         if self.kind == "head" and not self.head:
-            raise rule_error("drafter.head", "required when drafter.kind is 'head' (a head for the target)")
+            raise rule_error(
+                "drafter.head",
+                "required when drafter.kind is 'head' (a head for the target), unless head_online grows one",
+            )
         if "head" in self.auto_sources and not self.head:
-            raise rule_error("drafter.head", "required when drafter.auto_sources names head")
+            raise rule_error("drafter.head", "required when auto_sources names head, unless head_online")
         return self
 
     @field_validator("ngram_min")
