@@ -15,7 +15,16 @@ from decode_case import MAX_NEW, TEXTS, reference
 from tiny_models import CORPUS
 
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
-from pipeline.decode.head import ChainFigures, DraftHead, HeadChain, HeadError, documents, replay, train
+from pipeline.decode.head import (
+    ChainFigures,
+    DraftHead,
+    HeadChain,
+    HeadError,
+    documents,
+    first_draft_hits,
+    replay,
+    train,
+)
 from pipeline.decode.sampling import SamplingParams
 
 
@@ -301,7 +310,6 @@ def test_a_head_refined_between_batches_drafts_better_and_decodes_the_targets_te
     engine = _online_engine(target, [1], share=4.0)
     untrained = engine.learner.head.snapshot()
     drafting = engine.head.head
-    engine.learner.CHECKED = 20  # every new row replayed: 8 of the tiny target's rows are too few
     records = []
     for start in range(0, len(learn), 20):
         chunk = learn[start : start + 20]
@@ -309,10 +317,12 @@ def test_a_head_refined_between_batches_drafts_better_and_decodes_the_targets_te
         assert [o.tokens for o in outputs] == [d.completion for d in chunk]
         records.append(engine.refine_head())
     assert all(r["steps"] > 0 and r["documents_new"] == 20 for r in records), records
-    # each refinement first replays the new rows with the head that drafted them: on the last
-    # batch, the refined head's acceptance against the new head's on the same rows
-    last = records[-1]["replayed"]
-    assert last["documents"] == 20 and last["first_position"] > 2 * _figures(untrained, learn[100:]).first
+    # each refinement first checks the drafting head's first drafts on the new rows: on the
+    # last batch, the refined head's against the new head's on the same rows
+    last = records[-1]["first_draft"]
+    hits = [first_draft_hits(untrained, d) for d in learn[100:]]
+    assert last["tokens"] == sum(n for _, n in hits) == 20 * 23
+    assert last["accuracy"] > 2 * sum(h for h, _ in hits) / last["tokens"], (last, hits)
     assert engine.refine_head() is None  # nothing new decoded
     assert engine.head.head is not drafting  # drafting with the refined copy, packed where it can be
     assert sum(r["steps"] for r in records) >= 120  # share 4: at least every document once

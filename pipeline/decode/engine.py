@@ -190,7 +190,7 @@ class SpeculativeEngine:
         # a head that learns as the job runs: a float32 master learns, a packed copy drafts
         self.learner = None
         if head is not None and self.config.head_online:
-            self.learner = OnlineHead(head, self.config.head_online_share, self.config.gamma_max)
+            self.learner = OnlineHead(head, self.config.head_online_share)
             head = self.learner.drafting
         self.head = HeadDrafter(head, self.target) if head is not None else None
         self.lookup = PromptLookupDrafter(self.config.ngram_max, self.config.ngram_min)

@@ -38,7 +38,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -513,6 +513,7 @@ class HeadTraining:
     seconds: float = 0.0
     stopped_by: str = ""
     tokens: int = 0  # completion tokens per epoch
+    dtype: str = "float32"  # the products' (`training_dtype`)
     loss: list[float] = field(default_factory=list)
 
 
@@ -549,11 +550,10 @@ def _choices(target: PreTrainedModel, features: torch.Tensor, chunk: int = 64) -
     return torch.cat(parts)
 
 
-def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.Tensor:
-    """Teacher forcing over one document: g_i from (f_i, x_{i+1}); cross-entropy of x_{i+2}
-    over the completion, and smooth L1 of g_i against f_{i+1} there. A document with the
-    target's `choices` is learned at every position, each labelled with the target's choice
-    after position i+1 (on the completion, its token x_{i+2})."""
+def _teacher_forced(head: DraftHead, doc: Document) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """g_i from (f_i, x_{i+1}) at the pairs `head_loss` learns, their labels (the completion's
+    x_{i+2}, or with the target's `choices`, its choice after every position i+1), and the
+    first such pair's i."""
     seq = doc.prompt + doc.completion
     n = len(seq) - 1  # pairs i = 0 .. n-1
     ids = torch.tensor([seq[1:]], device=head.device)
@@ -564,8 +564,26 @@ def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.
     else:
         first = max(len(doc.prompt) - 1, 0)  # pair i predicts x_{i+2}: the completion's from here
         labels = torch.tensor(seq[first + 2 :], device=head.device)
+    return g[first : first + len(labels)], labels, first
+
+
+@torch.no_grad()
+def first_draft_hits(head: DraftHead, doc: Document) -> tuple[int, int]:
+    """How many of the completion's tokens (after the first, which the prefill chooses) the head
+    drafts first given the target's features up to them, of how many: a round's first draft
+    sees exactly this (the chain holds the accepted pairs' true features), so it is the head's
+    first-position acceptance over every position rather than at the rounds' starts, in one
+    pass over the document instead of a replay."""
+    predicted, labels, _ = _teacher_forced(head, replace(doc, choices=None))
+    drafted = head.vocab_rows[head.logits(predicted).argmax(-1)]
+    return int((drafted == labels).sum()), len(labels)
+
+
+def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.Tensor:
+    """Teacher forcing over one document (`_teacher_forced`): cross-entropy of each pair's
+    label, and smooth L1 of g_i against f_{i+1}."""
+    predicted, labels, first = _teacher_forced(head, doc)
     index = _label_index(head, labels)
-    predicted = g[first : first + len(labels)]
     loss = F.cross_entropy(head.logits(predicted), index, ignore_index=-100)
     if regression:
         target = doc.features[first + 1 : first + 1 + len(predicted)].to(head.device, torch.float32)
@@ -596,6 +614,8 @@ def train(
         return record
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    dtype = training_dtype(head.device)
+    record.dtype = str(dtype).removeprefix("torch.")
     total = max(1, math.ceil(epochs * len(docs)))
     warm_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - s / (total + 1))  # noqa: E731
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warm_then_decay)
@@ -611,7 +631,7 @@ def train(
         if not order:
             order = list(range(len(docs)))
             rng.shuffle(order)
-        record.loss.append(_learn(head, optimizer, params, docs[order.pop()]))
+        record.loss.append(_learn(head, optimizer, params, docs[order.pop()], dtype))
         schedule.step()
         record.steps += 1
         if on_step:
@@ -626,9 +646,21 @@ def _tokens(doc: Document) -> int:
     return len(doc.prompt) + len(doc.completion)
 
 
-def _learn(head: DraftHead, optimizer, params, doc: Document) -> float:
-    """One training step on one document; its loss."""
-    loss = head_loss(head, doc)
+def training_dtype(device: torch.device) -> torch.dtype:
+    """What a head's training computes its products in: bfloat16 where the device multiplies
+    it fast (a GPU, or a CPU with AVX512-BF16 or AMX: 2.5x float32's speed for a step of the
+    1.5B's head on 2 AVX-512 cores), as autocast, the weights and the optimizer's state staying
+    float32; float32 elsewhere (emulated bf16 would be slower)."""
+    from pipeline.models.loading import resolve_dtype
+
+    dtype = resolve_dtype("auto", device.type)
+    return dtype if dtype == torch.bfloat16 else torch.float32
+
+
+def _learn(head: DraftHead, optimizer, params, doc: Document, dtype: torch.dtype = torch.float32) -> float:
+    """One training step on one document, products in `dtype`; its loss."""
+    with torch.autocast(head.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = head_loss(head, doc)
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -647,8 +679,8 @@ class OnlineHead:
     took to decode; the engine then drafts with a packed copy (`drafting`) while this float32
     one keeps its optimizer's state for the next shard.
 
-    Before learning from them, the drafting copy is replayed over the newest documents
-    (`replay`, up to `CHECKED`): its first-draft acceptance and τ on rows it had not learned
+    Before learning from them, the drafting copy's first draft is checked on every new
+    document (`first_draft_hits`): its first-position acceptance on rows it had not learned
     from, the same whatever the policy let it draft, so that shard after shard the stats show
     what the job taught it.
 
@@ -660,15 +692,14 @@ class OnlineHead:
     KEEP_TOKENS = 1 << 16  # documents kept to learn from, newest first (bf16 features: 2·H bytes a token)
     LR = 1e-3
     WARM_STEPS = 20
-    CHECKED = 8  # the newest documents replayed before each refinement
 
-    def __init__(self, head: DraftHead, share: float, gamma: int = 8):
+    def __init__(self, head: DraftHead, share: float):
         if "_lm_packed" in head.__dict__:
             raise HeadError("a packed head cannot learn: give OnlineHead the head as loaded")
         self.head = head
         self.share = share
-        self.gamma = max(gamma, 1)  # drafts per round in the replay
         self.drafting = head.snapshot().pack()
+        self.dtype = training_dtype(head.device)
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.LR, weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -699,9 +730,7 @@ class OnlineHead:
         new, old = docs[len(docs) - self.fresh :][::-1], docs[: len(docs) - self.fresh]
         random.Random(self.steps).shuffle(old)
         began = time.perf_counter()
-        checked = ChainFigures()
-        for doc in new[: self.CHECKED]:
-            replay(self.drafting, doc.prompt, doc.completion, doc.features, self.gamma, checked)
+        hits = [first_draft_hits(self.drafting, doc) for doc in new]
         check_seconds = time.perf_counter() - began
         began = time.perf_counter()
         losses: list[float] = []
@@ -709,19 +738,15 @@ class OnlineHead:
         for doc in new + old:
             if time.perf_counter() - began >= budget:
                 break
-            losses.append(_learn(self.head, self.optimizer, self.params, doc))
+            losses.append(_learn(self.head, self.optimizer, self.params, doc, self.dtype))
             self.schedule.step()
         self.head.eval()
         seconds = time.perf_counter() - began
         self.drafting = self.head.snapshot().pack()
         record = {
-            "replayed": {
-                "documents": min(self.fresh, self.CHECKED),
-                "gamma": self.gamma,
-                "first_position": round(checked.first, 4),
-                "tau": round(checked.tau, 4),
-                "by_position": checked.by_position,
-                "rounds": checked.rounds,
+            "first_draft": {  # the new rows, before the head learns from them
+                "accuracy": round(sum(h for h, _ in hits) / max(sum(n for _, n in hits), 1), 4),
+                "tokens": sum(n for _, n in hits),
                 "seconds": round(check_seconds, 3),
             },
             "documents_new": self.fresh,
@@ -731,12 +756,14 @@ class OnlineHead:
             "seconds": round(seconds, 3),
             "budget_seconds": round(max(budget, 0.0), 3),
             "loss_mean": round(sum(losses) / len(losses), 4) if losses else None,
+            "dtype": str(self.dtype).removeprefix("torch."),
         }
         self.steps += len(losses)
         self.owed = max(seconds - max(budget, 0.0), 0.0)
         self.fresh = 0  # those the budget left untrained join the older ones
         self.decode_seconds = 0.0
         return record
+
 
 # --------------------------------------------------------------------------------------------
 # the engine's drafter

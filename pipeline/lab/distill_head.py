@@ -189,7 +189,7 @@ def write_head_report(path: str, result: dict) -> str:
         f"- head: {result['head']['parameters']:,} trained parameters ({result['head']['layer']}), "
         f"{result['head']['vocab_rows']:,} tokens it can propose",
         f"- training: {t['steps']} steps, {t['epochs']} epochs, {t['seconds']} s ({t['stopped_by']}), "
-        f"lr {t['lr']}; loss {t['loss'][:1]} -> {t['loss'][-1:]}",
+        f"lr {t['lr']}, products in {t.get('dtype', 'float32')}; loss {t['loss'][:1]} -> {t['loss'][-1:]}",
         "",
         f"Held-out documents replayed with greedy speculation at γ {h['gamma']}, batch 1 (the "
         "target's own completions decide each draft; no timing):",
