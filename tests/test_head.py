@@ -371,13 +371,14 @@ def test_a_new_head_reads_a_packed_targets_last_layer_back(tiny_pair_dirs):
     torch.testing.assert_close(got._lm, want._lm, rtol=0, atol=0)
 
 
-def test_a_job_grows_its_own_head_shard_after_shard(tiny_models, tiny_pair_dirs, tmp_path, ray_local):
+def test_a_job_grows_its_own_head_shard_after_shard(tiny_models, tiny_pair_dirs, tmp_path, ray_local, capsys):
     """drafter.head_online with no head given: the actor starts from a new head, refines it
     before each shard from the ones before, records each refinement in the shard's stats,
     and writes the target's outputs."""
     from pipeline_helpers import check_output, job_dict, write_corpus
 
     from pipeline.job.executor import run_job
+    from pipeline.report.results import print_shard_table
     from pipeline.spec import spec_from_dict
     from pipeline.storage import Storage
 
@@ -394,3 +395,9 @@ def test_a_job_grows_its_own_head_shard_after_shard(tiny_models, tiny_pair_dirs,
     assert len(records) >= 3
     assert records[0] is None  # the first shard: nothing decoded before it
     assert all(r and r["steps"] > 0 and r["documents_new"] > 0 for r in records[1:]), records
+    capsys.readouterr()
+    print_shard_table(stats)  # the table `pipeline run` and `pipeline stats` print
+    steps = sum(r["steps"] for r in records[1:])
+    printed = capsys.readouterr().out
+    assert "learning head: first drafts accepted on rows it had not learned from, first 1 checks " in printed
+    assert f"; {steps} training steps in " in printed

@@ -791,18 +791,12 @@ class HeadDrafter:
     name = HEAD
 
     def __init__(self, head: DraftHead, lm):
-        self.head = head
         self.lm = lm  # the target's runner (`BatchedLM`), whose passes leave their features
         self.chains: list[HeadChain | None] = []
         self.seconds = 0.0  # spent drafting and feeding, for the engine's stats
         self.step_seconds: float | None = None  # one step of every going row, lately
-        self.calibration = RunningRate(prior=1.0, weight=4.0, cap=4.0)
         self._proposed: list[tuple[int, list[int], list[float]]] = []  # per row: length, drafts, chances
-        # what the head's accepted drafts were worth against what its steps cost, lately (`_judge`)
-        self._worth = self._cost = 0.0
-        self._judged = 0  # rounds since the last judgement
-        self._rest = 0  # rounds left without drafting
-        self._rest_gap = self.REST_ROUNDS
+        self.replace(head)
         self._token_seconds: float | None = None
         self._round_seconds = 0.0
         # with `learning` (an `OnlineHead` refines the head between shards): each finished
@@ -878,11 +872,17 @@ class HeadDrafter:
         return self._rest > 0
 
     def replace(self, head: DraftHead) -> None:
-        """Draft with `head` from the next batch on (a refined one, `OnlineHead`): judged
-        afresh, so a head that rested for want of skill drafts again."""
+        """Draft with `head` from the next batch on (a refined one, `OnlineHead`): judged and
+        calibrated afresh, so that a head which rested, or whose drafts the rule cut, for want
+        of skill drafts again (a calibration learned on the old head's drafts would keep the
+        new one's from ever being sent, and so from ever being measured)."""
         self.head = head
-        self._rest, self._rest_gap, self._judged = 0, self.REST_ROUNDS, 0
+        self.calibration = RunningRate(prior=1.0, weight=4.0, cap=4.0)
+        # what the head's accepted drafts were worth against what its steps cost, lately (`_judge`)
         self._worth = self._cost = 0.0
+        self._judged = 0  # rounds since the last judgement
+        self._rest = 0  # rounds left without drafting
+        self._rest_gap = self.REST_ROUNDS
 
     def propose(
         self, seqs, gamma, params, generator, keep=None, guess=None, rule: HeadRule | None = None,

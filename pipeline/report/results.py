@@ -150,4 +150,28 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
             f"target-only check: {sample.identical_rows}/{sample.sample_rows} sampled rows identical "
             f"to target-only decoding"
         )
+    learned = _learning_head_line(stats)
+    if learned:
+        click.echo(learned)
     return True
+
+
+def _learning_head_line(stats: list[dict]) -> str | None:
+    """With `drafter.head_online`: how the head's first drafts fared on the rows it had not
+    learned from yet, the first shards against the last (in the order they ran: each record
+    checks the rows decoded before its shard), and what training cost."""
+    records = [
+        s["head_online"] for s in sorted(stats, key=lambda s: s.get("started") or 0) if s.get("head_online")
+    ]
+    if not records:
+        return None
+    accuracy = [r["first_draft"]["accuracy"] for r in records]
+    k = min(5, len(accuracy) // 2) or 1
+    trained = sum(r["seconds"] for r in records)
+    shards = sum(s.get("decode_seconds") or 0 for s in stats)
+    share = f" ({trained / shards:.0%} of the shards' decoding time)" if shards else ""
+    return (
+        f"learning head: first drafts accepted on rows it had not learned from, first {k} checks "
+        f"{sum(accuracy[:k]) / k:.2f}, last {k} {sum(accuracy[-k:]) / k:.2f}; "
+        f"{sum(r['steps'] for r in records)} training steps in {trained:.0f} s{share}"
+    )
