@@ -885,9 +885,9 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         except HeadError as e:
             raise click.UsageError(str(e)) from None
     runner = LlamaCpp(gguf, torch.get_num_threads(), context=2048) if gguf else None
-    # HF's rows run the models as `transformers` loads them, not on our kernels
+    # HF's rows run the models as `transformers` loads them, not on our kernels (none: no rows)
     hf_models = None
-    if loaded.streamed:
+    if loaded.streamed and o.hf:
         hf_models = tuple(
             load_model(r, dtype=loaded.dtype, device=loaded.device) if r else None for r in (target, draft)
         )
