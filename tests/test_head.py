@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -401,3 +403,37 @@ def test_a_job_grows_its_own_head_shard_after_shard(tiny_models, tiny_pair_dirs,
     printed = capsys.readouterr().out
     assert "learning head: first drafts accepted on rows it had not learned from, first 1 checks " in printed
     assert f"; {steps} training steps in " in printed
+    assert {s["models"]["head"]["from"] for s in stats if s["status"] == "ok"} == {"new"}
+
+    # the head it learned is kept for the next job, which goes on from it
+    (saved,) = out.read_json("manifest.json")["heads"]
+    assert saved["steps"] == steps and saved["url"].endswith("head/actor-0")
+    kept = DraftHead.load(saved["url"], tiny_models[0])
+    assert not torch.equal(kept.fc.weight, DraftHead.from_target(tiny_models[0]).fc.weight)
+    data["drafter"]["head"] = saved["url"]
+    data["output"]["url"] = str(tmp_path / "night2")
+    spec = spec_from_dict(data)
+    assert run_job(spec, progress=False).ok
+    night2 = Storage(str(tmp_path / "night2"))
+    night2_stats = [night2.read_json(n) for n in night2.list("stats")]
+    started = {s["models"]["head"]["digest"] for s in night2_stats if s["status"] == "ok"}
+    assert started == {kept.digest()} == {saved["digest"]}  # the head night 1 learned, as saved
+    assert {s["models"]["head"]["digest"] for s in stats if s["status"] == "ok"} != started
+    check_output(tiny_models, spec, night2, rows_in)
+    assert night2.read_json("manifest.json")["heads"][0]["steps"] > 0
+
+
+def test_a_head_named_by_url_is_read_into_a_local_directory(tiny_models, trained):
+    from pipeline.job.worker import head_directory
+    from pipeline.storage import Storage
+
+    target = tiny_models[0]
+    head = trained[0]
+    local = head.save(Path(tempfile.mkdtemp()) / "head")
+    storage = Storage("memory://heads/night1/head/actor-0")
+    for f in local.iterdir():
+        storage.write_bytes(f.name, f.read_bytes())
+    directory = head_directory("memory://heads/night1/head/actor-0", {})
+    assert directory != str(local) and head_directory(str(local), {}) == str(local)
+    loaded = DraftHead.load(directory, target)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))

@@ -169,6 +169,15 @@ class DraftHead(torch.nn.Module):
     def device(self) -> torch.device:
         return self.vocab_rows.device  # a buffer: the linears' weights go when packed
 
+    def digest(self) -> str:
+        """A short hash of the trained weights: which head a job's actors drafted with, so a
+        head passed from job to job (`drafter.head_online`) can be followed."""
+        digest = hashlib.sha256()
+        for name, value in sorted(self.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(value.detach().float().cpu().contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def snapshot(self) -> DraftHead:
         """A copy of the weights, borrowing what this head borrows (no second copy of the
         target's output rows): what a job drafts with, packed, while this head goes on learning

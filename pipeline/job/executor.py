@@ -32,6 +32,7 @@ from pipeline.job.layout import (
     clear_job_output,
     failed_path,
     foreign_files,
+    head_dir,
     is_complete,
     name_shards,
     read_manifest,
@@ -78,6 +79,8 @@ class JobResult:
     # actors handed back (requeued without counting an attempt)
     nodes_drained: list[dict] = field(default_factory=list)
     handed_back: list[dict] = field(default_factory=list)
+    # with drafter.head_online: the heads the actors learned, written under head/ at the end
+    heads: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -228,6 +231,8 @@ def _stopped(
 # never load (corrupt weights, too big for the device) is not retried forever: see
 # pipeline.job.pool.CannotStart.
 ACTOR_RESTARTS = 2
+# how long an actor may take to write its learned head at the end (the 1.5B's is 0.2 GB)
+HEAD_SAVE_SECONDS = 600
 
 
 # How many shards `job_input_schema` opens looking for one that has the job's columns.
@@ -306,12 +311,33 @@ def _run_shards(
                 record.finished(outcome.task, outcome.value, outcome.error, outcome.actor)
             elif isinstance(outcome, CannotStart) and queue:
                 record.give_up(f"model actors cannot start: {_reason(outcome.error)}")
+        if spec.drafter.head_online:
+            result.heads = _save_heads(pool, out, shown)
     result.nodes_drained = [d.to_dict() for d in drains.seen.values()]
     result.nodes_lost = [{"node": n, "reason": why} for n, why in nodes.dead().items() if n in alive]
     for lost in result.nodes_lost:
         metrics.record_node_event(spec.name, "lost")
         shown.note(f"Ray node {lost['node']} was lost during the job: {lost['reason']}")
     shown.close()
+
+
+def _save_heads(pool: ModelActorPool, out: Storage, shown: ShardProgress) -> list[dict]:
+    """Each live actor's learned head, written under head/actor-<k>/ (`ModelWorker.save_head`)
+    for a later job's `drafter.head` to start from, so that a nightly job's head goes on
+    learning night after night. A by-product: an actor that cannot save it costs a note, not
+    the job."""
+    heads = []
+    for k, actor in enumerate(pool.actors):
+        url = out.url_for(head_dir(k))
+        try:
+            saved = ray.get(actor.save_head.remote(url), timeout=HEAD_SAVE_SECONDS)
+        except Exception as exc:  # a lost actor, a storage error: the outputs are whole anyway
+            shown.note(f"the head of model actor {k} was not saved: {_reason(exc)}")
+            continue
+        if saved:
+            heads.append(saved)
+            shown.note(f"head learned over {saved['steps']} steps saved to {url}")
+    return heads
 
 
 def _model_actor_class(spec: JobSpec):
@@ -461,6 +487,7 @@ def write_manifest(spec: JobSpec, out: Storage, result: JobResult, began: float,
         "nodes_lost": result.nodes_lost,
         "nodes_drained": result.nodes_drained,
         "handed_back": result.handed_back,
+        "heads": result.heads,
         "totals": totals,
     }
     save_manifest(out, manifest, complete=final and result.ok and totals["shards"] == result.shards_total)

@@ -7,6 +7,7 @@ records read back (stats, failures, manifest.json, _SUCCESS); the totals over th
            failed/<shard>.json       manifest.json            _SUCCESS    _LEASE.json
            report/                   _ids/map/<shard>.parquet   _ids/dups/p-<n>.parquet
                                      (duplicate ids across shards, pipeline.job.ids)
+           head/actor-<k>/           (with drafter.head_online: each actor's head at the end)
 
 Every path under the prefix is built here (and read back from here: stats listed, a warm
 start's outputs found), so that the layout above is the whole of it.
@@ -38,8 +39,9 @@ FAILED_DIR = "failed"
 REPORT_DIR = "report"
 IDS_DIR = "_ids"
 DUPLICATES_DIR = f"{IDS_DIR}/dups"
+HEAD_DIR = "head"
 # Directories and files a job writes directly under its output prefix (see docs/reliability.md).
-JOB_DIRS = (OUTPUTS_DIR, ERRORS_DIR, STATS_DIR, FAILED_DIR, REPORT_DIR, IDS_DIR)
+JOB_DIRS = (OUTPUTS_DIR, ERRORS_DIR, STATS_DIR, FAILED_DIR, REPORT_DIR, IDS_DIR, HEAD_DIR)
 # The lease is the running driver's own: overwrite leaves it in place.
 JOB_FILES = (MANIFEST, SUCCESS, LEASE_NAME)
 # an atomic write's temporary name next to its target (pipeline.storage.filesystem._write_local_atomic)
@@ -69,6 +71,11 @@ def _shard_of(path: str, suffix: str) -> str:
 def id_map_path(name: str) -> str:
     """A shard's ids and their hashes: the map pass of pipeline.job.ids (kept for a resume)."""
     return f"{IDS_DIR}/map/{name}.parquet"
+
+
+def head_dir(actor: int) -> str:
+    """Where the job's `actor`-th model actor leaves the head it learned (`drafter.head_online`)."""
+    return f"{HEAD_DIR}/actor-{actor}"
 
 
 def duplicates_path(partition: int) -> str:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 import time
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.decode.settings import HEAD, MODEL_FREE
@@ -76,7 +78,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         from pipeline.decode.head import DraftHead
 
         if spec.drafter.head:
-            head = DraftHead.load(spec.drafter.head, pair.target)
+            head = DraftHead.load(head_directory(spec.drafter.head, spec.output.storage_options), pair.target)
         else:  # head_online: grown from a new head
             head = DraftHead.from_target(pair.target, spec.drafter.draft_vocab)
         if not spec.drafter.head_online:  # a learning head is packed by the engine, as a copy
@@ -94,6 +96,9 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     )
     info = pair.manifest()
     info["load_seconds"] = pair.load_seconds
+    if head is not None:  # where the head came from: a head's drafts are only as good as its past
+        info["head"] = {"from": spec.drafter.head or "new", "vocab_rows": len(head.vocab_rows)}
+        info["head"]["digest"] = head.digest()
     if spec.drafter.suffix_warm_start and "suffix" in engine.sources(drafter):
         info["suffix_warm_start"] = warm_suffix(
             engine, tokenizer, spec.drafter.suffix_warm_start, spec.output.storage_options
@@ -101,6 +106,22 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     if drafter != "none":
         info["calibration"] = seed_costs(engine, pair, spec.drafter.draft_vocab)
     return ShardProcessor(spec, engine, tokenizer, info)
+
+
+def head_directory(url: str, storage_options: dict) -> str:
+    """A local directory holding the head at `url`: the path itself, or for a URL (an earlier
+    job's `head/actor-<k>/`, say on S3) a temporary copy of its files, read with the output's
+    storage options. The copy lives as long as the actor."""
+    from pipeline.decode.head import HEAD_CONFIG, HEAD_FILE
+    from pipeline.storage import Storage
+    from pipeline.storage.urls import split_scheme
+
+    if split_scheme(url)[0] in (None, "file"):
+        return split_scheme(url)[1]
+    storage, local = Storage(url, storage_options), Path(tempfile.mkdtemp(prefix="head-"))
+    for name in (HEAD_CONFIG, HEAD_FILE):
+        (local / name).write_bytes(storage.read_bytes(name))
+    return str(local)
 
 
 def warm_suffix(engine, tokenizer, url: str, storage_options: dict) -> dict:
@@ -168,8 +189,25 @@ class ModelWorker:
         threads = spec.execution.threads or max(1, math.ceil(spec.execution.num_cpus))
         torch.set_num_threads(threads)
         began = time.perf_counter()
+        self.spec = spec
         self.processor = build_processor(spec)
         self.load_seconds = time.perf_counter() - began
+
+    def save_head(self, url: str) -> dict | None:
+        """Write the head this actor learned (`drafter.head_online`) under `url`, where a later
+        job's `drafter.head` can name it; None when it learned nothing."""
+        from pipeline.decode.head import HEAD_CONFIG, HEAD_FILE
+        from pipeline.storage import Storage
+
+        learner = self.processor.engine.learner
+        if learner is None or not learner.steps:
+            return None
+        storage = Storage(url, self.spec.output.storage_options)
+        with tempfile.TemporaryDirectory() as local:
+            learner.head.save(local)
+            for name in (HEAD_CONFIG, HEAD_FILE):
+                storage.write_bytes(name, (Path(local) / name).read_bytes())
+        return {"url": url, "steps": learner.steps, "digest": learner.head.digest()}
 
     def info(self) -> dict:
         return {**self.processor.model_info, "actor_load_seconds": self.load_seconds}

@@ -477,9 +477,10 @@ class DrafterSpec(_Section):
     )
     head: str | None = Field(
         None,
-        description="A local directory holding a draft head trained on this target's features "
-        "(`pipeline distill --head`); required when kind is head, unless head_online grows one. A head "
-        "trained on another target is refused when the actors load it.",
+        description="A directory holding a draft head trained on this target's features (`pipeline distill "
+        "--head`), or an earlier job's head/actor-<k>/ URL (head_online), read with output.storage_options; "
+        "required when kind is head, unless head_online grows one. A head trained on another target is "
+        "refused when the actors load it.",
     )
     head_online: bool = Field(
         False,
@@ -487,7 +488,8 @@ class DrafterSpec(_Section):
         "prompts, the target's outputs and the target's features, which its passes computed anyway), "
         "for head_online_share of their decoding time; the shard stats record each refinement. With no "
         "drafter.head, the actors start from a new head (its layer a copy of the target's last one, "
-        "proposing token ids below draft_vocab).",
+        "proposing token ids below draft_vocab). At the end each actor writes its head under the output's "
+        "head/actor-<k>/, where the next job's drafter.head can go on from it.",
     )
     head_online_share: float = Field(
         0.25,
@@ -804,7 +806,7 @@ class JobSpec(_Section):
         head = self.drafter.head
         new = self.model_copy(
             update={
-                "drafter": self.drafter.model_copy(update={"head": absolute(head) if head else None}),
+                "drafter": self.drafter.model_copy(update={"head": fix_url(head) if head else None}),
                 "input": self.input.model_copy(update={"url": fix_url(self.input.url)}),
                 "output": self.output.model_copy(update={"url": fix_url(self.output.url)}),
                 "models": self.models.model_copy(
