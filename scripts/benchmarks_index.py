@@ -28,6 +28,7 @@ TOOLS = (
     "distill",
     "suffix-bench",
     "tiny-job",
+    "job",  # scripts/job_record.py: a real job's shard-by-shard figures
     "scale-run",
     "llama-cpp",
     "gpu-check",

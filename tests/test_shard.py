@@ -84,8 +84,12 @@ class ClockedEngine:
         self.calls: list[tuple[str | None, int]] = []
         self.warmups: list[tuple[str | None, int]] = []
         self.gate = DraftingGate()
+        self.learner = None  # no learning head
 
     def static_record(self) -> None:
+        return None
+
+    def refine_head(self) -> None:
         return None
 
     def reserve(self, rows, prompt_tokens, max_new_tokens, drafter=None) -> None:
