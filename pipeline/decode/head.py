@@ -693,10 +693,9 @@ class OnlineHead:
     from, the same whatever the policy let it draft, so that shard after shard the stats show
     what the job taught it.
 
-    Why: a head distilled offline knows its training texts (0.36 first-draft acceptance on
-    held-out sections of the corpus it came from, 0.23 on another text: docs/choosing-a-draft.md);
-    a nightly job's corpus has its own terms and phrasing, and a job that starts with no head
-    at all can grow one."""
+    Why: a head distilled offline knows its training texts better than the job's (figures in
+    docs/choosing-a-draft.md); a nightly job's corpus has its own terms and phrasing, and a job
+    that starts with no head at all can grow one."""
 
     KEEP_TOKENS = 1 << 16  # documents kept to learn from, newest first (bf16 features: 2·H bytes a token)
     LR = 1e-3
@@ -768,7 +767,7 @@ class OnlineHead:
             "dtype": str(self.dtype).removeprefix("torch."),
         }
         self.steps += len(losses)
-        self.owed = max(seconds - max(budget, 0.0), 0.0)
+        self.owed = max(seconds - budget, 0.0)  # a debt the budget did not cover carries on
         self.fresh = 0  # those the budget left untrained join the older ones
         self.decode_seconds = 0.0
         return record
