@@ -356,6 +356,17 @@ def test_refinement_keeps_to_its_share_of_the_decoding_time(tiny_models):
     assert record["steps"] > 0
 
 
+def test_a_learning_head_keeps_the_newest_documents_within_its_token_cap(tiny_models):
+    target, _, tokenizer = tiny_models
+    docs = _docs(target, tokenizer, 6, seed=9)
+    engine = _online_engine(target, [1])
+    learner = engine.learner
+    learner.KEEP_TOKENS = sum(len(d.prompt) + len(d.completion) for d in docs[-2:])
+    learner.add(docs[:4], 1.0)
+    learner.add(docs[4:], 1.0)
+    assert list(learner.kept) == docs[-2:] and learner.fresh == 2
+
+
 def test_a_new_head_reads_a_packed_targets_last_layer_back(tiny_pair_dirs):
     """A job whose target runs on the CPU kernel (weights repacked into its blocks) can still
     grow a head: the last layer's weights are read back through the kernel, exactly."""

@@ -724,8 +724,9 @@ class OnlineHead:
         self.kept.extend(docs)
         self.fresh = min(self.fresh + len(docs), len(self.kept))
         self.decode_seconds += seconds
-        while len(self.kept) > 1 and sum(map(_tokens, self.kept)) > self.KEEP_TOKENS:
-            self.kept.popleft()
+        tokens = sum(map(_tokens, self.kept))
+        while len(self.kept) > 1 and tokens > self.KEEP_TOKENS:
+            tokens -= _tokens(self.kept.popleft())
             self.fresh = min(self.fresh, len(self.kept))
 
     def refine(self) -> dict | None:

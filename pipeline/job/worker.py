@@ -116,8 +116,9 @@ def head_directory(url: str, storage_options: dict) -> str:
     from pipeline.storage import Storage
     from pipeline.storage.urls import split_scheme
 
-    if split_scheme(url)[0] in (None, "file"):
-        return split_scheme(url)[1]
+    scheme, path = split_scheme(url)
+    if scheme in (None, "file"):
+        return path
     storage, local = Storage(url, storage_options), Path(tempfile.mkdtemp(prefix="head-"))
     for name in (HEAD_CONFIG, HEAD_FILE):
         (local / name).write_bytes(storage.read_bytes(name))
