@@ -58,9 +58,14 @@ def row_block_targets(tiny_pair_dirs):
 
 @pytest.mark.parametrize("numerics", ["as loaded", "row blocks"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_logits_equal_the_dynamic_paths_bit_for_bit(pairs, row_block_targets, numerics, batch):
-    """Ragged rounds as the engine runs them: prefills sharing a template, verify passes of
-    every graph width and wider, rejected drafts rolled back, rows leaving and joining."""
+@pytest.mark.parametrize("chunk", [static_lm.CHUNK, 7])
+def test_logits_equal_the_dynamic_paths_bit_for_bit(
+    pairs, row_block_targets, numerics, batch, chunk, monkeypatch
+):
+    """Ragged rounds as the engine runs them: prefills sharing a template (in pieces of `chunk`
+    tokens, the last one padded), verify passes of every graph width and wider, rejected drafts
+    rolled back, rows leaving and joining."""
+    monkeypatch.setattr(static_lm, "CHUNK", chunk)
     static, dynamic = (p.target for p in pairs) if numerics == "as loaded" else row_block_targets
     rng = random.Random(batch)
     runners = [StaticLM(static, 0), BatchedLM(dynamic, 0)]

@@ -15,8 +15,12 @@ never move and shapes that never change. So, as in gpt-fast:
   padded, free slots fed padding); the padding writes past the row's end or into the scratch
   positions at the end of each slot, where the next real token overwrites it before any query
   can see it.
-- Passes wider than WIDTHS (prefills, a draft model catching up) run eagerly over their rows
-  only, with the keys cut to the longest position: rare, and long enough to hide the launches.
+- A prompt is prefilled a row at a time in pieces of CHUNK tokens, the last one padded, each
+  a replay of one more captured graph (one slot, chosen by an index tensor). Eager, a prefill
+  launched its thousand kernels from Python and waited on the device between them: 84 ms for a
+  350-token prompt of the 1.5B shape on an H200, 29% of a batch-1 job's time (docs/gpu.md).
+- Other passes wider than WIDTHS (a draft model catching up) run eagerly over their rows only,
+  with the keys cut to the longest position: rare, and long enough to hide the launches.
 
 Exactness: every layer runs the model's own modules (`transformers`' decoder layers, so the
 row blocks of `invariant` apply), with the model's own attention function over the slots; only
@@ -41,6 +45,9 @@ from pipeline.models.architecture import ADDITIVE, static_support
 # Widths (tokens per row) of the passes that replay a graph: a 1-token step, verify passes of up
 # to 15 drafts. A pass of W tokens runs in the narrowest of these that holds it.
 WIDTHS = (1, 2, 4, 8, 12, 16)
+# Prompt tokens per prefill pass: on a GPU one block of `invariant.GPU_ROWS` rows, so a piece of
+# prompt runs the same kernels as a decode pass.
+CHUNK = 128
 
 
 def wanted(model: PreTrainedModel) -> bool:
@@ -100,7 +107,7 @@ class _Store:
         self.capacity = self.length = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int | str, _Graph] = {}  # by width; PREFILL: the prefill pieces' graph
         self.kept: dict[int, tuple] = {}  # slots and graphs of other batch sizes, by size
         self.pool = None  # the memory pool every graph of the model shares (one runs at a time)
         self.capture_seconds = 0.0
@@ -181,7 +188,8 @@ class StaticLM(BatchedLM):
     def graph_record(self) -> dict:
         """What the graphs cost to capture, for stats and reports."""
         return {
-            "graphs": sorted(self.graphs),
+            "graphs": sorted(w for w in self.graphs if w != PREFILL),
+            "prefill_graph": PREFILL in self.graphs,
             "capture_seconds": round(self.store.capture_seconds, 3),
             "graph_bytes": self.store.graph_bytes,
             "slots": self.capacity,
@@ -305,33 +313,54 @@ class StaticLM(BatchedLM):
     def _prefill_rows_at(
         self, rows: list[int], blocks: list[list[int]], wanted: list[int]
     ) -> list[torch.Tensor]:
-        """Prefill rows (nothing of them cached), each from its template start: per row on a
-        CPU, together on a GPU (see `BatchedLM`)."""
+        """Prefill rows (nothing of them cached), each from its template start, a row at a time
+        in pieces of CHUNK tokens (see the module docstring)."""
         self._take(0, max(map(len, blocks)))
         began = time.perf_counter()
         logits: list[torch.Tensor] = []
         self.fed_tokens = 0
-        groups = [[i] for i in range(len(rows))] if self.per_row_prefill else [list(range(len(rows)))]
-        for group in groups:
-            fed = []
-            for i in group:
-                block = blocks[i]
-                self.reusable(block, learn=True)
-                seed = min(self.reusable(block), len(block) - wanted[i])
-                self._seed_row(rows[i], seed)
-                fed.append(block[seed:])
-                self.fed_tokens += len(block) - seed
-            logits += self._eager([rows[i] for i in group], fed, [wanted[i] for i in group])
-            first = rows[group[0]]
-            n = len(blocks[group[0]])
-            slot = self.row_slots[first]
+        for row, block, want in zip(rows, blocks, wanted):
+            self.reusable(block, learn=True)
+            seed = min(self.reusable(block), len(block) - want)
+            self._seed_row(row, seed)
+            self.fed_tokens += len(block) - seed
+            logits.append(self._prefill_row(row, block[seed:], want))
+            slot, n = self.row_slots[row], len(block)
             layers = [
                 (k[slot : slot + 1, :, :n].clone(), v[slot : slot + 1, :, :n].clone())
                 for k, v in zip(self.keys, self.values)
             ]
-            self.previous = _Prefix(list(blocks[group[0]]), layers)
+            self.previous = _Prefix(list(block), layers)
         self._timed(began)
         return logits
+
+    def _prefill_row(self, row: int, fed: list[int], wanted: int) -> torch.Tensor:
+        """Feed `fed` to row `row` in pieces of CHUNK tokens; the logits of its last `wanted`."""
+        start = len(self.tokens[row])
+        picked, features = [], []
+        slot = torch.tensor([self.row_slots[row]])
+        for at in range(0, len(fed), CHUNK):
+            piece = fed[at : at + CHUNK]
+            ids, positions = self._layout([self.row_slots[row]], [row], [piece], CHUNK, every_slot=False)
+            graph = self._graph(PREFILL)
+            if graph is None:
+                seen = int(positions.max()) + 1
+                on = self.device
+                hidden = self._layers(ids.to(on), positions.to(on), slot.to(on), seen)
+            else:
+                hidden = graph.replay(ids, positions, slot)
+            hidden = hidden[0, : len(piece)]
+            first = max(len(fed) - wanted - at, 0)  # copied: a replay overwrites its output buffer
+            if first < len(piece):
+                picked.append(hidden[first:].clone())
+            if self.keep_features:
+                features.append(hidden.to(torch.float32, copy=True))
+            self.tokens[row].extend(piece)
+        if self.keep_features:
+            self._collected[row] = (start, torch.cat(features) if features else torch.empty(0))
+        if not picked:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return self._head_logits(torch.cat(picked))
 
     def _seed_row(self, row: int, n: int) -> None:
         """Row `row` starts with the template's first n tokens (their keys and values copied)."""
@@ -363,10 +392,7 @@ class StaticLM(BatchedLM):
         """One pass of every slot at the graph width that holds the widest block."""
         width = width_of(max(map(len, blocks)))
         ids, positions = self._layout(list(range(self.capacity)), rows, blocks, width, every_slot=True)
-        if self.use_graphs and self.graphs_off is None:
-            graph = self.graphs.get(width) or self._capture(width)
-        else:
-            graph = None
+        graph = self._graph(width)
         if graph is None:
             hidden = self._layers(ids.to(self.device), positions.to(self.device), None, 0)
         else:
@@ -393,7 +419,7 @@ class StaticLM(BatchedLM):
         the fed tokens join their rows."""
         width = hidden.shape[1]
         flat = [a * width + c for a, b, n in zip(at, blocks, wanted) for c in range(len(b) - n, len(b))]
-        picked = hidden.reshape(-1, hidden.shape[-1])[torch.tensor(flat, device=self.device)]
+        picked = hidden.reshape(-1, hidden.shape[-1])[_on_device(flat, self.device)]
         logits = self._head_logits(picked)
         for row, block, a in zip(rows, blocks, at):
             if self.keep_features:  # copied: a replayed graph's output buffer is overwritten
@@ -417,19 +443,26 @@ class StaticLM(BatchedLM):
         else:
             mask = visible
         self.cache.rows, self.cache.positions, self.cache.seen = slots, positions, seen
-        compiled = self.compiled and slots is None and not seen
+        compiled = self.compiled and not seen
         for i, layer in enumerate(self.layers):
             cache = self.cache.layer(i) if compiled else self.cache
             run = _compiled_layer if compiled else _run_layer
             hidden = run(layer, hidden, mask, cos_sin, cache, self.cache_keyword)
         return base.norm(hidden)
 
-    def _capture(self, width: int) -> _Graph | None:
-        """Capture the every-slot pass of `width` tokens per row as a CUDA graph (once)."""
+    def _graph(self, width: int | str) -> _Graph | None:
+        """The captured graph of the every-slot pass of `width` tokens per row, or of a prefill
+        piece (PREFILL), captured at first use; None where passes run eagerly."""
+        if not self.use_graphs or self.graphs_off is not None:
+            return None
+        return self.graphs.get(width) or self._capture(width)
+
+    def _capture(self, width: int | str) -> _Graph | None:
+        """Capture the pass `_graph` names as a CUDA graph (once)."""
         began = time.perf_counter()
         free = torch.cuda.mem_get_info(self.device)[0]
         try:
-            graph = _Graph(self, width)
+            graph = _Graph(self, CHUNK, one_slot=True) if width == PREFILL else _Graph(self, width)
         except Exception as error:  # a kernel that cannot be captured: run eagerly, and say why
             self.store.graphs_off = f"{type(error).__name__}: {error}"[:300]
             torch.cuda.synchronize(self.device)
@@ -458,27 +491,47 @@ def _compiled_layer(*args) -> torch.Tensor:
 _compiled = None
 
 
-class _Graph:
-    """One captured every-slot pass: fixed input buffers, fixed output buffer."""
+PREFILL = "prefill"  # `_Store.graphs`' key for the graph of a prefill piece
 
-    def __init__(self, lm: StaticLM, width: int):
-        scratch = lm.total - width
-        self.ids = torch.full((lm.capacity, width), lm.pad_token_id, dtype=torch.long, device=lm.device)
-        self.positions = torch.arange(scratch, scratch + width, device=lm.device).repeat(lm.capacity, 1)
+
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as an index on `device`, copied without waiting for the device: from pageable
+    memory a copy first waits for every queued kernel (2.5 ms a pass on an H200, the whole
+    replay), which kept the logits' kernels from queueing behind the graph."""
+    index = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+class _Graph:
+    """One captured pass: fixed input buffers, fixed output buffer. Every slot `width` tokens,
+    or (`one_slot`) one slot, chosen at each replay, `width` tokens."""
+
+    def __init__(self, lm: StaticLM, width: int, one_slot: bool = False):
+        rows = 1 if one_slot else lm.capacity
+        self.ids = torch.full((rows, width), lm.pad_token_id, dtype=torch.long, device=lm.device)
+        # warm-up and capture write scratch positions only, past any row's end
+        scratch = torch.arange(lm.total - width, lm.total, device=lm.device)
+        self.positions = scratch.clamp(min=lm.total - WIDTHS[-1]).repeat(rows, 1)
+        self.slots = torch.zeros(1, dtype=torch.long, device=lm.device) if one_slot else None
         stream = torch.cuda.Stream(lm.device)
         stream.wait_stream(torch.cuda.current_stream(lm.device))
-        with torch.cuda.stream(stream):  # warm-up: workspaces, lazy inits (writes scratch only)
-            for _ in range(2):
-                lm._layers(self.ids, self.positions, None, 0)
+        # a prefill piece runs a decode pass's kernels (blocks of GPU_ROWS rows), compiled or not
+        with torch.cuda.stream(stream), streamed.prefilling(False):
+            for _ in range(2):  # warm-up: workspaces, lazy inits (writes scratch only)
+                lm._layers(self.ids, self.positions, self.slots, 0)
         torch.cuda.current_stream(lm.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         if lm.store.pool is None:
             lm.store.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(self.graph, pool=lm.store.pool):
-            self.hidden = lm._layers(self.ids, self.positions, None, 0)
+        with torch.cuda.graph(self.graph, pool=lm.store.pool), streamed.prefilling(False):
+            self.hidden = lm._layers(self.ids, self.positions, self.slots, 0)
 
-    def replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None):
         self.ids.copy_(ids, non_blocking=True)
         self.positions.copy_(positions, non_blocking=True)
+        if slots is not None:
+            self.slots.copy_(slots, non_blocking=True)
         self.graph.replay()
         return self.hidden

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.decode import static_lm
 from pipeline.decode.calibration import measure, summary
 from pipeline.lab.record import write_record
 from pipeline.models.loading import LoadedPair
@@ -135,7 +136,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"static passes ({role}{', compiled' if graphs.get('compiled') else ''}): "
             f"{graphs['slots']} slots of {graphs['slot_length']} positions, "
             + (
-                f"graphs of widths {','.join(map(str, graphs['graphs']))} captured in "
+                f"graphs of widths {','.join(map(str, graphs['graphs']))}"
+                + (f" and a {static_lm.CHUNK}-token prefill piece" if graphs.get("prefill_graph") else "")
+                + " captured in "
                 f"{graphs['capture_seconds']:.2f} s, {graphs['graph_bytes'] / 1e6:.0f} MB"
                 if graphs["graphs"]
                 else f"eager ({graphs['eager_because']})"

@@ -142,7 +142,10 @@ def _blocked(
 ) -> torch.Tensor:
     """`_grouped`, for a long pass in blocks of QUERY_BLOCK queries over the keys each can see."""
     q_len, k_len = query.shape[2], key.shape[2]
-    if mask is None or q_len <= QUERY_BLOCK:
+    # cutting the keys reads the mask on the host: not in a compiled or captured pass (the
+    # static path's prefill pieces), whose queries then attend over every key, masked
+    fixed = torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing())
+    if mask is None or q_len <= QUERY_BLOCK or fixed:
         return _grouped(query, key, value, mask, scale)
     blocks = []
     for start in range(0, q_len, QUERY_BLOCK):

@@ -254,8 +254,9 @@ _prefill: ContextVar[bool] = ContextVar("prefill", default=False)
 
 
 @contextmanager
-def prefilling() -> Iterator[None]:
-    """Passes in this block are prefills: block weights run as their bf16 rounding.
+def prefilling(on: bool = True) -> Iterator[None]:
+    """Passes in this block are prefills (`on`; False: are not): block weights run as their
+    bf16 rounding.
 
     Why: a prefill is hundreds of token rows, and bound by arithmetic. Read as bf16 (the values
     the install's bf16 weights hold, gguf's dequantization rounded), the kernel runs it as fast
@@ -264,7 +265,7 @@ def prefilling() -> Iterator[None]:
     way, since the runner (`BatchedLM`) marks every prefill, in target-only and speculative
     decoding alike: a prompt is always prefilled, a generated token never is.
     """
-    token = _prefill.set(True)
+    token = _prefill.set(on)
     try:
         yield
     finally:
