@@ -113,6 +113,7 @@ class _Store:
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.graphs_off: str | None = None  # why passes run eagerly on a GPU
+        self.prefill_off: str | None = None  # why prefill pieces do (decode passes may not)
         self.cache = _Slots(self.keys, self.values)  # rebound to every new buffer
 
     def switch(self, rows: int) -> None:
@@ -195,6 +196,7 @@ class StaticLM(BatchedLM):
             "slots": self.capacity,
             "slot_length": self.total,
             "eager_because": self.graphs_off if self.use_graphs else "no GPU",
+            "prefill_eager_because": self.store.prefill_off,
             "compiled": self.compiled,
         }
 
@@ -455,6 +457,8 @@ class StaticLM(BatchedLM):
         piece (PREFILL), captured at first use; None where passes run eagerly."""
         if not self.use_graphs or self.graphs_off is not None:
             return None
+        if width == PREFILL and self.store.prefill_off is not None:
+            return None
         return self.graphs.get(width) or self._capture(width)
 
     def _capture(self, width: int | str) -> _Graph | None:
@@ -464,7 +468,11 @@ class StaticLM(BatchedLM):
         try:
             graph = _Graph(self, CHUNK, one_slot=True) if width == PREFILL else _Graph(self, width)
         except Exception as error:  # a kernel that cannot be captured: run eagerly, and say why
-            self.store.graphs_off = f"{type(error).__name__}: {error}"[:300]
+            reason = f"{type(error).__name__}: {error}"[:300]
+            if width == PREFILL:  # prompts prefill eagerly, decode passes keep their graphs
+                self.store.prefill_off = reason
+            else:
+                self.store.graphs_off = reason
             torch.cuda.synchronize(self.device)
             return None
         self.graphs[width] = graph

@@ -138,6 +138,7 @@ def format_table(result: dict[str, Any]) -> str:
             + (
                 f"graphs of widths {','.join(map(str, graphs['graphs']))}"
                 + (f" and a {static_lm.CHUNK}-token prefill piece" if graphs.get("prefill_graph") else "")
+                + (f" (prefill eager: {why})" if (why := graphs.get("prefill_eager_because")) else "")
                 + " captured in "
                 f"{graphs['capture_seconds']:.2f} s, {graphs['graph_bytes'] / 1e6:.0f} MB"
                 if graphs["graphs"]
