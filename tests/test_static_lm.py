@@ -14,6 +14,7 @@ from pipeline.decode import static_lm
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.decode.static_lm import StaticLM
+from pipeline.models import invariant
 from pipeline.models.architecture import static_support
 from pipeline.models.loading import ModelError, ModelRef, load_pair
 
@@ -23,6 +24,16 @@ def _load(dirs, static: bool):
     # batch-invariant numerics, as on a GPU by default: the contract the static path must keep
     kernels = {"batch_invariant": True, "static_passes": static}
     return load_pair(target, draft, dtype="float32", device=DEVICE, **kernels)
+
+
+@pytest.fixture(autouse=True)
+def prefills_in_decode_blocks(monkeypatch):
+    """The static path prefills in pieces that run a decode pass's kernels (`static_lm.CHUNK`,
+    blocks of GPU_ROWS rows); the dynamic path prefills in blocks of PREFILL_ROWS on a GPU, whose
+    kernels round otherwise (on an H200 the prefill logits came 2e-6 apart in float32). Each path
+    keeps its own prefills consistent, which is all decoding needs; compared here, both prefill
+    in blocks of GPU_ROWS."""
+    monkeypatch.setattr(invariant, "PREFILL_ROWS", invariant.GPU_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +57,6 @@ def row_block_targets(tiny_pair_dirs):
     """The tiny target twice with a GPU's numerics (Linear and RMSNorm in fixed row blocks, their
     own block in prefills), here on whatever device the tests run on."""
     from transformers import AutoModelForCausalLM
-
-    from pipeline.models import invariant
 
     load = AutoModelForCausalLM.from_pretrained
     return [
@@ -152,6 +161,28 @@ def test_a_model_the_path_cannot_run_is_refused_or_left_dynamic(tiny_pair_dirs, 
             (path / name).write_bytes(source.read_bytes())
     with pytest.raises(ModelError, match="static_passes"):
         load_pair(ModelRef(path=str(path)), None, dtype="float32", device=DEVICE, static_passes=True)
+
+
+def test_reserving_slots_captures_every_pass_shape_at_once(pairs, monkeypatch):
+    """On a GPU, `reserve` (an engine before each batch) captures a graph for every width and
+    the prefill piece, once: none is left to its first use inside a timed run."""
+    model = pairs[0].target
+    monkeypatch.setattr(model, "_static_store", None)  # a fresh store, the fixture's kept
+    asked = []
+
+    def capture(lm, width):
+        asked.append(width)
+        return lm.graphs.setdefault(width, object())
+
+    monkeypatch.setattr(StaticLM, "_capture", capture)
+    lm = StaticLM(model, 0)
+    lm.use_graphs = True
+    lm.reserve(2, 40)
+    assert asked == [*static_lm.WIDTHS, static_lm.PREFILL]
+    lm.reserve(2, 30)
+    assert len(asked) == len(static_lm.WIDTHS) + 1
+    lm.reserve(2, 500)  # slots grown: the old graphs captured the old buffers
+    assert len(asked) == 2 * (len(static_lm.WIDTHS) + 1)
 
 
 def test_a_warm_up_on_short_prompts_keeps_the_slots_the_real_batch_reserved(pairs):

@@ -203,11 +203,21 @@ class StaticLM(BatchedLM):
     # --- slots -----------------------------------------------------------------------------
 
     def reserve(self, rows: int, length: int) -> None:
-        """Slots for `rows` rows of up to `length` tokens (prompt, output and drafts).
+        """Slots for `rows` rows of up to `length` tokens (prompt, output and drafts), and the
+        graph of every pass shape over them, captured now rather than at its first use: a width
+        first used mid-run (once the policy drafts further, say) put seconds of compiling and
+        capturing into a timed bench run on an H200 (docs/gpu.md).
 
         With no row running, the slots (and graphs) of exactly `rows` rows are used, kept from
         an earlier batch of that size where there was one: a graph pass costs every slot, so a
         batch of 1 must not run in the 64 slots a batch of 64 left."""
+        self._size(rows, length)
+        for width in (*WIDTHS, PREFILL):
+            if self._graph(width) is None:
+                break
+
+    def _size(self, rows: int, length: int) -> None:
+        """`reserve`'s slots, graphs left to their first use."""
         store = self.store
         if not self.row_slots and rows != store.capacity:
             store.switch(rows)
@@ -234,7 +244,7 @@ class StaticLM(BatchedLM):
         if len(free) < count or longest > self.length:
             # grown by half, so that a batch nobody reserved for is not copied every pass
             grown = max(int(longest * 1.5), 256) if longest > self.length else self.length
-            self.reserve(len(self.row_slots) + count, grown)
+            self._size(len(self.row_slots) + count, grown)
             free = self._free_slots()
         return free[:count]
 
