@@ -108,6 +108,7 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
                 "block_activations": getattr(loaded, "block_activations", None),
                 "static_passes": bool(getattr(loaded, "static_passes", False)),
                 "compiled_passes": bool(getattr(loaded, "compiled_passes", False)),
+                "fused_projections": bool(getattr(loaded, "fused_projections", ())),
             },
         )
     return described

@@ -35,7 +35,7 @@ tests)
     PIPELINE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -o addopts= "$@" \
         tests/test_engine.py tests/test_decode_sampling.py tests/test_batched_lm.py \
         tests/test_policy.py tests/test_drafters.py tests/test_suffix.py tests/test_packing.py \
-        tests/test_costs.py tests/test_invariant.py tests/test_static_lm.py 2>&1 | tee "$out/tests.log"
+        tests/test_costs.py tests/test_invariant.py tests/test_static_lm.py tests/test_fusion.py 2>&1 | tee "$out/tests.log"
     ;;
 calibrate)
     pair=$1
@@ -75,21 +75,25 @@ EOF
         timeout "$limit" "$0" "$res" "$@"
         pack
     }
-    [ -z "${SKIP_TESTS:-}" ] && echo "== static path tests ($(date +%T))" &&
-    PIPELINE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider -o addopts= $xdist \
-        tests/test_static_lm.py 2>&1 | tee "$res/tests-static.log"
-    # passes compiled per layer, then captured (models.compiled_passes, on by default on GPUs):
-    # about a minute of compiling per model and batch size
-    step 150 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3
-    # HF's eager rows (~30 tok/s) would take the step's whole time: ours only
+    [ -z "${SKIP_TESTS:-}" ] && echo "== static path and fusion tests ($(date +%T))" &&
+    PIPELINE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts= $xdist \
+        tests/test_static_lm.py tests/test_fusion.py 2>&1 | tee "$res/tests-static.log" | tail -15
+    # HF's eager rows (~30 tok/s) would take the step's whole time: ours only. Every graph is
+    # captured before the timed runs (`StaticLM.reserve`), so the runs should now be even.
     NAME=$pair-batch1 step 110 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \
         --runs 3 --drafters prompt_lookup,draft_model,auto --no-hf
+    # passes compiled per layer, then captured (models.compiled_passes, on by default on GPUs);
+    # then the same with q/k/v and gate/up fused (--fused-projections, off by default until this
+    # A/B says otherwise)
+    step 130 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3
+    NAME=$pair-fused step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --fused-projections
     # 4 documents a slot where the machine has that many license sections (222 on the CPU machines)
     docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
-    NAME=$pair-batch64 step 170 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
+    NAME=$pair-batch64 step 130 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
         --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
-    # the price of exactness; captured passes not compiled; the eager path
-    for kind in stock eager dynamic; do
+    # the price of exactness; captured passes not compiled; the eager path (VARIANTS=1: measured
+    # at 6f2e52d and before, docs/gpu.md)
+    for kind in ${VARIANTS:+stock eager dynamic}; do
         flags="--stock-kernels --batch 1,64" limit=90
         [ $kind = eager ] && flags="--eager-passes --batch 1" limit=60
         [ $kind = dynamic ] && flags="--dynamic-passes --batch 1" limit=60

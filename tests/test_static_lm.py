@@ -232,18 +232,22 @@ def test_a_benchs_engines_share_each_models_slots_sized_once_per_batch(tiny_pair
     assert all(r.identical and r.identical_to_hf is None for r in result.rows)
 
 
-def test_compiled_passes_keep_every_drafters_output_equal_to_target_only(tiny_pair_dirs):
+@pytest.mark.parametrize("fused", [False, True], ids=["as loaded", "fused projections"])
+def test_compiled_passes_keep_every_drafters_output_equal_to_target_only(tiny_pair_dirs, fused):
     """Compiled layers (`torch.compile`, fused kernels) need not round as the eager ones do, so
     they are not held to the dynamic path's bits; they must keep the contract itself: with a
     GPU's numerics (row blocks), every drafter's greedy output is target-only's on the same
-    compiled passes, and a verify pass never outgrows the graphs (a wider one would run eagerly)."""
+    compiled passes, and a verify pass never outgrows the graphs (a wider one would run eagerly).
+    The same with q/k/v and gate/up one product each (`fusion`) in both models."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.models import invariant
+    from pipeline.models import fusion
 
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[0], dtype=torch.float32).eval().to(DEVICE)
+    load = AutoModelForCausalLM.from_pretrained
+    target, draft = (load(d, dtype=torch.float32).eval().to(DEVICE) for d in tiny_pair_dirs)
+    if fused:
+        target, draft = fusion.fuse_projections(target), fusion.fuse_projections(draft)
     target = invariant.make_batch_invariant(target, True)
-    draft = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[1], dtype=torch.float32).eval().to(DEVICE)
     for model in (target, draft):  # as load_pair(static_passes=True, compiled_passes=True) marks them
         model._static_passes = model._compiled_passes = True
     prompts = [list(range(5, 40)) * 2, list(range(60, 75)) * 3, list(range(7, 90, 3))]

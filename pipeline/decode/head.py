@@ -102,10 +102,11 @@ def _weight_rows(
 def _copy_layer(source: torch.nn.Module, into: torch.nn.Module) -> None:
     """`into`'s weights from `source`, a module of the same class: the state as it is where
     `source` holds plain weights, else each Linear's read back from the kernel's blocks."""
+    state = source.state_dict()  # a fused layer's holds its fused products too (`fusion`)
     try:
-        into.load_state_dict(source.state_dict())
+        into.load_state_dict({key: state[key] for key in into.state_dict()})
         return
-    except RuntimeError:
+    except (KeyError, RuntimeError):
         pass
     found = dict(source.named_modules())
     for name, module in into.named_modules():

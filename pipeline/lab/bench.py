@@ -748,6 +748,7 @@ class BenchOptions:
     batch_invariant: bool | None
     static_passes: bool | None
     compiled_passes: bool | None
+    fused_projections: bool
     draft_int8: bool | None
     hf_assistant_tokens: tuple[int, ...]
     hf_lookup_tokens: tuple[int, ...]
@@ -796,6 +797,7 @@ def _describe_loaded(pair: str, loaded: LoadedPair) -> str:
         )
         + (", static passes" if loaded.static_passes else "")
         + (", compiled" if loaded.compiled_passes else "")
+        + (f", fused projections ({'+'.join(loaded.fused_projections)})" if loaded.fused_projections else "")
     )
 
 
@@ -850,6 +852,7 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         "draft_int8": o.draft_int8,
         "static_passes": o.static_passes,
         "compiled_passes": o.compiled_passes,
+        "fused_projections": o.fused_projections,
     }
     loaded = load_pair(
         target,

@@ -198,6 +198,7 @@ class CalibrateOptions:
     batch_invariant: bool | None
     static_passes: bool | None
     compiled_passes: bool | None
+    fused_projections: bool
     runs: int
     head: bool
     head_vocab: int | None
@@ -224,6 +225,7 @@ def measure_pair(options: CalibrateOptions) -> tuple[LoadedPair, dict[str, Any]]
         "batch_invariant": o.batch_invariant,
         "static_passes": o.static_passes,
         "compiled_passes": o.compiled_passes,
+        "fused_projections": o.fused_projections,
         "block_activations": o.block_activations,
     }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)

@@ -74,6 +74,12 @@ block_activations_option = click.option(
     "captured, or not (default: as a job would load it; see models.compiled_passes).",
 )
 @click.option(
+    "--fused-projections",
+    is_flag=True,
+    help="q/k/v and gate/up one matrix product each, in both models where their layers allow "
+    "(pipeline/models/fusion.py; off in jobs until measured on a GPU).",
+)
+@click.option(
     "--draft-int8/--draft-as-loaded",
     default=None,
     help="Draft decode steps on int8 weights (default: as a job would load it; see "
@@ -209,6 +215,12 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
     default=None,
     help="The static passes' decoder layers compiled with torch.compile before their graphs are "
     "captured, or not (default: as a job would load it; see models.compiled_passes).",
+)
+@click.option(
+    "--fused-projections",
+    is_flag=True,
+    help="q/k/v and gate/up one matrix product each, in both models where their layers allow "
+    "(pipeline/models/fusion.py; off in jobs until measured on a GPU).",
 )
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option(

@@ -239,6 +239,8 @@ def make_batch_invariant(model: nn.Module, row_blocks: bool | None = None) -> nn
     if row_blocks is None:
         row_blocks = next(model.parameters()).device.type == "cuda"
     for module in model.modules():
+        if getattr(module, "_fused_into", None):
+            continue  # a part of a fused product (`fusion`): the product itself is wrapped
         if row_blocks and (isinstance(module, nn.Linear) or type(module).__name__.endswith("RMSNorm")):
             module.forward = _in_row_blocks(module.forward)
         elif isinstance(module, nn.Linear):

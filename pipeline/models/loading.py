@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlparse
 import torch
 
 from . import draft_int8 as int8_draft
-from . import gguf_blocks, invariant, streamed
+from . import fusion, gguf_blocks, invariant, streamed
 from .architecture import static_support
 from .pairs import (
     ConfigError,
@@ -298,6 +298,8 @@ class LoadedPair:
     static_passes: bool = False
     # the static passes' decoder layers compiled (`torch.compile`) before their graphs are captured
     compiled_passes: bool = False
+    # q/k/v and gate/up each one matrix product (`fusion`), in the models named
+    fused_projections: tuple[str, ...] = ()
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -339,6 +341,7 @@ class LoadedPair:
             "block_activations": self.block_activations,
             "static_passes": self.static_passes,
             "compiled_passes": self.compiled_passes,
+            "fused_projections": list(self.fused_projections),
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -588,6 +591,21 @@ def _static_passes(asked: bool | None, device: str, target, draft) -> bool:
     return True
 
 
+def _fuse(model, role: str, kernels=None) -> bool:
+    """Fuse `model`'s projections (`fusion`) where its layers allow; whether it did. The target
+    is fused before its kernels are applied, so that streamed layers (which cannot be fused)
+    are not asked for and the row blocks of `invariant` wrap the fused products."""
+    if kernels is not None and (kernels.streamed_linears or kernels.blocks):
+        log.warning("fused projections: the %s's streamed or block layers cannot be fused", role)
+        return False
+    problem = fusion.fusable(model)
+    if problem:
+        log.warning("fused projections: the %s is left as loaded: %s", role, problem)
+        return False
+    fusion.fuse_projections(model)
+    return True
+
+
 def _compiled_passes(asked: bool | None, device: str, static_passes: bool) -> bool:
     """Whether the static passes' decoder layers go through `torch.compile` before their graphs
     are captured (None: on GPUs). On an H200 this halved a captured pass of the 1.5B shape
@@ -617,6 +635,7 @@ def load_pair(
     batch: int | None = None,
     static_passes: bool | None = None,
     compiled_passes: bool | None = None,
+    fused_projections: bool = False,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -640,6 +659,9 @@ def load_pair(
     replayed as CUDA graphs on a GPU (see `pipeline.decode.static_lm`), where the model allows;
     `compiled_passes` (None: wherever static passes run on a GPU) compiles their decoder layers
     first, so that each captured graph replays a few fused kernels (`_compiled_passes`).
+    `fused_projections` makes q/k/v and gate/up one matrix product each in both models where
+    their layers are plain Linear layers (`pipeline.models.fusion`; not yet measured on a GPU,
+    so off unless asked).
     """
     device = resolve_device(device)
     if dtype in (None, "auto") and _blocks_decide_dtype(target, weights, device, batch):
@@ -655,6 +677,7 @@ def load_pair(
     t = time.perf_counter()
     target_model = load_model(target, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     times["target_s"] = time.perf_counter() - t
+    fused = ("target",) if fused_projections and _fuse(target_model, "target", kernels) else ()
     _check_embeddings(target_model, tokenizer, target, "target")
     if block_activations not in ("int8", "float32"):
         raise ModelError(f"models.block_activations is int8 or float32, not {block_activations!r}")
@@ -674,6 +697,8 @@ def load_pair(
             trust_remote_code=trust_remote_code,
         )
         times["draft_s"] = time.perf_counter() - t
+        if fused_projections and _fuse(draft_model, "draft"):
+            fused += ("draft",)
     static_passes = _static_passes(static_passes, device, target_model, draft_model)
     compiled_passes = _compiled_passes(compiled_passes, device, static_passes)
     for model in (target_model, draft_model) if compiled_passes else ():
@@ -695,5 +720,6 @@ def load_pair(
         block_activations=block_activations if block_layers else None,
         static_passes=static_passes,
         compiled_passes=compiled_passes,
+        fused_projections=fused,
         load_seconds=times,
     )
