@@ -80,6 +80,7 @@ def test_measure_times_every_batch_and_width_and_reads_back_from_json(tiny_loade
         "block_activations": None,  # no block layers
         "static_passes": False,
         "compiled_passes": False,
+        "fused_projections": False,
     }
     # what a pass reads, and how fast at width 1 (gpt-fast's "bandwidth achieved")
     assert result["weights"] == "dense" and set(result["weight_bytes"]) == {"target", "draft"}
