@@ -4,6 +4,7 @@
 #   scripts/gpu-check.sh OUT tests                 the decoding tests, models on CUDA
 #   scripts/gpu-check.sh OUT calibrate PAIR [opts] pipeline calibrate, report OUT/[DATE-]calibrate-[MACHINE-]PAIR.md
 #   scripts/gpu-check.sh OUT bench PAIR [opts]     pipeline bench, report OUT/[DATE-]bench-[MACHINE-]PAIR.md
+#   scripts/gpu-check.sh OUT job                   pipeline run on a GPU actor through a local Ray
 # (`all` sets DATE and MACHINE, so its reports carry docs/benchmarks' names: DATE-tool-MACHINE-rest)
 # Runs from a source tree (python3 -m pipeline.cli), so a copied checkout needs no install.
 set -uo pipefail
@@ -105,6 +106,22 @@ EOF
     echo "== done ($(date +%T))"
     pack
     ;;
+job)
+    # `pipeline run` through the real Ray path on the GPU: 2 shards of 4 rows, the random-weight
+    # Qwen-shaped pair on a GPU actor, outputs and stats written, the table naming the GPU. Ray
+    # comes packed in .gpu-carry/ray.tar.xz (`gpu_models.py prepare`); on a machine still warm
+    # from `all`, carrying .gpu-carry/site and .gpu-carry/ray.tar.xz is enough.
+    prepare
+    python3 -c "import tarfile; tarfile.open('.gpu-carry/ray.tar.xz').extractall('/tmp/site-ray', filter='tar')"
+    export PYTHONPATH="/tmp/site-ray:$PYTHONPATH" RAY_USAGE_STATS_ENABLED=0
+    name=${DATE:+$DATE-}tiny-job-${MACHINE:-gpu}-qwen-shaped-random-ray
+    echo "== pipeline run on a GPU actor ($(date +%T))"
+    timeout 240 python3 scripts/tiny_job.py /tmp/gpu-job --shards 2 --rows 4 --max-new-tokens 32 \
+        --drafter prompt_lookup --models /tmp/gpu/models/qwen-target,/tmp/gpu/models/qwen-draft --gpus 1 \
+        --report "$res/$name.json" 2>&1 | grep -v "^Loading weights" | tee "$res/job.log" | tail -40
+    echo "== done ($(date +%T))"
+    pack
+    ;;
 probe)
     # Where a round's time goes (scripts/gpu_profile.py: the engine's split, cProfile, PyTorch's
     # profiler) at batch 1 and 64, and the batch-1 bench with captured passes that are not
@@ -123,7 +140,7 @@ probe)
     pack
     ;;
 *)
-    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all|probe [options]" >&2
+    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all|job|probe [options]" >&2
     exit 2
     ;;
 esac

@@ -2,8 +2,9 @@
 
     python3 scripts/gpu_models.py prepare [PAIR_DIR]   here: the Qwen2.5-Coder pair's configs and
                                                        tokenizer into .gpu-carry/ (ignored by git),
-                                                       and the packages the GPU machine lacked,
-                                                       unpacked into .gpu-carry/site
+                                                       the packages the GPU machine lacked,
+                                                       unpacked into .gpu-carry/site, and Ray
+                                                       packed as .gpu-carry/ray.tar.xz
     python3 scripts/gpu_models.py build OUT            there: random-weight models of those shapes
                                                        under OUT/models, a pair config under OUT/config
 
@@ -66,6 +67,43 @@ def fetch_site() -> None:
     print(f"{SITE}: {sum(f.stat().st_size for f in SITE.rglob('*') if f.is_file()) / 1e6:.1f} MB")
 
 
+# Ray, which `pipeline run` needs and the GPU machine lacks (its wheel is 79 MB, over a call's
+# 64 MiB): unpacked without what a job never imports (Java workers' jar, RLlib, Serve, Tune,
+# Train, Data, the dashboard's web client), with jsonschema's family, which the machine also
+# lacks, and packed as xz: about 30 MB. `gpu-check.sh job` unpacks it there.
+RAY = Path(".gpu-carry/ray.tar.xz")
+RAY_PACKAGES = ("ray=={version}", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py")
+RAY_LEFT_OUT = ("ray/jars/", "ray/rllib/", "ray/serve/", "ray/tune/", "ray/train/", "ray/data/", "ray/llm/")
+RAY_LEFT_OUT += ("ray/dashboard/client/",)
+
+
+def fetch_ray() -> None:
+    import subprocess
+    import tarfile
+    import tempfile
+    import zipfile
+
+    import ray
+
+    with tempfile.TemporaryDirectory() as wheels:
+        command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        command += (*PLATFORM, "--platform", "manylinux_2_28_x86_64", "--implementation", "cp")
+        packages = [p.format(version=ray.__version__) for p in RAY_PACKAGES]
+        subprocess.run([*command, "-d", wheels, *packages], check=True)
+        with tarfile.open(RAY, "w:xz", preset=6) as tar:
+            for wheel in sorted(Path(wheels).glob("*.whl")):
+                with zipfile.ZipFile(wheel) as z:
+                    for info in z.infolist():
+                        if info.is_dir() or info.filename.startswith(RAY_LEFT_OUT):
+                            continue
+                        entry = tarfile.TarInfo(info.filename)
+                        entry.size = info.file_size
+                        entry.mode = (info.external_attr >> 16) & 0o777 or 0o644  # raylet, gcs_server
+                        with z.open(info) as data:
+                            tar.addfile(entry, data)
+    print(f"{RAY}: {RAY.stat().st_size / 1e6:.1f} MB")
+
+
 def build(out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -104,6 +142,7 @@ if __name__ == "__main__":
         default = Path.home() / ".cache/spec-pipeline/models/qwen2.5-coder"
         prepare(Path(sys.argv[2]) if len(sys.argv) > 2 else default)
         fetch_site()
+        fetch_ray()
     elif what == "build" and len(sys.argv) == 3:
         build(Path(sys.argv[2]))
     else:

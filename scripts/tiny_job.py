@@ -3,12 +3,13 @@ what the engine's own per-round time costs a job (docs/engine.md, "What a round 
 its passes").
 
     python scripts/tiny_job.py WORKDIR [--shards 20] [--rows 3] [--max-new-tokens 64]
-        [--drafter auto] [--report docs/benchmarks/NAME.json]
+        [--drafter auto] [--report docs/benchmarks/NAME.json] [--models TARGET,DRAFT] [--gpus 1]
 
 Builds the tiny target and draft (tests/tiny_models.py) and `--shards` Parquet shards of `--rows`
 sentences under WORKDIR, runs `pipeline run` on them with a local Ray, and prints the manifest's
 totals: the pooled measured speedup and its interval. `--report` keeps the manifest, with the
-machine and commit beside it.
+machine and commit beside it. `--models` runs another pair instead of the tiny one, `--gpus` on
+GPU actors (`gpu-check.sh job`: a job through the real Ray path on a GPU).
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def write_corpus(data: Path, shards: int, rows: int, sentences: tuple[int, int] 
         pq.write_table(pa.Table.from_pylist(table), data / f"part-{s:05d}.parquet")
 
 
-def build(work: Path, shards: int, rows: int, max_new_tokens: int, drafter: str) -> Path:
+def build(
+    work: Path, shards: int, rows: int, max_new_tokens: int, drafter: str, models: str | None = None, gpus=0
+) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import build_tiny_pair
 
-    target, draft = build_tiny_pair(work / "models")
+    target, draft = models.split(",") if models else build_tiny_pair(work / "models")
     data = work / "data"
     write_corpus(data, shards, rows)
     spec = work / "job.yaml"
@@ -55,12 +58,18 @@ def build(work: Path, shards: int, rows: int, max_new_tokens: int, drafter: str)
         f"input: {{url: {data}, text_column: text, id_column: id}}\n"
         "task: {kind: summarize, chat_template: true, max_input_tokens: 384}\n"
         f"generation: {{max_new_tokens: {max_new_tokens}, greedy: true}}\n"
-        f"models: {{target: {target}, draft: {draft}}}\n"
+        f"models: {{target: {target}, draft: {draft}{', device: cuda' if gpus else ''}}}\n"
         f"drafter: {{kind: {drafter}}}\n"
-        "execution: {num_actors: 1, num_cpus: 2}\n"
+        f"execution: {{num_actors: 1, num_cpus: 2, num_gpus: {gpus}}}\n"
         f'output:\n  url: "{work}/out/{{run_id}}"\n  overwrite: true\n'
     )
     return spec
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def main() -> None:
@@ -74,8 +83,10 @@ def main() -> None:
     parser.add_argument("--drafter", default="auto")
     parser.add_argument("--run-id", default="tiny")
     parser.add_argument("--report", type=Path)
+    parser.add_argument("--models", help="TARGET,DRAFT directories (default: the tiny pair, built)")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per actor (models on cuda)")
     args = parser.parse_args()
-    spec = build(args.work, args.shards, args.rows, args.max_new_tokens, args.drafter)
+    spec = build(args.work, args.shards, args.rows, args.max_new_tokens, args.drafter, args.models, args.gpus)
     command = [sys.executable, "-m", "pipeline.cli", "run", str(spec), "--run-id", args.run_id]
     subprocess.run(command, check=True, cwd=ROOT)
     manifest = json.loads((args.work / "out" / args.run_id / "manifest.json").read_text())
@@ -89,7 +100,12 @@ def main() -> None:
         commit, dirty = git_state()
         record = {
             "command": " ".join(["python", "scripts/tiny_job.py", *sys.argv[1:]]),
-            "machine": {"cpu_model": model, "avx2": "avx2" in flags, "avx512_bf16": "avx512_bf16" in flags},
+            "machine": {
+                "cpu_model": model,
+                "avx2": "avx2" in flags,
+                "avx512_bf16": "avx512_bf16" in flags,
+                "gpu": gpu_name(),
+            },
             "commit": commit,
             "dirty": dirty,
             "manifest": manifest,

@@ -419,6 +419,8 @@ def test_a_job_grows_its_own_head_shard_after_shard(tiny_models, tiny_pair_dirs,
     printed = capsys.readouterr().out
     assert "learning head: first drafts accepted on rows it had not learned from, first 1 checks " in printed
     assert f"; {steps} training steps in " in printed
+    device = next(s["models"]["device"] for s in stats if s.get("models"))
+    assert f"models on {device}" in printed  # on a GPU, by its name
     assert {s["models"]["head"]["from"] for s in stats if s["status"] == "ok"} == {"new"}
 
     # the head it learned is kept for the next job, which goes on from it

@@ -133,3 +133,14 @@ def test_quality_scores_are_the_standard_metrics():
     assert "chrF nrefs:1" in translation.signature and "tok:13a" in translation.signature
     with pytest.raises(ValueError, match="no row has a non-empty reference"):
         score("translate", ["x"], [""])
+
+
+def test_the_shard_table_says_where_the_models_ran():
+    from pipeline.report.results import _where_line
+
+    gpu = {"device": "cuda", "gpu": "NVIDIA H200", "dtype": "bfloat16", "static_passes": True}
+    cpu = {"device": "cpu", "gpu": None, "dtype": "float32", "static_passes": False}
+    stats = [{"models": {**gpu, "compiled_passes": True}}, {"models": {**gpu, "compiled_passes": True}}]
+    assert _where_line(stats) == "models on cuda (NVIDIA H200), bfloat16, compiled static passes"
+    assert _where_line([*stats, {"models": cpu}]).endswith("; cpu, float32")  # actors on two kinds
+    assert _where_line([{"status": "failed"}]) is None  # nothing decoded yet

@@ -333,6 +333,7 @@ class LoadedPair:
             ),
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": self.device,
+            "gpu": torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else None,
             "batch_invariant": self.batch_invariant,
             "draft_int8": self.draft_int8,
             "streamed_linears": self.streamed,

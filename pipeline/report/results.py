@@ -150,10 +150,26 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
             f"target-only check: {sample.identical_rows}/{sample.sample_rows} sampled rows identical "
             f"to target-only decoding"
         )
-    learned = _learning_head_line(stats)
-    if learned:
-        click.echo(learned)
+    for line in (_learning_head_line(stats), _where_line(stats)):
+        if line:
+            click.echo(line)
     return True
+
+
+def _where_line(stats: list[dict]) -> str | None:
+    """Where the models ran, from the shards' `models` records: each device (a GPU by its name)
+    with the dtype and the pass path, once however many actors shared it."""
+    seen = []
+    for record in stats:
+        m = record.get("models") or {}
+        if not m.get("device"):
+            continue
+        device = f"{m['device']} ({m['gpu']})" if m.get("gpu") else m["device"]
+        path = ("compiled " if m.get("compiled_passes") else "") + "static passes"
+        line = ", ".join(part for part in (device, m.get("dtype"), m.get("static_passes") and path) if part)
+        if line not in seen:
+            seen.append(line)
+    return f"models on {'; '.join(seen)}" if seen else None
 
 
 def _learning_head_line(stats: list[dict]) -> str | None:
