@@ -26,16 +26,6 @@ def _load(dirs, static: bool):
     return load_pair(target, draft, dtype="float32", device=DEVICE, **kernels)
 
 
-@pytest.fixture(autouse=True)
-def prefills_in_decode_blocks(monkeypatch):
-    """The static path prefills in pieces that run a decode pass's kernels (`static_lm.CHUNK`,
-    blocks of GPU_ROWS rows); the dynamic path prefills in blocks of PREFILL_ROWS on a GPU, whose
-    kernels round otherwise (on an H200 the prefill logits came 2e-6 apart in float32). Each path
-    keeps its own prefills consistent, which is all decoding needs; compared here, both prefill
-    in blocks of GPU_ROWS."""
-    monkeypatch.setattr(invariant, "PREFILL_ROWS", invariant.GPU_ROWS)
-
-
 @pytest.fixture(scope="module")
 def pairs(tiny_pair_dirs):
     """(static, dynamic): the tiny pair loaded twice, as a job loads it, one of each path."""
@@ -67,14 +57,16 @@ def row_block_targets(tiny_pair_dirs):
 
 @pytest.mark.parametrize("numerics", ["as loaded", "row blocks"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-@pytest.mark.parametrize("chunk", [static_lm.CHUNK, 7])
+@pytest.mark.parametrize("chunk, per_pass", [(static_lm.CHUNK, None), (7, None), (7, 3)])
 def test_logits_equal_the_dynamic_paths_bit_for_bit(
-    pairs, row_block_targets, numerics, batch, chunk, monkeypatch
+    pairs, row_block_targets, numerics, batch, chunk, per_pass, monkeypatch
 ):
     """Ragged rounds as the engine runs them: prefills sharing a template (in pieces of `chunk`
-    tokens, the last one padded), verify passes of every graph width and wider, rejected drafts
-    rolled back, rows leaving and joining."""
+    tokens, the last one padded, several to a pass or `per_pass`), verify passes of every graph width and
+    wider, rejected drafts rolled back, rows leaving and joining."""
     monkeypatch.setattr(static_lm, "CHUNK", chunk)
+    if per_pass:  # a row's pieces over several passes (both paths prefill in blocks of this size)
+        monkeypatch.setattr(invariant, "PREFILL_ROWS", per_pass * chunk)
     static, dynamic = (p.target for p in pairs) if numerics == "as loaded" else row_block_targets
     rng = random.Random(batch)
     runners = [StaticLM(static, 0), BatchedLM(dynamic, 0)]

@@ -15,10 +15,15 @@ never move and shapes that never change. So, as in gpt-fast:
   padded, free slots fed padding); the padding writes past the row's end or into the scratch
   positions at the end of each slot, where the next real token overwrites it before any query
   can see it.
-- A prompt is prefilled a row at a time in pieces of CHUNK tokens, the last one padded, each
-  a replay of one more captured graph (one slot, chosen by an index tensor). Eager, a prefill
-  launched its thousand kernels from Python and waited on the device between them: 84 ms for a
-  350-token prompt of the 1.5B shape on an H200, 29% of a batch-1 job's time (docs/gpu.md).
+- Prompts are prefilled in pieces of CHUNK tokens (a row's last one padded), up to
+  `invariant.PREFILL_ROWS // CHUNK` pieces a pass, of one row or several: one more captured
+  graph, whose rows each write the slot an index tensor names (two pieces of one row may share a
+  pass: each attends to the keys up to its own positions, the other's written first). Eager, a
+  prefill launched its thousand kernels from Python and waited on the device between them: 84
+  ms for a 350-token prompt of the 1.5B shape on an H200, 29% of a batch-1 job's time; in pieces
+  a row at a time, 0.036 ms a prompt token at any batch size (docs/gpu.md). A pass is one block
+  of PREFILL_ROWS token rows, the prefill kernels of the dynamic path, so that a batch of 64
+  rows prefills as many tokens per reading of the weights as its eager prefill did.
 - Other passes wider than WIDTHS (a draft model catching up) run eagerly over their rows only,
   with the keys cut to the longest position: rare, and long enough to hide the launches.
 
@@ -45,8 +50,7 @@ from pipeline.models.architecture import ADDITIVE, static_support
 # Widths (tokens per row) of the passes that replay a graph: a 1-token step, verify passes of up
 # to 15 drafts. A pass of W tokens runs in the narrowest of these that holds it.
 WIDTHS = (1, 2, 4, 8, 12, 16)
-# Prompt tokens per prefill pass: on a GPU one block of `invariant.GPU_ROWS` rows, so a piece of
-# prompt runs the same kernels as a decode pass.
+# Prompt tokens per piece: a prefill pass holds `invariant.PREFILL_ROWS // CHUNK` pieces.
 CHUNK = 128
 
 
@@ -107,13 +111,13 @@ class _Store:
         self.capacity = self.length = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.graphs: dict[int | str, _Graph] = {}  # by width; PREFILL: the prefill pieces' graph
+        self.graphs: dict[int | str, _Graph] = {}  # by width; PREFILL: the prefill pass's
         self.kept: dict[int, tuple] = {}  # slots and graphs of other batch sizes, by size
         self.pool = None  # the memory pool every graph of the model shares (one runs at a time)
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.graphs_off: str | None = None  # why passes run eagerly on a GPU
-        self.prefill_off: str | None = None  # why prefill pieces do (decode passes may not)
+        self.prefill_off: str | None = None  # why prefills do (decode passes may not)
         self.cache = _Slots(self.keys, self.values)  # rebound to every new buffer
 
     def switch(self, rows: int) -> None:
@@ -325,54 +329,70 @@ class StaticLM(BatchedLM):
     def _prefill_rows_at(
         self, rows: list[int], blocks: list[list[int]], wanted: list[int]
     ) -> list[torch.Tensor]:
-        """Prefill rows (nothing of them cached), each from its template start, a row at a time
-        in pieces of CHUNK tokens (see the module docstring)."""
+        """Prefill rows (nothing of them cached), each from its template start, in passes of
+        pieces (see the module docstring); the logits of each row's last `wanted` tokens."""
         self._take(0, max(map(len, blocks)))
         began = time.perf_counter()
-        logits: list[torch.Tensor] = []
         self.fed_tokens = 0
+        pieces: list[tuple[int, int, list[int]]] = []  # (row, offset in what it is fed, tokens)
+        fed: dict[int, tuple[int, int, int]] = {}  # row -> (start position, tokens fed, wanted)
         for row, block, want in zip(rows, blocks, wanted):
             self.reusable(block, learn=True)
             seed = min(self.reusable(block), len(block) - want)
             self._seed_row(row, seed)
+            fed[row] = (seed, len(block) - seed, want)
             self.fed_tokens += len(block) - seed
-            logits.append(self._prefill_row(row, block[seed:], want))
-            slot, n = self.row_slots[row], len(block)
-            layers = [
-                (k[slot : slot + 1, :, :n].clone(), v[slot : slot + 1, :, :n].clone())
-                for k, v in zip(self.keys, self.values)
+            pieces += [
+                (row, at, block[seed + at : seed + at + CHUNK]) for at in range(0, len(block) - seed, CHUNK)
             ]
-            self.previous = _Prefix(list(block), layers)
-        self._timed(began)
-        return logits
-
-    def _prefill_row(self, row: int, fed: list[int], wanted: int) -> torch.Tensor:
-        """Feed `fed` to row `row` in pieces of CHUNK tokens; the logits of its last `wanted`."""
-        start = len(self.tokens[row])
-        picked, features = [], []
-        slot = torch.tensor([self.row_slots[row]])
-        for at in range(0, len(fed), CHUNK):
-            piece = fed[at : at + CHUNK]
-            ids, positions = self._layout([self.row_slots[row]], [row], [piece], CHUNK, every_slot=False)
-            graph = self._graph(PREFILL)
-            if graph is None:
-                seen = int(positions.max()) + 1
-                on = self.device
-                hidden = self._layers(ids.to(on), positions.to(on), slot.to(on), seen)
-            else:
-                hidden = graph.replay(ids, positions, slot)
-            hidden = hidden[0, : len(piece)]
-            first = max(len(fed) - wanted - at, 0)  # copied: a replay overwrites its output buffer
-            if first < len(piece):
-                picked.append(hidden[first:].clone())
+        picked: dict[int, list[torch.Tensor]] = {row: [] for row in rows}
+        features: dict[int, list[torch.Tensor]] = {row: [] for row in rows}
+        per_pass = max(invariant.PREFILL_ROWS // CHUNK, 1)
+        for first in range(0, len(pieces), per_pass):
+            group = pieces[first : first + per_pass]
+            hidden = self._prefill_pass(group, per_pass, fed)
+            for i, (row, at, piece) in enumerate(group):  # copied: a replay overwrites its output
+                _, count, want = fed[row]
+                keep = max(count - want - at, 0)
+                if keep < len(piece):
+                    picked[row].append(hidden[i, keep : len(piece)].clone())
+                if self.keep_features:
+                    features[row].append(hidden[i, : len(piece)].to(torch.float32, copy=True))
+        for row, block in zip(rows, blocks):
+            self.tokens[row] = list(block)
             if self.keep_features:
-                features.append(hidden.to(torch.float32, copy=True))
-            self.tokens[row].extend(piece)
-        if self.keep_features:
-            self._collected[row] = (start, torch.cat(features) if features else torch.empty(0))
-        if not picked:
-            return torch.empty(0, self.vocab_size, device=self.device)
-        return self._head_logits(torch.cat(picked))
+                found = features[row]
+                self._collected[row] = (fed[row][0], torch.cat(found) if found else torch.empty(0))
+        heads = [torch.cat(picked[row]) for row in rows if picked[row]]
+        logits = self._head_logits(torch.cat(heads)) if heads else None
+        out = list(logits.split([fed[row][2] for row in rows])) if logits is not None else []
+        out = out or [torch.empty(0, self.vocab_size, device=self.device) for _ in rows]
+        slot, n = self.row_slots[rows[0]], len(blocks[0])
+        layers = [
+            (k[slot : slot + 1, :, :n].clone(), v[slot : slot + 1, :, :n].clone())
+            for k, v in zip(self.keys, self.values)
+        ]
+        self.previous = _Prefix(list(blocks[0]), layers)
+        self._timed(began)
+        return out
+
+    def _prefill_pass(self, group: list[tuple[int, int, list[int]]], rows: int, fed: dict) -> torch.Tensor:
+        """One prefill pass of `rows` pieces (the group's, then padding that writes scratch
+        positions only); the last hidden states [rows, CHUNK, hidden]."""
+        ids = np.full((rows, CHUNK), self.pad_token_id, dtype=np.int64)
+        positions = np.full((rows, CHUNK), self.total - 1, dtype=np.int64)
+        slots = np.full(rows, self.row_slots[group[0][0]], dtype=np.int64)
+        for i, (row, at, piece) in enumerate(group):
+            ids[i, : len(piece)] = piece
+            positions[i] = np.minimum(fed[row][0] + at + np.arange(CHUNK), self.total - 1)
+            slots[i] = self.row_slots[row]
+        ids, positions, slots = (torch.from_numpy(a) for a in (ids, positions, slots))
+        graph = self._graph(PREFILL)
+        if graph is not None:
+            return graph.replay(ids, positions, slots)
+        seen = int(positions.max()) + 1
+        on = self.device
+        return self._layers(ids.to(on), positions.to(on), slots.to(on), seen)
 
     def _seed_row(self, row: int, n: int) -> None:
         """Row `row` starts with the template's first n tokens (their keys and values copied)."""
@@ -464,7 +484,7 @@ class StaticLM(BatchedLM):
 
     def _graph(self, width: int | str) -> _Graph | None:
         """The captured graph of the every-slot pass of `width` tokens per row, or of a prefill
-        piece (PREFILL), captured at first use; None where passes run eagerly."""
+        pass (PREFILL), captured at first use; None where passes run eagerly."""
         if not self.use_graphs or self.graphs_off is not None:
             return None
         if width == PREFILL and self.store.prefill_off is not None:
@@ -476,7 +496,7 @@ class StaticLM(BatchedLM):
         began = time.perf_counter()
         free = torch.cuda.mem_get_info(self.device)[0]
         try:
-            graph = _Graph(self, CHUNK, one_slot=True) if width == PREFILL else _Graph(self, width)
+            graph = _Graph(self, width)
         except Exception as error:  # a kernel that cannot be captured: run eagerly, and say why
             reason = f"{type(error).__name__}: {error}"[:300]
             if width == PREFILL:  # prompts prefill eagerly, decode passes keep their graphs
@@ -509,7 +529,7 @@ def _compiled_layer(*args) -> torch.Tensor:
 _compiled = None
 
 
-PREFILL = "prefill"  # `_Store.graphs`' key for the graph of a prefill piece
+PREFILL = "prefill"  # `_Store.graphs`' key for the graph of a prefill pass
 
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -523,27 +543,29 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class _Graph:
-    """One captured pass: fixed input buffers, fixed output buffer. Every slot `width` tokens,
-    or (`one_slot`) one slot, chosen at each replay, `width` tokens."""
+    """One captured pass: fixed input buffers, fixed output buffer. Every slot `width` tokens
+    (a width), or (PREFILL) a prefill pass: `PREFILL_ROWS // CHUNK` rows of CHUNK tokens, each
+    writing the slot an index tensor names at each replay."""
 
-    def __init__(self, lm: StaticLM, width: int, one_slot: bool = False):
-        rows = 1 if one_slot else lm.capacity
+    def __init__(self, lm: StaticLM, width: int | str):
+        prefill = width == PREFILL
+        rows, width = (max(invariant.PREFILL_ROWS // CHUNK, 1), CHUNK) if prefill else (lm.capacity, width)
         self.ids = torch.full((rows, width), lm.pad_token_id, dtype=torch.long, device=lm.device)
         # warm-up and capture write scratch positions only, past any row's end
         scratch = torch.arange(lm.total - width, lm.total, device=lm.device)
         self.positions = scratch.clamp(min=lm.total - WIDTHS[-1]).repeat(rows, 1)
-        self.slots = torch.zeros(1, dtype=torch.long, device=lm.device) if one_slot else None
+        self.slots = torch.zeros(rows, dtype=torch.long, device=lm.device) if prefill else None
         stream = torch.cuda.Stream(lm.device)
         stream.wait_stream(torch.cuda.current_stream(lm.device))
-        # a prefill piece runs a decode pass's kernels (blocks of GPU_ROWS rows), compiled or not
-        with torch.cuda.stream(stream), streamed.prefilling(False):
+        # a prefill pass runs the prefill kernels (blocks of PREFILL_ROWS rows), compiled or not
+        with torch.cuda.stream(stream), streamed.prefilling(prefill):
             for _ in range(2):  # warm-up: workspaces, lazy inits (writes scratch only)
                 lm._layers(self.ids, self.positions, self.slots, 0)
         torch.cuda.current_stream(lm.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         if lm.store.pool is None:
             lm.store.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(self.graph, pool=lm.store.pool), streamed.prefilling(False):
+        with torch.cuda.graph(self.graph, pool=lm.store.pool), streamed.prefilling(prefill):
             self.hidden = lm._layers(self.ids, self.positions, self.slots, 0)
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None):

@@ -265,18 +265,26 @@ def prefilling(on: bool = True) -> Iterator[None]:
     way, since the runner (`BatchedLM`) marks every prefill, in target-only and speculative
     decoding alike: a prompt is always prefilled, a generated token never is.
     """
-    token = _prefill.set(on)
+    global _traced_prefill
+    token, traced = _prefill.set(on), _traced_prefill
+    _traced_prefill = on
     try:
         yield
     finally:
         _prefill.reset(token)
+        _traced_prefill = traced
+
+
+# `_prefill` as a compiled pass reads it: a module global, which `torch.compile` guards on (the
+# static path's prefill passes and its decode passes compile apart), where a context variable
+# cannot be traced
+_traced_prefill = False
 
 
 def is_prefilling() -> bool:
-    """Is the pass running now a prefill (see `prefilling`)? Never a compiled pass: only the
-    static path's every-slot decode and verify passes are compiled (`load_pair(compiled_passes=True)`)."""
+    """Is the pass running now a prefill (see `prefilling`)?"""
     if torch.compiler.is_compiling():
-        return False
+        return _traced_prefill
     return _prefill.get()
 
 
