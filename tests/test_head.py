@@ -438,7 +438,48 @@ def test_a_job_grows_its_own_head_shard_after_shard(tiny_models, tiny_pair_dirs,
     assert started == {kept.digest()} == {saved["digest"]}  # the head night 1 learned, as saved
     assert {s["models"]["head"]["digest"] for s in stats if s["status"] == "ok"} != started
     check_output(tiny_models, spec, night2, rows_in)
-    assert night2.read_json("manifest.json")["heads"][0]["steps"] > 0
+    night2_steps = sum(s["head_online"]["steps"] for s in night2_stats if s.get("head_online"))
+    assert night2_steps > 0  # its steps count on from night 1's
+    assert night2.read_json("manifest.json")["heads"][0]["steps"] == saved["steps"] + night2_steps
+
+
+def test_a_rerun_of_a_learning_job_goes_on_from_the_head_its_output_holds(
+    tiny_models, tiny_pair_dirs, tmp_path, ray_local, monkeypatch
+):
+    """A learning head is saved while the job runs (here after every shard, and the save at the
+    job's end left out, as a killed job never makes it); a re-run, here after shards were added,
+    as a killed run leaves shards undone, starts its actors from the most trained head the
+    output holds rather than from a new one."""
+    from pipeline_helpers import check_output, corpus_shards, job_dict
+
+    from pipeline.job import executor
+    from pipeline.job.executor import run_job
+    from pipeline.spec import spec_from_dict
+    from pipeline.storage import Storage
+
+    shards, given = corpus_shards(), Storage(str(tmp_path / "in"))
+    for name in ("part-000.parquet", "nested/part-002.parquet"):
+        given.write_parquet(name, shards[name])
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+    data["drafter"] = {"kind": "head", "head_online": True, "head_online_share": 2.0, "gamma_max": 4}
+    data["execution"]["batch_size"] = 2
+    spec = spec_from_dict(data)
+    monkeypatch.setattr(executor, "HEAD_CHECKPOINT_SECONDS", 0)
+    monkeypatch.setattr(executor, "_save_heads", lambda *args: [])
+    assert run_job(spec, progress=False).ok
+    out = Storage(str(tmp_path / "out"))
+    saved = out.read_json("head/actor-0/head.json")
+    assert saved["steps"] > 0  # a checkpoint taken while the job ran
+    kept = DraftHead.load(out.url_for("head/actor-0"), tiny_models[0])
+
+    given.write_parquet("part-001.parquet", shards["part-001.parquet"])
+    assert run_job(spec, progress=False).ok
+    (added,) = [out.read_json(n) for n in out.list("stats") if "part-001" in n]
+    assert added["models"]["head"]["from"] == out.url_for("head/actor-0")
+    assert added["models"]["head"]["digest"] == kept.digest()
+    given.write_bytes("corrupt.parquet", b"PAR1 this is not a parquet file")  # as check_output counts
+    assert run_job(spec, progress=False).ok
+    check_output(tiny_models, spec, out, sum(t.num_rows for t in shards.values()))
 
 
 def test_a_head_named_by_url_is_read_into_a_local_directory(tiny_models, trained):
@@ -455,3 +496,24 @@ def test_a_head_named_by_url_is_read_into_a_local_directory(tiny_models, trained
     assert directory != str(local) and head_directory(str(local), {}) == str(local)
     loaded = DraftHead.load(directory, target)
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), head.state_dict().values()))
+
+
+def test_a_rerun_goes_on_from_the_most_trained_head_and_other_jobs_as_they_are(tiny_pair_dirs, tmp_path):
+    from pipeline_helpers import job_dict
+
+    from pipeline.job.executor import _with_learned_head
+    from pipeline.job.progress import ShardProgress
+    from pipeline.spec import spec_from_dict
+    from pipeline.storage import Storage
+
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"))
+    data["drafter"] = {"kind": "head", "head_online": True}
+    spec, out, shown = spec_from_dict(data), Storage(str(tmp_path / "out")), ShardProgress(0, show_bar=False)
+    assert _with_learned_head(spec, out, shown) is spec  # nothing saved yet
+    for k, steps in enumerate((7, 30, 12)):
+        out.write_json(f"head/actor-{k}/head.json", {"format": 1, "steps": steps})
+    out.write_bytes("head/actor-3/head.json", b"{cut short")  # unreadable: passed over
+    assert _with_learned_head(spec, out, shown).drafter.head == out.url_for("head/actor-1")
+    data["drafter"] = {"kind": "head", "head": str(tmp_path / "night1")}  # not learning: as given
+    plain = spec_from_dict(data)
+    assert _with_learned_head(plain, out, shown) is plain

@@ -133,6 +133,7 @@ class DraftHead(torch.nn.Module):
         self.register_buffer("vocab_rows", vocab_rows.long(), persistent=False)
         self.fingerprint = fingerprint
         self._lm: torch.Tensor | None = None
+        self.steps_before = 0  # training steps it had when loaded (its config's `steps`)
 
     @classmethod
     def from_target(
@@ -238,7 +239,9 @@ class DraftHead(torch.nn.Module):
         self.__dict__["_lm_packed"] = streamed.StreamedLinear(rows, int8=True)
         return self
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, steps: int | None = None) -> Path:
+        """The head's weights and its config (with `steps`, the training steps it has had,
+        where known: a re-run goes on from the most trained head)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -249,6 +252,7 @@ class DraftHead(torch.nn.Module):
             "fingerprint": self.fingerprint,
             "layer_class": self.layer.__class__.__name__,
             "vocab_rows": self.vocab_rows.tolist(),
+            **({"steps": steps} if steps is not None else {}),
         }
         (directory / HEAD_CONFIG).write_text(json.dumps(meta) + "\n")
         return directory
@@ -269,6 +273,7 @@ class DraftHead(torch.nn.Module):
         last = target.base_model.layers[-1]
         head = cls(target.config, type(last), torch.tensor(meta["vocab_rows"]), meta["fingerprint"])
         head.load_state_dict(load_file(directory / HEAD_FILE))
+        head.steps_before = int(meta.get("steps", 0))
         return head.to(torch.float32).bind(target)
 
 

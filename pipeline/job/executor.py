@@ -28,6 +28,7 @@ from pipeline.job import metrics, nodes
 from pipeline.job.fingerprint import check_resume, check_resume_outputs, fingerprint
 from pipeline.job.ids import clear_duplicates, map_ids, partitions, read_duplicates, reduce_ids
 from pipeline.job.layout import (
+    HEAD_DIR,
     clear_failed,
     clear_job_output,
     failed_path,
@@ -233,6 +234,10 @@ def _stopped(
 ACTOR_RESTARTS = 2
 # how long an actor may take to write its learned head at the end (the 1.5B's is 0.2 GB)
 HEAD_SAVE_SECONDS = 600
+# A learning head is also saved while the job runs, at most this often per actor, so that a
+# killed job's next run goes on from it: about a second a save locally, each after a shard of
+# minutes (docs/reliability.md).
+HEAD_CHECKPOINT_SECONDS = 600
 
 
 # How many shards `job_input_schema` opens looking for one that has the job's columns.
@@ -296,7 +301,9 @@ def _run_shards(
     queue = deque(ShardAttempt(url, name, 1) for url, name in todo)
     shown = ShardProgress(len(todo), show_bar=_show_progress(progress))
     record = _Recorder(spec, out, result, shown, queue)
-    start_actor = partial(_model_actor_class(spec).remote, spec)
+    actor_spec = _with_learned_head(spec, out, shown)
+    start_actor = partial(_model_actor_class(actor_spec).remote, actor_spec)
+    checkpoints = _HeadCheckpoints(out, shown) if spec.drafter.head_online else None
     alive, drains = nodes.alive(), Drains()
     with ModelActorPool(start_actor, min(spec.execution.num_actors, len(todo))) as pool:
         while queue or pool.running:  # not waiting for actors coming back once no shard is left
@@ -309,9 +316,12 @@ def _run_shards(
                 record.hand_back(outcome.task, drains.hand_back(outcome.actor, outcome.task.name))
             elif isinstance(outcome, Finished):
                 record.finished(outcome.task, outcome.value, outcome.error, outcome.actor)
+                if checkpoints is not None:
+                    checkpoints.after_shard(pool, outcome.actor)
             elif isinstance(outcome, CannotStart) and queue:
                 record.give_up(f"model actors cannot start: {_reason(outcome.error)}")
-        if spec.drafter.head_online:
+        if checkpoints is not None:
+            checkpoints.wait()
             result.heads = _save_heads(pool, out, shown)
     result.nodes_drained = [d.to_dict() for d in drains.seen.values()]
     result.nodes_lost = [{"node": n, "reason": why} for n, why in nodes.dead().items() if n in alive]
@@ -338,6 +348,58 @@ def _save_heads(pool: ModelActorPool, out: Storage, shown: ShardProgress) -> lis
             heads.append(saved)
             shown.note(f"head learned over {saved['steps']} steps saved to {url}")
     return heads
+
+
+class _HeadCheckpoints:
+    """Each actor's learning head, saved under head/actor-<k>/ while the job runs, at most every
+    HEAD_CHECKPOINT_SECONDS, so that a killed job's next run starts from what it had learned
+    (`_with_learned_head`). A save is asked for as a shard comes back, before the actor's next:
+    the call queues on the actor, and the driver does not wait for it."""
+
+    def __init__(self, out: Storage, shown: ShardProgress):
+        self.out, self.shown = out, shown
+        self.began = time.monotonic()
+        self.saved: dict[int, float] = {}  # actor -> when its last save was asked for
+        self.calls: list[tuple[int, ray.ObjectRef]] = []
+
+    def after_shard(self, pool: ModelActorPool, actor) -> None:
+        k = next((k for k, a in enumerate(pool.actors) if a is actor), None)
+        now = time.monotonic()
+        if k is None or now - self.saved.get(k, self.began) < HEAD_CHECKPOINT_SECONDS:
+            return
+        self.saved[k] = now
+        self.calls.append((k, actor.save_head.remote(self.out.url_for(head_dir(k)))))
+
+    def wait(self) -> None:
+        """The saves asked for have ended (before the job's last, which must come after them)."""
+        for k, call in self.calls:
+            try:
+                ray.get(call, timeout=HEAD_SAVE_SECONDS)
+            except Exception as exc:  # a lost actor, a storage error: the final save may still come
+                self.shown.note(f"a checkpoint of model actor {k}'s head was not saved: {_reason(exc)}")
+
+
+def _with_learned_head(spec: JobSpec, out: Storage, shown: ShardProgress) -> JobSpec:
+    """The spec the model actors start from. Where a learning job's output already holds heads
+    (a killed run's checkpoints, or an ended run's heads before shards were added), the actors
+    start from the most trained one rather than from `drafter.head`: a re-run goes on learning
+    where the last one stopped. Any other spec as it is."""
+    from pipeline.decode.head import HEAD_CONFIG
+
+    if not spec.drafter.head_online:
+        return spec
+    best = None
+    for name in out.list(HEAD_DIR, suffix=HEAD_CONFIG):
+        try:
+            steps = out.read_json(name).get("steps", 0)
+        except (StorageError, ValueError, AttributeError):
+            continue  # unreadable: not a head to go on from
+        if best is None or steps > best[0]:
+            best = (steps, out.url_for(name.rsplit("/", 1)[0]))
+    if best is None:
+        return spec
+    shown.note(f"the model actors go on from the head saved after {best[0]} steps at {best[1]}")
+    return spec.model_copy(update={"drafter": spec.drafter.model_copy(update={"head": best[1]})})
 
 
 def _model_actor_class(spec: JobSpec):

@@ -196,7 +196,8 @@ class ModelWorker:
 
     def save_head(self, url: str) -> dict | None:
         """Write the head this actor learned (`drafter.head_online`) under `url`, where a later
-        job's `drafter.head` can name it; None when it learned nothing."""
+        job's `drafter.head` can name it, with its training steps over every run it learned in;
+        None when it learned nothing in this one."""
         from pipeline.decode.head import HEAD_CONFIG, HEAD_FILE
         from pipeline.storage import Storage
 
@@ -204,11 +205,14 @@ class ModelWorker:
         if learner is None or not learner.steps:
             return None
         storage = Storage(url, self.spec.output.storage_options)
+        steps = learner.head.steps_before + learner.steps  # over every night it has learned
         with tempfile.TemporaryDirectory() as local:
-            learner.head.save(local)
-            for name in (HEAD_CONFIG, HEAD_FILE):
+            learner.head.save(local, steps=steps)
+            # the config last, as the commit record: a save cut short leaves the last whole
+            # config beside weights of the same shapes, never a config without weights
+            for name in (HEAD_FILE, HEAD_CONFIG):
                 storage.write_bytes(name, (Path(local) / name).read_bytes())
-        return {"url": url, "steps": learner.steps, "digest": learner.head.digest()}
+        return {"url": url, "steps": steps, "digest": learner.head.digest()}
 
     def info(self) -> dict:
         return {**self.processor.model_info, "actor_load_seconds": self.load_seconds}
