@@ -44,7 +44,13 @@ def write_corpus(data: Path, shards: int, rows: int, sentences: tuple[int, int] 
 
 
 def build(
-    work: Path, shards: int, rows: int, max_new_tokens: int, drafter: str, models: str | None = None, gpus=0
+    work: Path,
+    shards: int,
+    rows: int,
+    max_new_tokens: int,
+    drafter: str,
+    models: str | None = None,
+    gpus: int = 0,
 ) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import build_tiny_pair

@@ -19,11 +19,10 @@ never move and shapes that never change. So, as in gpt-fast:
   `invariant.PREFILL_ROWS // CHUNK` pieces a pass, of one row or several: one more captured
   graph, whose rows each write the slot an index tensor names (two pieces of one row may share a
   pass: each attends to the keys up to its own positions, the other's written first). Eager, a
-  prefill launched its thousand kernels from Python and waited on the device between them: 84
-  ms for a 350-token prompt of the 1.5B shape on an H200, 29% of a batch-1 job's time; in pieces
-  a row at a time, 0.036 ms a prompt token at any batch size (docs/gpu.md). A pass is one block
-  of PREFILL_ROWS token rows, the prefill kernels of the dynamic path, so that a batch of 64
-  rows prefills as many tokens per reading of the weights as its eager prefill did.
+  prefill launches its thousand kernels from Python and waits on the device between them, a
+  large share of a batch-1 job's time on a GPU (docs/gpu.md). A pass is one block of
+  PREFILL_ROWS token rows, the dynamic path's prefill kernels, so a large batch prefills as many
+  tokens per reading of the weights as an eager prefill does.
 - Other passes wider than WIDTHS (a draft model catching up) run eagerly over their rows only,
   with the keys cut to the longest position: rare, and long enough to hide the launches.
 
@@ -209,8 +208,8 @@ class StaticLM(BatchedLM):
     def reserve(self, rows: int, length: int) -> None:
         """Slots for `rows` rows of up to `length` tokens (prompt, output and drafts), and the
         graph of every pass shape over them, captured now rather than at its first use: a width
-        first used mid-run (once the policy drafts further, say) put seconds of compiling and
-        capturing into a timed bench run on an H200 (docs/gpu.md).
+        first used mid-run (once the policy drafts further, say) puts seconds of compiling and
+        capturing into that run (docs/gpu.md).
 
         With no row running, the slots (and graphs) of exactly `rows` rows are used, kept from
         an earlier batch of that size where there was one: a graph pass costs every slot, so a
@@ -534,8 +533,8 @@ PREFILL = "prefill"  # `_Store.graphs`' key for the graph of a prefill pass
 
 def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     """`values` as an index on `device`, copied without waiting for the device: from pageable
-    memory a copy first waits for every queued kernel (2.5 ms a pass on an H200, the whole
-    replay), which kept the logits' kernels from queueing behind the graph."""
+    memory a copy first waits for every queued kernel (the whole replay), which kept the
+    logits' kernels from queueing behind the graph (docs/gpu.md)."""
     index = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":
         return index

@@ -235,8 +235,8 @@ ACTOR_RESTARTS = 2
 # how long an actor may take to write its learned head at the end (the 1.5B's is 0.2 GB)
 HEAD_SAVE_SECONDS = 600
 # A learning head is also saved while the job runs, at most this often per actor, so that a
-# killed job's next run goes on from it: about a second a save locally, each after a shard of
-# minutes (docs/reliability.md).
+# killed job's next run goes on from it; rarely enough that the saves (the head's weights) stay
+# a small share of the job (docs/reliability.md).
 HEAD_CHECKPOINT_SECONDS = 600
 
 

@@ -1,11 +1,10 @@
 """One matrix product where a decoder layer makes several of the same input: q, k and v, and
 gate with up.
 
-Why: on a GPU a decode pass of the 1.5B shape is 28 layers of small products, each one kernel
-of the captured graph. k and v (0.8 MB of weights each) ran at about a fifth of the card's
-bandwidth, the latency of a kernel rather than the reading of its weights, and q, k and v
-together took 16 µs of a layer's 87 (docs/gpu.md). One product over their concatenated weights
-reads the same bytes in one kernel.
+Why: on a GPU a decode pass is a few dozen layers of small products, each one kernel of the
+captured graph. The small ones (k and v) cost a kernel's latency rather than the reading of
+their weights (docs/gpu.md). One product over the concatenated weights reads the same bytes in
+one kernel.
 
 The fused weights are the parameters: q, k and v (gate and up) become views into them, so the
 model's memory does not grow and its state dict keeps its names. The attention module still
