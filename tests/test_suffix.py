@@ -145,6 +145,26 @@ def test_the_drafter_proposes_from_the_rows_own_text_and_from_earlier_outputs():
     assert drafter.propose([[3, 4, 3, 4]], 2, greedy, generator).tokens == [[3, 4]]
 
 
+def test_a_drafter_never_asked_builds_nothing_and_catches_up_when_asked():
+    """Rounds that do not ask for drafts (the engine's gate) cost the drafter nothing: a row's
+    automaton waits for its first proposal, finished outputs for the corpus's next use, and
+    the proposals are then those of a drafter that built everything at once."""
+    reflowed = []
+    drafter = SuffixDrafter(max_tokens=1 << 12, min_match=2, reflow=lambda p: reflowed.append(p) or p)
+    greedy, generator = SamplingParams(), torch.Generator()
+    prompt = [5, 6, 7, 8, 9, 1, 2, 5, 6]
+    drafter.start([prompt, [30, 31, 40, 41]])
+    prompt.append(3)  # the engine's rows grow: the drafter keeps the prompt as admitted
+    drafter.evict([1], [[40, 41, 42, 43, 44, 45]])
+    assert reflowed == [] and drafter._corpus.tokens == 0  # nothing built yet
+    assert drafter.propose([[30, 31, 40, 41]], 3, greedy, generator).tokens == [[42, 43, 44]]
+    assert reflowed == [[30, 31, 40, 41]] and drafter.corpus.tokens == 6
+    # finished outputs waiting past the corpus's cap go as the corpus would drop them
+    small = SuffixDrafter(max_tokens=8)
+    small.evict([], [[1] * 5, [2] * 5, [3] * 2])
+    assert list(small._finished) == [[2] * 5, [3] * 2]
+
+
 def test_depth_classes_are_powers_of_two_up_to_the_deepest_match_told_apart():
     assert [depth_class(n) for n in (1, 2, 3, 4, 7, 8, 31, 32, 500)] == [1, 2, 2, 4, 4, 8, 16, 32, 32]
 

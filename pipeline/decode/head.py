@@ -51,6 +51,9 @@ from pipeline.decode.settings import HEAD
 HEAD_FILE = "head.safetensors"
 HEAD_CONFIG = "head.json"
 HEAD_FORMAT = 1
+# the draft steps a head learns at every pair, chained on its own outputs (`_teacher_forced`);
+# why this many: docs/choosing-a-draft.md
+CHAINED_STEPS = 2
 
 
 class HeadError(ValueError):
@@ -196,18 +199,21 @@ class DraftHead(torch.nn.Module):
         next_ids: torch.Tensor,
         positions: torch.Tensor,
         cache: HeadCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """g for the pairs (features[:, j], next_ids[:, j]) at `positions` [rows, n], attending
-        to the pairs already in `cache` and causally among these."""
+        to the pairs already in `cache` and causally among these, or as `mask` says
+        ([n, cached + n], True where a query sees a key: `_unrolled_mask`)."""
         with torch.no_grad():
             embedded = self._embed(next_ids).float()
         hidden = self.fc(torch.cat([embedded, features.float()], dim=-1))
         cos_sin = self._rotary(hidden, positions)
-        seen = cache.get_seq_length() if cache is not None else 0
-        n = positions.shape[1]
-        keys = torch.arange(seen + n, device=hidden.device)
-        queries = seen + torch.arange(n, device=hidden.device)
-        mask = (keys[None, :] <= queries[:, None])[None, None].expand(positions.shape[0], 1, -1, -1)
+        if mask is None:
+            seen = cache.get_seq_length() if cache is not None else 0
+            keys = torch.arange(seen + positions.shape[1], device=hidden.device)
+            queries = seen + torch.arange(positions.shape[1], device=hidden.device)
+            mask = keys[None, :] <= queries[:, None]
+        mask = mask[None, None].expand(positions.shape[0], 1, -1, -1)
         out = self.layer(
             hidden,
             attention_mask=mask,
@@ -529,6 +535,7 @@ class HeadTraining:
     stopped_by: str = ""
     tokens: int = 0  # completion tokens per epoch
     dtype: str = "float32"  # the products' (`training_dtype`)
+    chained_steps: int = 1  # draft steps learned at every pair (`head_loss`)
     loss: list[float] = field(default_factory=list)
 
 
@@ -565,21 +572,46 @@ def _choices(target: PreTrainedModel, features: torch.Tensor, chunk: int = 64) -
     return torch.cat(parts)
 
 
-def _teacher_forced(head: DraftHead, doc: Document) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _teacher_forced(
+    head: DraftHead, doc: Document, steps: int = 1
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
     """g_i from (f_i, x_{i+1}) at the pairs `head_loss` learns, their labels (the completion's
     x_{i+2}, or with the target's `choices`, its choice after every position i+1), and the
-    first such pair's i."""
+    first such pair's i.
+
+    With `steps` k > 1, also the head's k-th chained step at every pair (training-time test, as
+    EAGLE-3 trains): step k at pair i reads the head's own step k-1 output at i-1 in place of
+    f_i, beside the true token x_{i+1}, and attends as a chain does after k-1 drafts: to the
+    true pairs up to i-k+1 and to the chained pairs i-k+2 .. i of steps 2 .. k
+    (`_unrolled_mask`). Its label is the same x_{i+2}: a k-th draft counts only where the drafts
+    before it were the true tokens. Pairs i < k-1 have no such chain (label ignored).
+    One g per step, [pairs learned, H]."""
     seq = doc.prompt + doc.completion
     n = len(seq) - 1  # pairs i = 0 .. n-1
     ids = torch.tensor([seq[1:]], device=head.device)
     positions = torch.arange(n, device=head.device)[None]
-    g = head(doc.features[None, :n].to(head.device), ids, positions)[0]  # [n, H]
+    cache = HeadCache() if steps > 1 else None
+    chained = [head(doc.features[None, :n].to(head.device), ids, positions, cache)[0]]  # [n, H]
+    for k in range(2, steps + 1):
+        fed = torch.cat([chained[-1][:1] * 0, chained[-1][:-1]])  # step k-1's g at i-1
+        mask = _unrolled_mask(n, k, head.device)
+        chained.append(head(fed[None], ids, positions, cache, mask=mask)[0])
     if doc.choices is not None:
         first, labels = 0, doc.choices[1:].to(head.device)
     else:
         first = max(len(doc.prompt) - 1, 0)  # pair i predicts x_{i+2}: the completion's from here
         labels = torch.tensor(seq[first + 2 :], device=head.device)
-    return g[first : first + len(labels)], labels, first
+    return [g[first : first + len(labels)] for g in chained], labels, first
+
+
+def _unrolled_mask(n: int, k: int, device) -> torch.Tensor:
+    """Which keys step k's query at pair i sees, over the keys of steps 1 .. k (n pairs each,
+    in that order in the cache): step 1's at pairs <= i-k+1, and step m's (2 <= m <= k) at
+    pair i-k+m alone, as a chain at pair i that drafted k-1 tokens past the true ones holds."""
+    pairs = torch.arange(n, device=device)
+    blocks = [pairs[None, :] <= pairs[:, None] - k + 1]
+    blocks += [pairs[None, :] == pairs[:, None] - k + m for m in range(2, k + 1)]
+    return torch.cat(blocks, dim=1)
 
 
 @torch.no_grad()
@@ -589,20 +621,25 @@ def first_draft_hits(head: DraftHead, doc: Document) -> tuple[int, int]:
     sees exactly this (the chain holds the accepted pairs' true features), so it is the head's
     first-position acceptance over every position rather than at the rounds' starts, in one
     pass over the document instead of a replay."""
-    predicted, labels, _ = _teacher_forced(head, replace(doc, choices=None))
+    (predicted,), labels, _ = _teacher_forced(head, replace(doc, choices=None))
     drafted = head.vocab_rows[head.logits(predicted).argmax(-1)]
     return int((drafted == labels).sum()), len(labels)
 
 
-def head_loss(head: DraftHead, doc: Document, regression: float = 1.0) -> torch.Tensor:
-    """Teacher forcing over one document (`_teacher_forced`): cross-entropy of each pair's
-    label, and smooth L1 of g_i against f_{i+1}."""
-    predicted, labels, first = _teacher_forced(head, doc)
+def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: int = 1) -> torch.Tensor:
+    """Teacher forcing over one document (`_teacher_forced`, `steps` chained steps): each
+    step's cross-entropy of each pair's label, and smooth L1 of its g_i against f_{i+1}."""
+    chained, labels, first = _teacher_forced(head, doc, steps)
     index = _label_index(head, labels)
-    loss = F.cross_entropy(head.logits(predicted), index, ignore_index=-100)
-    if regression:
-        target = doc.features[first + 1 : first + 1 + len(predicted)].to(head.device, torch.float32)
-        loss = loss + regression * F.smooth_l1_loss(predicted, target)
+    target = doc.features[first + 1 : first + 1 + len(labels)].to(head.device, torch.float32)
+    pairs = torch.arange(first, first + len(index), device=index.device)
+    loss = 0.0
+    for k, predicted in enumerate(chained, start=1):
+        at = torch.where(pairs >= k - 1, index, -100)  # step k has no chain before pair k-1
+        loss = loss + F.cross_entropy(head.logits(predicted), at, ignore_index=-100)
+        if regression:
+            chain = max(k - 1 - first, 0)
+            loss = loss + regression * F.smooth_l1_loss(predicted[chain:], target[chain:])
     return loss
 
 
@@ -621,10 +658,12 @@ def train(
     epochs: float = 2.0,
     max_seconds: float | None = None,
     seed: int = 0,
+    steps: int = CHAINED_STEPS,
     on_step: Callable[[int, float], None] | None = None,
 ) -> HeadTraining:
-    """AdamW over the head's `fc` and layer, one document per step, until `epochs` or `max_seconds`."""
-    record = HeadTraining(lr=lr, tokens=sum(len(d.completion) for d in docs))
+    """AdamW over the head's `fc` and layer, one document per step, until `epochs` or
+    `max_seconds`, each document teaching `steps` chained draft steps (`head_loss`)."""
+    record = HeadTraining(lr=lr, tokens=sum(len(d.completion) for d in docs), chained_steps=steps)
     if not docs:
         return record
     params = [p for p in head.parameters() if p.requires_grad]
@@ -646,7 +685,7 @@ def train(
         if not order:
             order = list(range(len(docs)))
             rng.shuffle(order)
-        record.loss.append(_learn(head, optimizer, params, docs[order.pop()], dtype))
+        record.loss.append(_learn(head, optimizer, params, docs[order.pop()], dtype, steps))
         schedule.step()
         record.steps += 1
         if on_step:
@@ -672,10 +711,12 @@ def training_dtype(device: torch.device) -> torch.dtype:
     return dtype if dtype == torch.bfloat16 else torch.float32
 
 
-def _learn(head: DraftHead, optimizer, params, doc: Document, dtype: torch.dtype = torch.float32) -> float:
-    """One training step on one document, products in `dtype`; its loss."""
+def _learn(
+    head: DraftHead, optimizer, params, doc: Document, dtype: torch.dtype, steps: int = CHAINED_STEPS
+) -> float:
+    """One training step on one document, products in `dtype`, `steps` chained draft steps; its loss."""
     with torch.autocast(head.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        loss = head_loss(head, doc)
+        loss = head_loss(head, doc, steps=steps)
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -706,6 +747,9 @@ class OnlineHead:
     KEEP_TOKENS = 1 << 16  # documents kept to learn from, newest first (bf16 features: 2·H bytes a token)
     LR = 1e-3
     WARM_STEPS = 20
+    # a refinement has a few seconds: the first draft, learned alone, improves fastest in them
+    # (chained steps cost a pass each and pay only once the first draft is often right)
+    CHAINED_STEPS = 1
 
     def __init__(self, head: DraftHead, share: float):
         if "_lm_packed" in head.__dict__:
@@ -753,7 +797,7 @@ class OnlineHead:
         for doc in new + old:
             if time.perf_counter() - began >= budget:
                 break
-            losses.append(_learn(self.head, self.optimizer, self.params, doc, self.dtype))
+            losses.append(_learn(self.head, self.optimizer, self.params, doc, self.dtype, self.CHAINED_STEPS))
             self.schedule.step()
         self.head.eval()
         seconds = time.perf_counter() - began

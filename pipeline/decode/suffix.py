@@ -276,24 +276,50 @@ class SuffixDrafter:
         min_match: int = 1,
         reflow: Callable[[list[int]], list[int]] | None = None,
     ):
-        self.corpus = SuffixCorpus(max_tokens)
+        self._corpus = SuffixCorpus(max_tokens)
+        self._finished: deque[list[int]] = deque()  # outputs not in the corpus yet (`corpus`)
+        self._finished_tokens = 0
         self.min_match = min_match
         self.reflow = reflow
-        self._rows: list[SuffixAutomaton] = []
+        # each row's automaton, or its prompt until a round first asks for the row's drafts
+        self._rows: list[SuffixAutomaton | list[int]] = []
         self._fed: list[int] = []  # tokens of each row's text its automaton holds
+
+    @property
+    def corpus(self) -> SuffixCorpus:
+        """The earlier outputs, those finished since the last draft added now. Why the wait: an
+        automaton is built token by token in Python, and where the engine's rounds stop asking
+        for drafts (`DraftingGate`) a drafter that is not asked should cost nothing."""
+        while self._finished:
+            self._corpus.add(self._finished.popleft())
+        self._finished_tokens = 0
+        return self._corpus
+
+    @corpus.setter
+    def corpus(self, corpus: SuffixCorpus) -> None:
+        self._corpus, self._finished, self._finished_tokens = corpus, deque(), 0
 
     def start(self, prompts: list[list[int]]) -> None:
         self._rows, self._fed = [], []
         self.admit(prompts)
 
     def admit(self, prompts: list[list[int]]) -> None:
-        for prompt in prompts:
-            own = SuffixAutomaton()
-            if self.reflow is not None:
-                own.add(self.reflow(prompt))
-                own.begin()  # the row's text, a document of its own, grows from here
-            self._rows.append(own)
-            self._fed.append(0)
+        """New rows; each one's automaton is built when its drafts are first asked for (see
+        `corpus` for why)."""
+        self._rows += [list(p) for p in prompts]
+        self._fed += [0] * len(prompts)
+
+    def _own(self, row: int) -> SuffixAutomaton:
+        """The row's automaton: its prompt reflowed, then its text as a document of its own."""
+        own = self._rows[row]
+        if isinstance(own, SuffixAutomaton):
+            return own
+        prompt, own = own, SuffixAutomaton()
+        if self.reflow is not None:
+            own.add(self.reflow(prompt))
+            own.begin()  # the row's text, a document of its own, grows from here
+        self._rows[row] = own
+        return own
 
     def propose(
         self,
@@ -305,7 +331,8 @@ class SuffixDrafter:
         guess: list[int] | None = None,
     ) -> Proposal:
         tokens, depths = [], []
-        for row, (own, seq) in enumerate(zip(self._rows, seqs)):
+        for row, seq in enumerate(seqs):
+            own = self._own(row)
             for token in seq[self._fed[row] :]:
                 own.extend(token)
             self._fed[row] = len(seq)
@@ -332,7 +359,9 @@ class SuffixDrafter:
         return max(found, key=lambda c: (c.score, c.depth), default=None)
 
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
-        for output in finished:
-            self.corpus.add(output)
+        self._finished += finished
+        self._finished_tokens += sum(map(len, finished))
+        while self._finished_tokens > self._corpus.max_tokens:  # the corpus would drop them too
+            self._finished_tokens -= len(self._finished.popleft())
         self._rows = [self._rows[r] for r in keep]
         self._fed = [self._fed[r] for r in keep]

@@ -99,6 +99,9 @@ class ShardProcessor:
         # (drafter, rows) this actor has decoded with before: a pair's half that ran a path for
         # the first time (kernels built, pages read, graphs captured) would be timed cold
         self.warm_paths: set[tuple[str | None, int]] = set()
+        # pairs this actor has timed: which half goes first alternates over all of them, not
+        # within a shard, or a job of one-pair shards would time the same half first every time
+        self.pairs = 0
 
     # -- the unit of work ---------------------------------------------------------------------
 
@@ -331,12 +334,13 @@ class ShardProcessor:
 
         The sampled rows (`speedup.sample_chunks`) are decoded chunk by chunk speculatively, as
         their outputs, and target-only back to back, which half goes first alternating from
-        pair to pair, so that drift in the machine's speed hits both alike; only the target-only
-        halves are the measurement's cost. The other rows are then decoded together. Where that
-        made fewer than two pairs, or fewer than `speedup_sample_tokens` speculative tokens,
-        sampled chunks are decoded again both ways while the measurement's cost stays within
-        `speedup_sample_budget` times the shard's decode time. For greedy decoding the pairs
-        double as a losslessness check: both halves' outputs must be identical.
+        pair to pair over the actor's shards, so that drift in the machine's speed hits both
+        alike; only the target-only halves are the measurement's cost. The other rows are then
+        decoded together. Where that made fewer than two pairs, or fewer than
+        `speedup_sample_tokens` speculative tokens, sampled chunks are decoded again both ways
+        while the measurement's cost stays within `speedup_sample_budget` times the shard's
+        decode time. For greedy decoding the pairs double as a losslessness check: both halves'
+        outputs must be identical.
         """
         execution = self.spec.execution
         measuring = bool(prompts) and self.spec.drafter.kind != "none"
@@ -345,8 +349,8 @@ class ShardProcessor:
         )
         results: list = [None] * len(prompts)
         totals, sample = BatchStats(), SpeedupSample()
-        for k, chunk in enumerate(chunks):
-            speculative, spec_stats = self._pair([prompts[i] for i in chunk], k, sample)
+        for chunk in chunks:
+            speculative, spec_stats = self._pair([prompts[i] for i in chunk], sample)
             totals.add(spec_stats)
             for i, out in zip(chunk, speculative):
                 results[i] = out
@@ -363,21 +367,23 @@ class ShardProcessor:
             if sample.seconds + per_pair > execution.speedup_sample_budget * totals.wall_seconds:
                 break
             chunk = chunks[k % len(chunks)]
-            self._pair([prompts[i] for i in chunk], k, sample, known=[results[i] for i in chunk])
+            self._pair([prompts[i] for i in chunk], sample, known=[results[i] for i in chunk])
         sample.predicted = totals.predicted_speedup
         return results, totals, sample
 
     def _pair(
-        self, prompts: list[list[int]], k: int, sample: SpeedupSample, known: list | None = None
+        self, prompts: list[list[int]], sample: SpeedupSample, known: list | None = None
     ) -> tuple[list, BatchStats]:
-        """Decode `prompts` both ways back to back (target-only first in odd pairs) and add the
-        pair to `sample`; return the speculative half's outputs and counters. A path this
-        actor has not run yet is warmed first by a short decode, so that no half is timed cold.
+        """Decode `prompts` both ways back to back (target-only first in every other pair the
+        actor times, `pairs`) and add the pair to `sample`; return the speculative half's
+        outputs and counters. A path this actor has not run yet is warmed first by a short
+        decode, so that no half is timed cold.
         `known`: the rows' outputs from an earlier decode, which both halves must equal; both
         halves are then the measurement's cost, and the speculative half drafts without the
         suffix drafter's corpus, which holds those outputs now and would draft them back."""
         began = time.perf_counter()
-        modes = (None, "none") if k % 2 == 0 else ("none", None)
+        modes = (None, "none") if self.pairs % 2 == 0 else ("none", None)
+        self.pairs += 1
         for mode in modes:
             self._warm(mode, prompts)
         sample.seconds += time.perf_counter() - began

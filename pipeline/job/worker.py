@@ -7,6 +7,7 @@ network hop inside the decoding loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import tempfile
@@ -105,6 +106,10 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
         )
     if drafter != "none":
         info["calibration"] = seed_costs(engine, pair, spec.drafter.draft_vocab)
+    # The models, tokenizer and libraries loaded so far live as long as the actor: out of the
+    # collector's sight, a full collection no longer walks them all, a pause that otherwise
+    # lands inside some timed speedup half (docs/stats.md, "Pairs")
+    gc.freeze()
     return ShardProcessor(spec, engine, tokenizer, info)
 
 

@@ -305,6 +305,12 @@ def calibrate(batches, widths, **options):
     "output layer and so the cheapest step.",
 )
 @click.option(
+    "--chained-steps",
+    type=click.IntRange(min=1, max=8),
+    help="With --head: the draft steps the head learns at every position, each after the last fed "
+    "its own output, as it drafts (default 2; 1 learns the first draft alone).",
+)
+@click.option(
     "--gamma",
     type=click.IntRange(min=1),
     help="With --head: drafts per round when the held-out documents are replayed (default: the "
@@ -366,6 +372,7 @@ def distill(
     head,
     prompts,
     head_vocab,
+    chained_steps,
     gamma,
     as_json,
     report_path,
@@ -406,7 +413,9 @@ def distill(
             distill_head,
             run_output_url,
             out_name,
-            HeadSettings(**chosen, gamma=gamma, prompts=prompts, vocab=head_vocab),
+            HeadSettings(
+                **chosen, gamma=gamma, prompts=prompts, vocab=head_vocab, chained_steps=chained_steps
+            ),
         )
         write = write_head_report
     else:

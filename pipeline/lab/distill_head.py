@@ -43,6 +43,8 @@ class HeadSettings:
     # the tokens the head proposes: ids below this plus the training completions' tokens (0: all);
     # None: the completions' tokens alone (each row of the output layer costs every step)
     vocab: int | None = None
+    # draft steps learned at every pair, chained on the head's own outputs (`head.head_loss`)
+    chained_steps: int | None = None  # None: head.CHAINED_STEPS
 
 
 def distill_head(
@@ -55,7 +57,7 @@ def distill_head(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Train a head for the run's target on the run, write it to `out`; return `distill.json`."""
-    from pipeline.decode.head import DraftHead, documents, replay, train
+    from pipeline.decode.head import CHAINED_STEPS, DraftHead, documents, replay, train
     from pipeline.job.worker import model_refs
     from pipeline.machine import cpu_info, git_state
     from pipeline.models.loading import load_model, load_tokenizer, resolve_dtype
@@ -103,6 +105,7 @@ def distill_head(
         epochs=settings.epochs,
         max_seconds=settings.max_seconds,
         seed=settings.seed,
+        steps=settings.chained_steps or CHAINED_STEPS,
         on_step=lambda step, loss: step % 100 == 0 and log(f"step {step}: loss {loss:.3f}"),
     )
     after = _replayed(replay, head, held_docs, gamma)
@@ -189,7 +192,8 @@ def write_head_report(path: str, result: dict) -> str:
         f"- head: {result['head']['parameters']:,} trained parameters ({result['head']['layer']}), "
         f"{result['head']['vocab_rows']:,} tokens it can propose",
         f"- training: {t['steps']} steps, {t['epochs']} epochs, {t['seconds']} s ({t['stopped_by']}), "
-        f"lr {t['lr']}, products in {t.get('dtype', 'float32')}; loss {t['loss'][:1]} -> {t['loss'][-1:]}",
+        f"lr {t['lr']}, products in {t.get('dtype', 'float32')}, {t.get('chained_steps', 1)} chained "
+        f"draft steps learned at every position; loss {t['loss'][:1]} -> {t['loss'][-1:]}",
         "",
         f"Held-out documents replayed with greedy speculation at γ {h['gamma']}, batch 1 (the "
         "target's own completions decide each draft; no timing):",
