@@ -21,7 +21,10 @@ fed again with the target's true features.
 Trained (`train`) by teacher forcing on a run's own documents: the target's features over each
 prompt and completion (one forward pass per document, no gradient), labels the target's own
 next tokens; cross-entropy on the completion's tokens plus a smooth-L1 pull of g_i towards
-f_{i+1}, so that the head's own features stay usable as inputs several steps out.
+f_{i+1}. A head trained so on true features alone drafts a first token and little after it:
+its own g is not the feature it learned from. So each document also trains the later draft
+steps as the chain runs them, fed the head's own outputs (EAGLE-3's training-time test,
+`_teacher_forced` with `steps`).
 
 The embedding, rotary tables and output layer are the target's, borrowed at `bind` and never
 trained or saved: a saved head is its `fc` and its layer, plus the target's fingerprint, which

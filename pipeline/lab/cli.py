@@ -289,7 +289,7 @@ def calibrate(batches, widths, **options):
     is_flag=True,
     help="Train a draft head on the target's features instead of tuning the draft model "
     "(options that tune a model, --lora-rank, --full, --batch-size, --runs, --eval-max-new-tokens, "
-    "do not apply; --epochs default 2, --lr default 1e-3).",
+    "do not apply; --epochs default 6, --lr default 1e-3).",
 )
 @click.option(
     "--prompts",
