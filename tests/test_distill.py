@@ -206,7 +206,7 @@ def test_distill_head_trains_a_head_on_the_run_and_writes_where_it_came_from(set
     data, training, held = record["data"], record["training"], record["held_out"]
     assert data["train"] + len(data["held_out"]) == data["documents"] == len(DOCUMENTS)
     assert training["steps"] == 3 * data["train"] and training["stopped_by"] == "epochs"
-    assert training["chained_steps"] == 2  # the default: the first draft and the one after it
+    assert training["chained_steps"] == 3  # the default: the first draft and the two after it
     first, last = training["loss"][: data["train"]], training["loss"][-data["train"] :]
     assert sum(last) < sum(first)  # it learned the run's completions
     assert held["gamma"] == 3 and held["before"]["rounds"] and held["after"]["rounds"]
@@ -225,6 +225,6 @@ def test_distill_head_trains_a_head_on_the_run_and_writes_where_it_came_from(set
     wide = CliRunner().invoke(main, [*args, "--force", "--epochs", "1", "--json", "--head-vocab", "0"])
     assert wide.exit_code == 0, wide.output
     assert json.loads(wide.stdout)["head"]["vocab_rows"] == tiny_models[0].config.vocab_size
-    chained = CliRunner().invoke(main, [*args, "--force", "--epochs", "1", "--json", "--chained-steps", "3"])
+    chained = CliRunner().invoke(main, [*args, "--force", "--epochs", "1", "--json", "--chained-steps", "2"])
     assert chained.exit_code == 0, chained.output
-    assert json.loads(chained.stdout)["training"]["chained_steps"] == 3
+    assert json.loads(chained.stdout)["training"]["chained_steps"] == 2

@@ -56,7 +56,7 @@ HEAD_CONFIG = "head.json"
 HEAD_FORMAT = 1
 # the draft steps a head learns at every pair, chained on its own outputs (`_teacher_forced`);
 # why this many: docs/choosing-a-draft.md
-CHAINED_STEPS = 2
+CHAINED_STEPS = 3
 
 
 class HeadError(ValueError):

@@ -308,7 +308,7 @@ def calibrate(batches, widths, **options):
     "--chained-steps",
     type=click.IntRange(min=1, max=8),
     help="With --head: the draft steps the head learns at every position, each after the last fed "
-    "its own output, as it drafts (default 2; 1 learns the first draft alone).",
+    "its own output, as it drafts (default 3; 1 learns the first draft alone).",
 )
 @click.option(
     "--gamma",
