@@ -92,6 +92,10 @@ EOF
     docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
     NAME=$pair-batch64 step 130 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
         --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
+    # a draft head's step on the GPU beside a width-1 pass (issue 39: the head drafts where a
+    # verify pass costs the same at width 1 and 16), with as many output rows as the 1.5B's
+    # distilled head (2026-11-29-distill-head-...-chained3-6epochs: the training completions' tokens)
+    NAME=$pair-head step 60 calibrate $pair --batch 1 --widths 1,8 --runs 3 --head --head-vocab 1822
     # the price of exactness; captured passes not compiled; the eager path (VARIANTS=1: measured
     # at 6f2e52d and before, docs/gpu.md)
     for kind in ${VARIANTS:+stock eager dynamic}; do
