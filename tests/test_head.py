@@ -541,3 +541,22 @@ def test_a_chained_training_step_sees_what_the_chain_sees_when_it_drafts(tiny_mo
                 g = head(g[None, None], torch.tensor([[seq[at + 1]]]), torch.tensor([[at]]), cache)[0, -1]
             if i >= first:
                 torch.testing.assert_close(chained[k - 1][i - first], g, rtol=1e-4, atol=1e-5)
+
+
+def test_a_document_too_short_for_a_chained_step_teaches_the_steps_it_has(tiny_models):
+    """A one-token prompt and a short completion give step 3 no pair to learn: its terms are
+    left out (not a NaN that would spread into every weight), and a document with nothing to
+    learn at all makes no step."""
+    from pipeline.decode.head import Document, head_loss, target_features
+
+    target, _, _ = tiny_models
+    head = DraftHead.from_target(target)
+    short = Document([5], [7, 8, 9], target_features(target, [5, 7, 8, 9]))
+    assert torch.isfinite(head_loss(head, short, steps=3))
+    none = Document([5], [7], target_features(target, [5, 7]))
+    assert head_loss(head, none, steps=3) is None
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    record = train(head, [none], epochs=2)
+    assert record.steps == 0 and all(torch.equal(v, before[k]) for k, v in head.state_dict().items())
+    record = train(head, [short], epochs=2)
+    assert record.steps == 2 and all(torch.isfinite(p).all() for p in head.parameters())

@@ -159,10 +159,15 @@ def test_a_drafter_never_asked_builds_nothing_and_catches_up_when_asked():
     assert reflowed == [] and drafter._corpus.tokens == 0  # nothing built yet
     assert drafter.propose([[30, 31, 40, 41]], 3, greedy, generator).tokens == [[42, 43, 44]]
     assert reflowed == [[30, 31, 40, 41]] and drafter.corpus.tokens == 6
-    # finished outputs waiting past the corpus's cap go as the corpus would drop them
-    small = SuffixDrafter(max_tokens=8)
-    small.evict([], [[1] * 5, [2] * 5, [3] * 2])
-    assert list(small._finished) == [[2] * 5, [3] * 2]
+    # outputs waiting past the corpus's cap join it then: its blocks are an eager drafter's
+    eager, lazy = SuffixDrafter(max_tokens=8), SuffixDrafter(max_tokens=8)
+    for token in range(1, 10):
+        eager.evict([], [[token]])
+        eager.corpus  # noqa: B018 (read at once: as the eager drafter did)
+        lazy.evict([], [[token]])
+    assert len(lazy._finished) <= 8
+    blocks = [[b.tokens for b in d.corpus.blocks] for d in (eager, lazy)]
+    assert blocks[0] == blocks[1] and eager.corpus.outputs == lazy.corpus.outputs
 
 
 def test_depth_classes_are_powers_of_two_up_to_the_deepest_match_told_apart():

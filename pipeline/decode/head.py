@@ -629,9 +629,10 @@ def first_draft_hits(head: DraftHead, doc: Document) -> tuple[int, int]:
     return int((drafted == labels).sum()), len(labels)
 
 
-def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: int = 1) -> torch.Tensor:
+def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: int = 1) -> torch.Tensor | None:
     """Teacher forcing over one document (`_teacher_forced`, `steps` chained steps): each
-    step's cross-entropy of each pair's label, and smooth L1 of its g_i against f_{i+1}."""
+    step's cross-entropy of each pair's label, and smooth L1 of its g_i against f_{i+1}.
+    None where the document has no pair to learn (a completion of a token or two)."""
     chained, labels, first = _teacher_forced(head, doc, steps)
     index = _label_index(head, labels)
     target = doc.features[first + 1 : first + 1 + len(labels)].to(head.device, torch.float32)
@@ -639,11 +640,13 @@ def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: in
     loss = 0.0
     for k, predicted in enumerate(chained, start=1):
         at = torch.where(pairs >= k - 1, index, -100)  # step k has no chain before pair k-1
+        if not bool((at != -100).any()):  # a short document: nothing for this step to learn
+            continue
         loss = loss + F.cross_entropy(head.logits(predicted), at, ignore_index=-100)
         if regression:
             chain = max(k - 1 - first, 0)
             loss = loss + regression * F.smooth_l1_loss(predicted[chain:], target[chain:])
-    return loss
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _label_index(head: DraftHead, labels: torch.Tensor) -> torch.Tensor:
@@ -688,11 +691,14 @@ def train(
         if not order:
             order = list(range(len(docs)))
             rng.shuffle(order)
-        record.loss.append(_learn(head, optimizer, params, docs[order.pop()], dtype, steps))
+        loss = _learn(head, optimizer, params, docs[order.pop()], dtype, steps)
+        if loss is None:
+            continue
+        record.loss.append(loss)
         schedule.step()
         record.steps += 1
         if on_step:
-            on_step(step, record.loss[-1])
+            on_step(step, loss)
     head.eval()
     record.epochs = round(record.steps / len(docs), 3)
     record.seconds = round(time.perf_counter() - began, 2)
@@ -716,10 +722,13 @@ def training_dtype(device: torch.device) -> torch.dtype:
 
 def _learn(
     head: DraftHead, optimizer, params, doc: Document, dtype: torch.dtype, steps: int = CHAINED_STEPS
-) -> float:
-    """One training step on one document, products in `dtype`, `steps` chained draft steps; its loss."""
+) -> float | None:
+    """One training step on one document, products in `dtype`, `steps` chained draft steps; its
+    loss, or None (and no step) where the document had nothing to learn or the loss overflowed."""
     with torch.autocast(head.device.type, dtype=dtype, enabled=dtype != torch.float32):
         loss = head_loss(head, doc, steps=steps)
+    if loss is None or not bool(torch.isfinite(loss)):  # nothing to learn here: no step
+        return None
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -800,8 +809,10 @@ class OnlineHead:
         for doc in new + old:
             if time.perf_counter() - began >= budget:
                 break
-            losses.append(_learn(self.head, self.optimizer, self.params, doc, self.dtype, self.CHAINED_STEPS))
-            self.schedule.step()
+            loss = _learn(self.head, self.optimizer, self.params, doc, self.dtype, self.CHAINED_STEPS)
+            if loss is not None:
+                losses.append(loss)
+                self.schedule.step()
         self.head.eval()
         seconds = time.perf_counter() - began
         self.drafting = self.head.snapshot().pack()

@@ -361,7 +361,7 @@ class SuffixDrafter:
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
         self._finished += finished
         self._finished_tokens += sum(map(len, finished))
-        while self._finished_tokens > self._corpus.max_tokens:  # the corpus would drop them too
-            self._finished_tokens -= len(self._finished.popleft())
+        if self._finished_tokens > self._corpus.max_tokens:  # held within the corpus's cap
+            self.corpus  # noqa: B018 (the property adds them)
         self._rows = [self._rows[r] for r in keep]
         self._fed = [self._fed[r] for r in keep]

@@ -109,6 +109,7 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     # The models, tokenizer and libraries loaded so far live as long as the actor: out of the
     # collector's sight, a full collection no longer walks them all, a pause that otherwise
     # lands inside some timed speedup half (docs/stats.md, "Pairs")
+    gc.collect()  # what loading left unreachable goes first, not into the frozen generation
     gc.freeze()
     return ShardProcessor(spec, engine, tokenizer, info)
 
