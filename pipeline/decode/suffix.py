@@ -290,10 +290,14 @@ class SuffixDrafter:
         """The earlier outputs, those finished since the last draft added now. Why the wait: an
         automaton is built token by token in Python, and where the engine's rounds stop asking
         for drafts (`DraftingGate`) a drafter that is not asked should cost nothing."""
+        self._absorb()
+        return self._corpus
+
+    def _absorb(self) -> None:
+        """Add the outputs finished since the last read to the corpus, oldest first."""
         while self._finished:
             self._corpus.add(self._finished.popleft())
         self._finished_tokens = 0
-        return self._corpus
 
     @corpus.setter
     def corpus(self, corpus: SuffixCorpus) -> None:
@@ -362,6 +366,6 @@ class SuffixDrafter:
         self._finished += finished
         self._finished_tokens += sum(map(len, finished))
         if self._finished_tokens > self._corpus.max_tokens:  # held within the corpus's cap
-            self.corpus  # noqa: B018 (the property adds them)
+            self._absorb()
         self._rows = [self._rows[r] for r in keep]
         self._fed = [self._fed[r] for r in keep]
