@@ -106,6 +106,7 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
                 "streamed": bool(getattr(loaded, "streamed", False)),
                 "gguf_blocks": getattr(loaded, "weights", "dense") == "gguf-blocks",
                 "block_activations": getattr(loaded, "block_activations", None),
+                "block_prefill": _block_prefill(loaded),
                 "static_passes": bool(getattr(loaded, "static_passes", False)),
                 "compiled_passes": bool(getattr(loaded, "compiled_passes", False)),
                 "fused_projections": bool(getattr(loaded, "fused_projections", ())),
@@ -114,8 +115,21 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
     return described
 
 
+def _block_prefill(loaded) -> str | None:
+    """What a block target's prefill multiplies: bf16 token rows (`micro_dot_512`) or float32."""
+    if getattr(loaded, "weights", "dense") != "gguf-blocks":
+        return None
+    from pipeline.models import streamed
+
+    return "bf16" if streamed.prefill_reads_bf16_rows() else "float32"
+
+
 def _yes(value: bool | None) -> str:
     return "?" if value is None else ("yes" if value else "no")
+
+
+def _said(value: bool | str | None) -> str:
+    return value if isinstance(value, str) else _yes(value)
 
 
 def machine_table(machine: dict) -> list[str]:
@@ -132,7 +146,7 @@ def machine_table(machine: dict) -> list[str]:
         ("cores, threads", f"{machine['cores']}, {machine['threads']}"),
         ("GPU", machine["gpu"] or "none"),
         ("dtype, device", f"{machine.get('dtype', '?')}, {machine.get('device', '?')}"),
-        ("kernels", ", ".join(f"{name} {_yes(on)}" for name, on in kernels.items()) or "?"),
+        ("kernels", ", ".join(f"{name} {_said(on)}" for name, on in kernels.items()) or "?"),
         ("torch, transformers", f"{machine['torch']}, {machine['transformers']}"),
         ("spec-pipeline", f"{machine['package']}, commit {commit}"),
         ("platform", f"{machine['platform']}, Python {machine['python']}"),

@@ -78,6 +78,7 @@ def test_measure_times_every_batch_and_width_and_reads_back_from_json(tiny_loade
         "streamed": streamed,
         "gguf_blocks": False,
         "block_activations": None,  # no block layers
+        "block_prefill": None,
         "static_passes": False,
         "compiled_passes": False,
         "fused_projections": False,

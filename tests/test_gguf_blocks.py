@@ -138,8 +138,14 @@ def test_use_blocks_replaces_the_linears_it_has_blocks_for():
 def test_a_prefill_reads_the_blocks_as_the_bf16_weights_the_install_wrote(kind, rows, cols):
     """Marked as a prefill, the layer computes exactly what a streamed Linear over the install's
     bf16 weights (gguf's values rounded to bf16) computes, bit for bit, at every width. On a CPU
-    with AVX-512 the prefill takes the 512-bit kernel (`micro_bf16_512`) and the reference the
-    8-lane one, so this also shows the two chains equal there."""
+    with AVX-512 the prefill takes the 512-bit kernel (`micro_512`) and the reference the
+    8-lane one, so this also shows the two chains equal there. With AVX512_BF16 the prefill
+    multiplies bf16 token rows instead (see the next test); this one then runs in a process with
+    that switched off."""
+    if streamed.prefill_reads_bf16_rows():
+        name = "test_a_prefill_reads_the_blocks_as_the_bf16_weights_the_install_wrote"
+        _in_a_process_without_bf16_rows(f"t.{name}({kind!r}, {rows}, {cols})")
+        return
     raw, layer = _layer(kind, rows, cols, bias=True)
     values = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols))
     dense = nn.Linear(cols, rows)
@@ -153,6 +159,53 @@ def test_a_prefill_reads_the_blocks_as_the_bf16_weights_the_install_wrote(kind, 
         for width in (1, 3, 7, 40):
             assert torch.equal(layer(x[:width]), reference(x[:width])), width
     assert not torch.equal(layer(x), reference(x))  # outside a prefill: the exact values
+
+
+def _in_a_process_without_bf16_rows(call: str) -> None:
+    """Run `call` (on this module as `t`) where prefills take the float32 chain
+    (PIPELINE_KERNEL_BF16DOT=0; the kernel reads the switch once a process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    script = f"import sys; sys.path.insert(0, {here!r}); import test_gguf_blocks as t; {call}"
+    env = {**os.environ, "PIPELINE_KERNEL_BF16DOT": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(
+    not streamed.prefill_reads_bf16_rows(), reason="the CPU has no AVX512_BF16 (or it is off)"
+)
+@pytest.mark.parametrize("rows, cols", [*SHAPES, (200, 2560)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prefill_on_avx512_bf16_multiplies_bf16_rows_and_keeps_a_rows_bits(kind, rows, cols):
+    """With AVX512_BF16 a prefill rounds its token rows to bf16 and multiplies them by the
+    weights' bf16 rounding in pairs of k (`micro_dot_512`): within float32 rounding of that
+    product taken in float64, and a row's bits the same at every width and place in the pass
+    and with one thread or two."""
+    raw, layer = _layer(kind, rows, cols, bias=True)
+    values = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols))
+    weights = values.to(torch.bfloat16).double()
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(3))
+    with streamed.prefilling():
+        full = layer(x)
+        reference = x.to(torch.bfloat16).double() @ weights.T + layer.bias.double()
+        scale = x.to(torch.bfloat16).double().abs() @ weights.abs().T  # the sum of |products|
+        assert ((full.double() - reference).abs() <= 1e-6 * scale + 1e-30).all()
+        for rows_from, rows_to in ((0, 1), (0, 3), (0, 7), (5, 17), (39, 40)):
+            assert torch.equal(layer(x[rows_from:rows_to]), full[rows_from:rows_to]), (rows_from, rows_to)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x), full)
+        finally:
+            torch.set_num_threads(threads)
+    assert not torch.equal(layer(x), full)  # outside a prefill: the blocks' exact values, float rows
 
 
 @pytest.fixture(scope="module", params=["float32", "int8"])
@@ -226,22 +279,25 @@ def _every_path_outputs() -> list[torch.Tensor]:
 def test_the_avx512_kernels_give_the_avx2_kernels_bits(tmp_path):
     """Where the CPU has AVX-512, wide passes, prefills and int8 activations run 16-lane kernels
     (`micro_512`, `micro_q8_512`); every output is bitwise what the AVX2 kernels give, computed
-    in a process that has them switched off (PIPELINE_KERNEL_AVX512=0)."""
+    in a process that has them switched off (PIPELINE_KERNEL_AVX512=0). Prefills on bf16 rows
+    (AVX512_BF16) have numbers of their own, so both processes run with those off."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    torch.manual_seed(0)
-    ours = _every_path_outputs()
-    path = tmp_path / "avx2.pt"
-    script = (
-        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); torch.manual_seed(0); "
-        f"import test_gguf_blocks as t; torch.save(t._every_path_outputs(), {str(path)!r})"
-    )
-    env = {**os.environ, "PIPELINE_KERNEL_AVX512": "0"}
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
-    theirs = torch.load(path)
+    def outputs(switches: dict[str, str], name: str) -> list[torch.Tensor]:
+        path = tmp_path / name
+        script = (
+            f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); torch.manual_seed(0); "
+            f"import test_gguf_blocks as t; torch.save(t._every_path_outputs(), {str(path)!r})"
+        )
+        env = {**os.environ, "PIPELINE_KERNEL_BF16DOT": "0", **switches}
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+        return torch.load(path)
+
+    ours = outputs({}, "avx512.pt")
+    theirs = outputs({"PIPELINE_KERNEL_AVX512": "0"}, "avx2.pt")
     assert len(ours) == len(theirs) == 2 * 2 * 11 + 3 * 10
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), [
         i for i, (a, b) in enumerate(zip(ours, theirs)) if not torch.equal(a, b)

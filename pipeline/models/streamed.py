@@ -136,6 +136,7 @@ def library() -> ctypes.CDLL | None:
             _INT,
             ctypes.c_int,
         ]
+    lib.prefill_reads_bf16_rows.argtypes, lib.prefill_reads_bf16_rows.restype = [], ctypes.c_int
     # query, B, H, Q, D, keys, values, Hkv, key/value strides, keys, mask, its strides, scale,
     # real queries per row, out, threads
     lib.attend_f32.argtypes = [_POINTER, *[_INT] * 4, _POINTER, _POINTER, *[_INT] * 6, _POINTER, _INT, _INT,
@@ -300,7 +301,8 @@ class BlockLinear(StreamedLinear):
     scales in registers: about a third of the bf16 bytes. A decoding pass computes with the
     blocks' exact values (for Q4_K, sum a*q*x less the mins' sum b*X, taken apart), against the
     activations as they are or, `rounded`, rounded to int8 per 256 values; a prefill
-    (`prefilling`) with gguf's values rounded to bf16. Row-invariant like every kind of the
+    (`prefilling`) with gguf's values rounded to bf16 (against bf16 token rows where
+    `prefill_reads_bf16_rows`). Row-invariant like every kind of the
     kernel. `blocks` is uint8 [out_features, bytes per row] as the GGUF file has them;
     `in_features` must be a multiple of 256."""
 
@@ -397,6 +399,15 @@ def use_blocks(
                 setattr(parent, name, BlockLinear(raw, gguf_type, child.in_features, child.bias, rounded))
                 used[gguf_type] = used.get(gguf_type, 0) + 1
     return used
+
+
+def prefill_reads_bf16_rows() -> bool:
+    """Do block prefills here multiply bf16-rounded token rows by the weights' bf16 rounding
+    (`micro_dot_512`: CPUs with AVX512_BF16, unless PIPELINE_KERNEL_BF16DOT=0)? Twice the
+    products per instruction of the float32 chain, which every other CPU runs (the same bits on
+    AVX2 and AVX-512 alike). Either way a prompt's bits do not depend on the rows beside it."""
+    lib = library()
+    return bool(lib is not None and lib.prefill_reads_bf16_rows())
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -176,6 +176,74 @@ bool wide_fma() {
     return yes;
 }
 
+// Prefills on CPUs with AVX512_BF16: the token rows rounded to bfloat16 (`round_rows_bf16`) and
+// the weights' bf16 rounding multiplied in pairs of k by `vdpbf16ps`, 32 products an instruction
+// where `micro_512` does 16: a prefill is bound by arithmetic, and this halves it. The chain of
+// an output: lane i of its row accumulates, per 16 k, the products at k + 2i and k + 2i + 1 (the
+// instruction's own fixed order, float32 sums, round to nearest even), then `hsum` over the 8
+// lanes as everywhere. A row's bits depend on its x and W alone, so the path is row-invariant
+// like the others; its numbers are bf16 activations', not float32's. The decoded pairs are laid
+// out for it by `decode_strip_bf16<true>`: per 16 k, row o's 16 values, then row o + 1's.
+#define AVX512BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
+
+template <int N>
+AVX512BF16 void micro_dot_512(const uint16_t* w, int64_t pair_stride, const uint16_t* x, int64_t K, int64_t len,
+                              __m256* acc, bool first) {
+    constexpr int Q = PAIRS_512;
+    __m512 a[Q][N];
+    for (int q = 0; q < Q; ++q)
+        for (int n = 0; n < N; ++n)
+            a[q][n] = first ? _mm512_setzero_ps()
+                            : _mm512_insertf32x8(_mm512_castps256_ps512(acc[2 * N * q + n]), acc[2 * N * q + N + n], 1);
+    for (int64_t k = 0; k < len; k += 16, w += 32) {
+        __m512bh wv[Q];
+        for (int q = 0; q < Q; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * pair_stride);
+        for (int n = 0; n < N; ++n) {
+            const __m512bh xv =
+                (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + n * K + k)));
+            for (int q = 0; q < Q; ++q) a[q][n] = _mm512_dpbf16_ps(a[q][n], wv[q], xv);
+        }
+    }
+    for (int q = 0; q < Q; ++q)
+        for (int n = 0; n < N; ++n) {
+            acc[2 * N * q + n] = _mm512_castps512_ps256(a[q][n]);
+            acc[2 * N * q + N + n] = _mm512_extractf32x8_ps(a[q][n], 1);
+        }
+}
+
+AVX512BF16 void micro_dot_512_n(int n, const uint16_t* w, int64_t pair_stride, const uint16_t* x, int64_t K,
+                                int64_t len, __m256* acc, bool first) {
+    switch (n) {
+        case 1: micro_dot_512<1>(w, pair_stride, x, K, len, acc, first); break;
+        case 2: micro_dot_512<2>(w, pair_stride, x, K, len, acc, first); break;
+        case 3: micro_dot_512<3>(w, pair_stride, x, K, len, acc, first); break;
+        case 4: micro_dot_512<4>(w, pair_stride, x, K, len, acc, first); break;
+        case 5: micro_dot_512<5>(w, pair_stride, x, K, len, acc, first); break;
+        default: micro_dot_512<6>(w, pair_stride, x, K, len, acc, first); break;
+    }
+}
+
+// x [T][K] to bfloat16, to nearest even (the instruction's rounding: denormals become zeros).
+AVX512BF16 void round_rows_bf16(const float* x, int64_t T, int64_t K, uint16_t* out, int threads) {
+#pragma omp parallel for num_threads(static_cast<int>(std::min<int64_t>(threads, T))) schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + t * K + k));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + t * K + k), (__m256i)h);
+        }
+}
+
+// Do this CPU's prefills take `micro_dot_512`? (PIPELINE_KERNEL_BF16DOT=0 or
+// PIPELINE_KERNEL_AVX512=0 say no: the float32 chain, the same bits as on an AVX2 CPU.)
+bool dot_bf16() {
+    static const bool yes = [] {
+        const char* off = std::getenv("PIPELINE_KERNEL_BF16DOT");
+        return wide_fma() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bf16") && !(off && off[0] == '0');
+    }();
+    return yes;
+}
+
 template <typename W>
 void pack(const W* w, int64_t O, int64_t K, int64_t RB, int64_t KB, W* out) {
     for (int64_t o0 = 0; o0 < O; o0 += RB) {
@@ -610,12 +678,13 @@ inline void micro_scaled_n(int n, const float* w, const float* a0, const float* 
     }
 }
 
-// A strip's slice decoded into bfloat16 pairs (the `bf16` layout: per k one 32-bit lane with
-// row o's value in the low half, row o+1's in the high half): the blocks' values as gguf
-// dequantizes them (a*q, less the Q4_K min) rounded to bfloat16, which is what the install's
-// bf16 weights hold. For prefills (see `linear_blocks`). `mins`: the strip's rows' min
-// factors (row r at r * subs), from sub-block `sub0` of the slice on; nullptr for Q6_K.
-template <typename B>
+// A strip's slice decoded into bfloat16 pairs: the blocks' values as gguf dequantizes them (a*q,
+// less the Q4_K min) rounded to bfloat16, which is what the install's bf16 weights hold. For
+// prefills (see `linear_blocks`). Laid out for `micro_512` / `micro` (the `bf16` layout: per k
+// one 32-bit lane with row o's value in the low half, row o+1's in the high half) or, `DOT`, for
+// `micro_dot_512` (per 16 k, row o's 16 values in k order, then row o+1's). `mins`: the strip's
+// rows' min factors (row r at r * subs), from sub-block `sub0` of the slice on; nullptr for Q6_K.
+template <typename B, bool DOT = false>
 inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int64_t pair_stride, const float* mins,
                               int64_t subs, int64_t sub0) {
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
@@ -624,6 +693,10 @@ inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int6
         const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
         return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)), 16);
     };
+    auto low_halves = [](__m256i r) {  // 8 lanes' low 16 bits as 8 uint16, in order
+        return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+    };
+    (void)low_halves;
     for (int p = 0; p < 4; ++p) {
         uint16_t* out = dst + p * pair_stride;
         const uint8_t* sb = w;
@@ -646,8 +719,14 @@ inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int6
                         w0 = _mm256_sub_ps(w0, b0);
                         w1 = _mm256_sub_ps(w1, b1);
                     }
-                    const __m256i both = _mm256_or_si256(rounded(w0), _mm256_slli_epi32(rounded(w1), 16));
-                    _mm256_store_si256(reinterpret_cast<__m256i*>(out), both);
+                    if constexpr (DOT) {  // GROUPS is even: a 16-k chunk is two groups of one sub-block
+                        uint16_t* chunk = out - 16 * (g % 2);  // the 16-k chunk: g's 8 values at + 8 * (g % 2)
+                        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 8 * (g % 2)), low_halves(rounded(w0)));
+                        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 16 + 8 * (g % 2)), low_halves(rounded(w1)));
+                    } else {
+                        const __m256i both = _mm256_or_si256(rounded(w0), _mm256_slli_epi32(rounded(w1), 16));
+                        _mm256_store_si256(reinterpret_cast<__m256i*>(out), both);
+                    }
                 }
             }
         }
@@ -1019,6 +1098,12 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                    bool q8 = false) {
     const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
     q8 = q8 && !prefill;  // a prefill reads the bf16 rounding, whatever the decoding passes read
+    const bool dot = prefill && dot_bf16();  // ... and with AVX512_BF16, bf16 token rows (`micro_dot_512`)
+    uint16_t* x16 = nullptr;
+    if (dot) {
+        x16 = static_cast<uint16_t*>(std::aligned_alloc(64, (T * K * 2 + 63) / 64 * 64));
+        round_rows_bf16(x, T, K, x16, threads);
+    }
     float* sums = dmin ? static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32)) : nullptr;
     int8_t* x8 = nullptr;
     float* dx = nullptr;
@@ -1090,6 +1175,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
+            const bool dot_rows = dot && rows % (2 * PAIRS_512) == 0;  // PAIRS_512 pairs a call
             const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
             if (mins)  // many token rows: the factors once per block (0 past O)
                 for (int64_t r = 0; r < rows; ++r) {
@@ -1144,7 +1230,10 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                         const int64_t len = std::min(KB, K - k0);    // range contiguous
                         for (int64_t i = 0; i < rows; i += STRIP) {
                             const int64_t at = i * range + 2 * (k0 - kr0);
-                            if (prefill)
+                            if (dot_rows)
+                                decode_strip_bf16<B, true>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
+                                                           mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
+                            else if (prefill)
                                 decode_strip_bf16<B>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
                                                      mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
                             else
@@ -1159,7 +1248,10 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                         const bool wide = prefill && wide_fma() && rows % (2 * PAIRS_512) == 0;
                         for (int64_t p = 0; p < rows; p += wide ? 2 * PAIRS_512 : 2) {
                             const float* xt = x + tile_start(tile) * K + kr0;
-                            if (wide)
+                            if (dot_rows)
+                                micro_dot_512_n(n, halves + p * range, 2 * range, x16 + tile_start(tile) * K + kr0, K,
+                                                kr1 - kr0, at + p * n, kr0 == 0);
+                            else if (wide)
                                 micro_512_n(n, halves + p * range, 2 * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
                             else if (prefill)
                                 micro_n(n, halves + p * range, xt, K, kr1 - kr0, at + p * n, kr0 == 0);
@@ -1189,6 +1281,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     std::free(sums);
     std::free(x8);
     std::free(dx);
+    std::free(x16);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1345,6 +1438,7 @@ void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t 
                 int64_t RB, int64_t KB, int threads, int prefill, int q8) {
     linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads, prefill != 0, q8 != 0);
 }
+int prefill_reads_bf16_rows() { return dot_bf16(); }
 void attend_f32(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const float* k, const float* v, int64_t Hkv,
                 int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb, int64_t mq,
                 float scale, const int64_t* queries, float* out, int threads) {
