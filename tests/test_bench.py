@@ -246,10 +246,11 @@ def test_agreement_is_the_share_of_tokens_before_the_first_difference():
     assert _agreement([[]], [[]]) == 0.0
 
 
-def test_the_dense_reference_row_runs_at_batch_1_against_the_block_paths_target_only(tiny_pair_dirs):
-    """`--dense-reference`: one more target-only row, on another model of the target (here the
-    tiny draft stands in for the dense weights, so that its outputs differ), timed and compared
-    against ours target-only: `agree` is how far the two paths' outputs go together."""
+def test_the_dense_reference_row_runs_at_every_batch_against_the_block_paths_target_only(tiny_pair_dirs):
+    """`--dense-reference`: one more target-only row at every batch size, on another model of the
+    target (here the tiny draft stands in for the dense weights, so that its outputs differ),
+    timed and compared against ours target-only at the same batch size: `agree` is how far the
+    two paths' outputs go together."""
     from pipeline.lab.bench import DENSE_ROW, run_benchmark
     from pipeline.models.loading import ModelRef, load_pair
 
@@ -269,10 +270,11 @@ def test_the_dense_reference_row_runs_at_batch_1_against_the_block_paths_target_
         log=lambda line: None,
     )
     rows = {(r.method, r.batch): r for r in result.rows}
-    assert set(rows) == {("ours target-only", 1), ("ours target-only", 2), (DENSE_ROW, 1)}
-    dense, blocks = rows[(DENSE_ROW, 1)], rows[("ours target-only", 1)]
-    assert not dense.identical and dense.agreement < 1.0 and blocks.agreement == 1.0
-    assert abs(dense.speedup - blocks.seconds_median / dense.seconds_median) < 1e-9
+    assert set(rows) == {(method, b) for method in ("ours target-only", DENSE_ROW) for b in (1, 2)}
+    for batch in (1, 2):
+        dense, blocks = rows[(DENSE_ROW, batch)], rows[("ours target-only", batch)]
+        assert not dense.identical and dense.agreement < 1.0 and blocks.agreement == 1.0
+        assert abs(dense.speedup - blocks.seconds_median / dense.seconds_median) < 1e-9
 
 
 def test_the_dense_reference_needs_a_target_on_gguf_blocks(tiny_pair_dirs, tmp_path, monkeypatch):

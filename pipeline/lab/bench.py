@@ -372,14 +372,15 @@ DENSE_ROW = "ours target-only dense"
 
 def _add_our_rows(bench: TaskBench, prompts, decoding: _Decoding, engines, drafters, batches, warm) -> None:
     """At every batch size: ours target-only, then every drafter; the drafters that draft from
-    earlier outputs run cold, and also warm where `warm` outputs are given. At batch 1, the
-    dense reference where there is one."""
+    earlier outputs run cold, and also warm where `warm` outputs are given. At every batch
+    size, the dense reference where there is one: which weights a batch should run on is
+    `weights: auto`'s question (BLOCKS_MAX_BATCH), and one run answers it."""
     max_new = decoding.max_new_tokens
     for batch in batches:
         bench.add(
             "ours target-only", batch, lambda b=batch, p=prompts: ours(engines["none"], p, max_new, b, "none")
         )
-        if batch == 1 and DENSE_ROW in engines:
+        if DENSE_ROW in engines:
             bench.add(
                 DENSE_ROW,
                 batch,

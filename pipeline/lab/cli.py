@@ -137,8 +137,8 @@ block_activations_option = click.option(
 @click.option(
     "--dense-reference",
     is_flag=True,
-    help="With the target on its GGUF blocks: also run the target on its dense bf16 weights (batch 1, "
-    "target-only) and report how far its outputs agree with the block path's.",
+    help="With the target on its GGUF blocks: also run the target on its dense bf16 weights "
+    "(target-only, at every batch size) and report how far its outputs agree with the block path's.",
 )
 @click.option(
     "--llama-cpp-gguf",
