@@ -563,10 +563,15 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     dense = load_pair(target, None, device="cpu", dtype="float32", weights="dense")
     assert dense.weights == "dense" and dense.block_layers == {} and dense.block_activations is None
     assert not any(isinstance(m, streamed.BlockLinear) for m in dense.target.modules())
-    # auto: blocks for jobs of 1 or 2 rows at a time, whose passes are bound by reading weights
-    assert load_pair(target, None, device="cpu", dtype="float32", batch=2).weights == "gguf-blocks"
-    assert load_pair(target, None, device="cpu", dtype="float32", batch=4).weights == "dense"
-    assert load_pair(target, None, device="cpu", dtype="float32", weights="gguf-blocks", batch=8).block_layers
+    # auto: blocks for jobs of 1 or 2 rows at a time, whose passes are bound by reading weights;
+    # up to 16 where block prefills multiply bf16 rows (AVX512-BF16), as fast as bf16 dense ones
+    for bf16_rows, widest in ((False, 2), (True, 16)):
+        monkeypatch.setattr(streamed, "prefill_reads_bf16_rows", lambda on=bf16_rows: on)
+        fits = load_pair(target, None, device="cpu", dtype="float32", batch=widest)
+        assert fits.weights == "gguf-blocks", bf16_rows
+        assert load_pair(target, None, device="cpu", dtype="float32", batch=widest + 1).weights == "dense"
+    wide = load_pair(target, None, device="cpu", dtype="float32", weights="gguf-blocks", batch=32)
+    assert wide.block_layers
     # dtype auto: float32 wherever auto streams the blocks, also where it would mean bf16 dense
     # (AVX512-BF16 without AMX); bf16 dense where AMX is, or the batch is too wide for the blocks
     from pipeline.models import loading
@@ -574,12 +579,14 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     for flags, batch, expected in (
         ({"avx2", "fma"}, 1, ("gguf-blocks", torch.float32)),
         ({"avx2", "fma", "avx512_bf16"}, 1, ("gguf-blocks", torch.float32)),
-        ({"avx2", "fma", "avx512_bf16"}, 4, ("dense", torch.bfloat16)),
+        ({"avx2", "fma", "avx512_bf16"}, 16, ("gguf-blocks", torch.float32)),
+        ({"avx2", "fma", "avx512_bf16"}, 32, ("dense", torch.bfloat16)),
         ({"avx2", "fma", "avx512_bf16", "amx_bf16"}, 1, ("dense", torch.bfloat16)),
     ):
         monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(streamed, "prefill_reads_bf16_rows", lambda flags=flags: "avx512_bf16" in flags)
         auto = load_pair(target, None, device="cpu", batch=batch)
-        assert (auto.weights, auto.dtype) == expected, flags
+        assert (auto.weights, auto.dtype) == expected, (flags, batch)
 
 
 def test_an_install_without_blocks_is_redone_and_gguf_blocks_says_what_is_missing(

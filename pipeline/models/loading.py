@@ -444,11 +444,17 @@ WEIGHTS = ("auto", "gguf-blocks", "dense")
 # it is bound by arithmetic, and decoding the blocks costs more than the bytes save (1.2-1.3x).
 # Measured by `pipeline calibrate --against` (docs/benchmarks/, 2026-11-27, AVX2 float32).
 BLOCKS_MAX_BATCH = 2
+# ... and where block prefills multiply bf16 rows (AVX512_BF16, `streamed.prefill_reads_bf16_rows`)
+# up to this many: a batch's time is mostly its prefills, and there the blocks' prefill costs what
+# bf16 dense costs. Target-only summaries, one bench run, blocks against bf16 dense: 1.63x at
+# batch 4, 1.32x at 8, 1.13x at 16 (docs/benchmarks/, 2026-11-29, AVX-512 EPYC).
+BLOCKS_MAX_BATCH_BF16_PREFILL = 16
 
 
 def _auto_fits(batch: int | None) -> bool:
     """Does `weights: auto` stream blocks for passes of `batch` rows (None: unknown)?"""
-    return batch is None or batch <= BLOCKS_MAX_BATCH
+    most = BLOCKS_MAX_BATCH_BF16_PREFILL if streamed.prefill_reads_bf16_rows() else BLOCKS_MAX_BATCH
+    return batch is None or batch <= most
 
 
 def _keeps_blocks(target: ModelRef) -> bool:
@@ -463,7 +469,7 @@ def _keeps_blocks(target: ModelRef) -> bool:
 def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int | None) -> bool:
     """Does `dtype: auto` become float32 for the target's GGUF blocks? Where gguf-blocks is asked
     for on a CPU, and where `auto` would stream them: a CPU with the kernel, a target that keeps
-    blocks, at most BLOCKS_MAX_BATCH rows. Also on CPUs with AVX512-BF16, where auto otherwise
+    blocks, at most BLOCKS_MAX_BATCH rows (`_auto_fits`). Also on CPUs with AVX512-BF16, where auto otherwise
     means bf16 dense: there the blocks' decoding passes cost a third of bf16's and a whole job
     ran faster, though their prefills cost more (docs/cpu-kernels.md). Not on CPUs with AMX,
     whose bf16 prefills are faster still and where the trade was never measured."""
@@ -479,8 +485,8 @@ def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int
 def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: int | None) -> dict | None:
     """The target's GGUF blocks where `weights` asks for them and this machine can stream them
     (None: dense weights). `auto` takes them where the target keeps blocks, float32 runs on a CPU
-    with the streamed kernel, and `batch` (the rows a pass decodes; None: unknown) is at most
-    BLOCKS_MAX_BATCH; `gguf-blocks` insists, with an error that says what is missing."""
+    with the streamed kernel, and `batch` (the rows a pass decodes; None: unknown) is small enough
+    (`_auto_fits`); `gguf-blocks` insists, with an error that says what is missing."""
     if weights not in WEIGHTS:
         raise InvalidOptionError(f"unknown weights {weights!r}; use {', '.join(WEIGHTS)}")
     if weights == "dense" or (weights == "auto" and not _auto_fits(batch)):

@@ -415,11 +415,13 @@ class ModelsSpec(_Section):
         description="The target's weights on a CPU. gguf-blocks: the GGUF blocks its install kept "
         "(Q4_K, Q6_K), streamed by the CPU kernel with float32 activations (dtype auto becomes float32): "
         "about a third of the bytes of bf16 weights per pass; decoding passes compute with the blocks' "
-        "exact values, prefills with their bf16 rounding (the installed weights). dense: the installed "
+        "exact values, prefills with their bf16 rounding (the installed weights; on CPUs with "
+        "AVX512-BF16 against bf16-rounded activations too, twice as fast). dense: the installed "
         "weights. auto: gguf-blocks where the target keeps blocks, the dtype is float32 on a CPU with "
         "AVX2 (dtype auto picks float32 there, also on CPUs with AVX512-BF16 but without AMX: a whole "
-        "job ran faster on the blocks than on bf16) and execution.batch_size is at most 2 (wider "
-        "passes are bound by arithmetic, and there dense weights are faster), else dense.",
+        "job ran faster on the blocks than on bf16) and execution.batch_size is at most 2, or 16 on "
+        "CPUs with AVX512-BF16 (wider passes are bound by arithmetic, and there dense weights are "
+        "faster), else dense.",
     )
     block_activations: Literal["int8", "float32"] = Field(
         "int8",
