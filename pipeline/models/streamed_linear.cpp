@@ -944,12 +944,14 @@ inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float
     for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
 
-// The same two kernels on CPUs with AVX-512 (BW): each instruction takes two chunks of 32 k
-// (the low half of a register the first, the high half the next) where the ones above take one,
-// and at the end of a super-block the two halves' int32 sums are added lane to lane. A lane then
-// holds the same integer as above (integer sums, exact, in any order), so the one float step and
-// the outputs are bitwise those of `micro_q8` / `micro_q8_q6k`.
-#define AVX512BW __attribute__((target("avx512f,avx512dq,avx512bw")))
+// The same two kernels on CPUs with AVX-512 (BW and VNNI): each instruction takes two chunks of
+// 32 k (the low half of a register the first, the high half the next) where the ones above take
+// one, and at the end of a super-block the two halves' int32 sums are added lane to lane. The
+// scales' products go into the sums in one instruction (`dpwssd`, where AVX2 takes `madd` and
+// an `add`: a wide pass is bound by these instructions, and 8 token rows ran 8% faster). A lane
+// then holds the same integer as above (integer sums, exact, in any order), so the one float
+// step and the outputs are bitwise those of `micro_q8` / `micro_q8_q6k`.
+#define AVX512BW __attribute__((target("avx512f,avx512dq,avx512bw,avx512vnni")))
 // `shuffle_epi8` control picking int16 element e[i] in 128-bit lane i
 AVX512BW inline __m512i pick_512(int e0, int e1, int e2, int e3) {
     auto lane = [](int e) { return _mm_set1_epi16(static_cast<int16_t>((2 * e) | (2 * e + 1) << 8)); };
@@ -991,8 +993,8 @@ AVX512BW void micro_q8_512(const uint8_t* w, int p0, const int8_t* x8, const flo
                 for (int n = 0; n < N; ++n) {
                     __m512i& t0 = sum[(2 * p) * N + n];
                     __m512i& t1 = sum[(2 * p + 1) * N + n];
-                    t0 = _mm512_add_epi32(t0, _mm512_madd_epi16(_mm512_maddubs_epi16(c0, xv[n]), s0));
-                    t1 = _mm512_add_epi32(t1, _mm512_madd_epi16(_mm512_maddubs_epi16(c1, xv[n]), s1));
+                    t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(c0, xv[n]), s0);
+                    t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(c1, xv[n]), s1);
                 }
             }
         }
@@ -1038,7 +1040,7 @@ AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const
                         const __m512i signed_x = _mm512_mask_sub_epi8(xv[n], negative, zero, xv[n]);
                         const __m512i prod = _mm512_maddubs_epi16(mag, signed_x);
                         __m512i& t = sum[(2 * p + r) * N + n];
-                        t = _mm512_add_epi32(t, _mm512_madd_epi16(prod, scale));
+                        t = _mm512_dpwssd_epi32(t, prod, scale);
                     }
                 }
         }
@@ -1051,7 +1053,7 @@ AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const
 
 // Does this CPU run `micro_q8_512`? (PIPELINE_KERNEL_AVX512=0 says no, as for `wide_fma`.)
 bool wide_int8() {
-    static const bool yes = wide_fma() && __builtin_cpu_supports("avx512bw");
+    static const bool yes = wide_fma() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
     return yes;
 }
 
