@@ -36,7 +36,7 @@ class Table:
 
 TABLES = {
     "avx512bf16": Table(
-        "2026-11-28-bench-avx512bf16-default-avx512-kernels-dense-reference-licenses.json",
+        "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-bf16-prefill-licenses.json",
         ("ours target-only", DENSE_ROW, "ours auto"),
     ),
     "avx2": Table(
@@ -104,35 +104,43 @@ def render_table(table: Table, root: Path = ROOT) -> str:
     return "\n".join(lines)
 
 
-# The sentence on llama.cpp: one `pipeline bench --llama-cpp` report, its rows at batch 1.
-LLAMA_CPP_REPORT = "2026-11-28-llama-cpp-avx2-float32-gguf-blocks-int8-licenses-gqa.json"
+# The sentence on llama.cpp: one `pipeline bench --llama-cpp` report per kind of machine, its
+# rows at batch 1.
+LLAMA_CPP_REPORTS = (
+    "2026-11-28-llama-cpp-avx2-float32-gguf-blocks-int8-licenses-gqa.json",
+    "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-bf16-prefill-vnni-licenses.json",
+)
 TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}
 
 
-def render_llama_cpp(report_name: str = LLAMA_CPP_REPORT, root: Path = ROOT) -> str:
-    """One sentence: ours (default `auto`, and target-only) over llama.cpp's target-only tok/s
-    per task, and the prefill share of ours, from the report's `vs_llama_cpp` and shares."""
-    report = json.loads((root / BENCHMARKS / report_name).read_text(encoding="utf-8"))
-    rows = {(r["task"], r["method"]): r for r in report["rows"] if r["batch"] == 1}
-    ours = ("ours auto", "ours target-only")
-    tasks = [t for t in report["meta"]["tasks"] if all((t, m) in rows for m in ours)]
-    if not tasks or any(rows[(t, m)].get("vs_llama_cpp") is None for t in tasks for m in ours):
-        raise SystemExit(f"{report_name} has no llama.cpp comparison for ours auto and target-only")
+def render_llama_cpp(report_names: tuple[str, ...] = LLAMA_CPP_REPORTS, root: Path = ROOT) -> str:
+    """One sentence: per report, ours (default `auto`, and target-only) over llama.cpp's
+    target-only tok/s per task, and the prefill share of ours, from `vs_llama_cpp` and shares."""
+    clauses, ahead = [], []
+    for number, report_name in enumerate(report_names):
+        report = json.loads((root / BENCHMARKS / report_name).read_text(encoding="utf-8"))
+        rows = {(r["task"], r["method"]): r for r in report["rows"] if r["batch"] == 1}
+        ours = ("ours auto", "ours target-only")
+        tasks = [t for t in report["meta"]["tasks"] if all((t, m) in rows for m in ours)]
+        if not tasks or any(rows[(t, m)].get("vs_llama_cpp") is None for t in tasks for m in ours):
+            raise SystemExit(f"{report_name} has no llama.cpp comparison for ours auto and target-only")
 
-    def ratios(method: str, nouns: bool = True) -> str:
-        return " and ".join(
-            f"{rows[(t, method)]['vs_llama_cpp']:.2f}×" + (f" ({TASK_NOUNS.get(t, t)})" if nouns else "")
-            for t in tasks
+        def ratios(method: str, nouns: bool, rows=rows, tasks=tasks) -> str:
+            return " and ".join(
+                f"{rows[(t, method)]['vs_llama_cpp']:.2f}×" + (f" ({TASK_NOUNS.get(t, t)})" if nouns else "")
+                for t in tasks
+            )
+
+        ahead.append(all(rows[(t, "ours auto")]["vs_llama_cpp"] >= 1 for t in tasks))
+        shares = sorted(round(100 * rows[(t, "ours target-only")]["prefill_share"]) for t in tasks)
+        link = f"{BENCHMARKS}/{report_name.removesuffix('.json')}.md"
+        clauses.append(
+            f"on {_machine(report['meta'])}, `auto` made {ratios('ours auto', number == 0)}, target-only "
+            f"{ratios('ours target-only', False)}, {shares[0]}–{shares[-1]}% of it prefill ([report]({link}))"
         )
-
-    ahead = all(rows[(t, "ours auto")]["vs_llama_cpp"] >= 1 for t in tasks)
-    shares = sorted(round(100 * rows[(t, "ours target-only")]["prefill_share"]) for t in tasks)
-    link = f"{BENCHMARKS}/{report_name.removesuffix('.json')}.md"
+    verdict = "ahead" if all(ahead) else "ahead on some tasks" if any(ahead) else "not ahead yet"
     return (
-        f"Against llama.cpp on the same GGUF file, {_machine(report['meta'])}, ours is "
-        f"{'ahead' if ahead else 'not ahead yet'}: `auto` made {ratios('ours auto')} its target-only, "
-        f"our target-only {ratios('ours target-only', nouns=False)}, {shares[0]}–{shares[-1]}% of it "
-        f"prefill ([report]({link}))"
+        f"Against llama.cpp's target-only on the same GGUF file ours is {verdict}: " + "; ".join(clauses)
     )
 
 
