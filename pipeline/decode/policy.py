@@ -83,7 +83,7 @@ class DraftingGate:
     probe_every: int = 32
     margin: float = 0.03
     min_rounds: int = 6  # drafting rounds at a batch size before they are judged
-    smoothing: float = 0.05
+    smoothing: float = 0.1
     rates: dict[tuple[bool, int], float] = field(default_factory=dict)  # (asked, rows) -> tokens/s
     rounds: dict[tuple[bool, int], int] = field(default_factory=dict)
     # (asked, rows) -> smoothed tokens and seconds of a round, whose ratio is `rates`
@@ -134,8 +134,10 @@ class DraftingGate:
         # Tokens over seconds, each smoothed: a round counts by its time, as in a job's own rate.
         # Smoothing each round's rate instead, over about 5 rounds, let a short stretch that
         # copies badly turn drafting off (auto on the 1.5B's license summaries, batch 1: off in
-        # 2 of 3 runs, 1.21x target-only against 1.34x with drafting always asked). The first
-        # rounds are a plain mean (weight 1/n), so the first round does not stand for 20.
+        # 2 of 3 runs, 1.21x target-only against 1.34x with drafting always asked). Over about
+        # 10 rounds it stays on there, and still turns off on the tiny pair, where drafting does
+        # not pay (docs/benchmarks/, 2026-11-29). The first rounds are a plain mean (weight 1/n),
+        # so that the first round does not stand for ten.
         self.rounds[key] = self.rounds.get(key, 0) + 1
         weight = max(smoothing, 1 / self.rounds[key])
         self._tokens[key] = ema(self._tokens.get(key), tokens, weight)
