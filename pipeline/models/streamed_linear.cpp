@@ -130,15 +130,30 @@ AVX512 inline __m512 load_pair_512(const uint16_t* p) {
 constexpr int PAIRS_512 = 4;  // 4 pairs x 6 token rows: 24 of the 32 registers accumulate
 constexpr int WIDE_FMA_ROWS = 4;  // tiles of fewer token rows are bound by the weights' stream
 
+// The accumulators of PAIRS_512 pairs x N token rows in 16 lanes (row o low, row o+1 high), from
+// and to the 8-lane layout the other kernels keep (`acc`: a pair's 2N, row o's N first).
+template <int N>
+AVX512 inline void load_pairs_512(const __m256* acc, bool first, __m512 (&a)[PAIRS_512][N]) {
+    for (int q = 0; q < PAIRS_512; ++q)
+        for (int n = 0; n < N; ++n)
+            a[q][n] = first ? _mm512_setzero_ps()
+                            : _mm512_insertf32x8(_mm512_castps256_ps512(acc[2 * N * q + n]), acc[2 * N * q + N + n], 1);
+}
+template <int N>
+AVX512 inline void store_pairs_512(const __m512 (&a)[PAIRS_512][N], __m256* acc) {
+    for (int q = 0; q < PAIRS_512; ++q)
+        for (int n = 0; n < N; ++n) {
+            acc[2 * N * q + n] = _mm512_castps512_ps256(a[q][n]);
+            acc[2 * N * q + N + n] = _mm512_extractf32x8_ps(a[q][n], 1);
+        }
+}
+
 template <int N, typename W>
 AVX512 void micro_512(const W* w, int64_t pair_stride, const float* x, int64_t K, int64_t len, __m256* acc,
                       bool first) {
     constexpr int Q = PAIRS_512;
     __m512 a[Q][N];
-    for (int q = 0; q < Q; ++q)
-        for (int n = 0; n < N; ++n)
-            a[q][n] = first ? _mm512_setzero_ps()
-                            : _mm512_insertf32x8(_mm512_castps256_ps512(acc[2 * N * q + n]), acc[2 * N * q + N + n], 1);
+    load_pairs_512<N>(acc, first, a);
     for (int64_t k = 0; k < len; k += 8, w += 16) {
         __m512 wv[Q];
         for (int q = 0; q < Q; ++q) wv[q] = load_pair_512(w + q * pair_stride);
@@ -147,11 +162,7 @@ AVX512 void micro_512(const W* w, int64_t pair_stride, const float* x, int64_t K
             for (int q = 0; q < Q; ++q) a[q][n] = _mm512_fmadd_ps(wv[q], xv, a[q][n]);
         }
     }
-    for (int q = 0; q < Q; ++q)
-        for (int n = 0; n < N; ++n) {
-            acc[2 * N * q + n] = _mm512_castps512_ps256(a[q][n]);
-            acc[2 * N * q + N + n] = _mm512_extractf32x8_ps(a[q][n], 1);
-        }
+    store_pairs_512<N>(a, acc);
 }
 
 template <typename W>
@@ -191,10 +202,7 @@ AVX512BF16 void micro_dot_512(const uint16_t* w, int64_t pair_stride, const uint
                               __m256* acc, bool first) {
     constexpr int Q = PAIRS_512;
     __m512 a[Q][N];
-    for (int q = 0; q < Q; ++q)
-        for (int n = 0; n < N; ++n)
-            a[q][n] = first ? _mm512_setzero_ps()
-                            : _mm512_insertf32x8(_mm512_castps256_ps512(acc[2 * N * q + n]), acc[2 * N * q + N + n], 1);
+    load_pairs_512<N>(acc, first, a);
     for (int64_t k = 0; k < len; k += 16, w += 32) {
         __m512bh wv[Q];
         for (int q = 0; q < Q; ++q) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * pair_stride);
@@ -204,11 +212,7 @@ AVX512BF16 void micro_dot_512(const uint16_t* w, int64_t pair_stride, const uint
             for (int q = 0; q < Q; ++q) a[q][n] = _mm512_dpbf16_ps(a[q][n], wv[q], xv);
         }
     }
-    for (int q = 0; q < Q; ++q)
-        for (int n = 0; n < N; ++n) {
-            acc[2 * N * q + n] = _mm512_castps512_ps256(a[q][n]);
-            acc[2 * N * q + N + n] = _mm512_extractf32x8_ps(a[q][n], 1);
-        }
+    store_pairs_512<N>(a, acc);
 }
 
 AVX512BF16 void micro_dot_512_n(int n, const uint16_t* w, int64_t pair_stride, const uint16_t* x, int64_t K,
