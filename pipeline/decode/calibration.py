@@ -293,10 +293,15 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         ),
         **({"static_passes": True} if getattr(loaded, "static_passes", False) else {}),
         **({"compiled_passes": True} if getattr(loaded, "compiled_passes", False) else {}),
-        # a changed kernel source changes what a pass costs
+        # a changed kernel source changes what a pass costs, and so does the prefill's chain
         "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16]
         if loaded.streamed or getattr(loaded, "weights", "dense") == "gguf-blocks"
         else None,
+        **(
+            {"block_prefill_bf16": streamed.prefill_reads_bf16_rows()}
+            if getattr(loaded, "weights", "dense") == "gguf-blocks"
+            else {}
+        ),
         "torch": torch.__version__,
         "draft_vocab": draft_vocab if loaded.draft_ref else None,
     }

@@ -445,9 +445,9 @@ WEIGHTS = ("auto", "gguf-blocks", "dense")
 # Measured by `pipeline calibrate --against` (docs/benchmarks/, 2026-11-27, AVX2 float32).
 BLOCKS_MAX_BATCH = 2
 # ... and where block prefills multiply bf16 rows (AVX512_BF16, `streamed.prefill_reads_bf16_rows`)
-# up to this many: a batch's time is mostly its prefills, and there the blocks' prefill costs what
-# bf16 dense costs. Target-only summaries, one bench run, blocks against bf16 dense: 1.63x at
-# batch 4, 1.32x at 8, 1.13x at 16 (docs/benchmarks/, 2026-11-29, AVX-512 EPYC).
+# up to this many: a batch's time is mostly its prefills, and there the blocks' prefill costs
+# about what bf16 dense's does. Target-only summaries, one bench run, medians of 3, blocks over
+# bf16 dense: 1.70x at batch 4, 1.34x at 8, 1.07x at 16 (docs/benchmarks/, 2026-11-29, AVX-512 EPYC).
 BLOCKS_MAX_BATCH_BF16_PREFILL = 16
 
 
@@ -469,7 +469,7 @@ def _keeps_blocks(target: ModelRef) -> bool:
 def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int | None) -> bool:
     """Does `dtype: auto` become float32 for the target's GGUF blocks? Where gguf-blocks is asked
     for on a CPU, and where `auto` would stream them: a CPU with the kernel, a target that keeps
-    blocks, at most BLOCKS_MAX_BATCH rows (`_auto_fits`). Also on CPUs with AVX512-BF16, where auto otherwise
+    blocks, a batch small enough (`_auto_fits`). Also on CPUs with AVX512-BF16, where auto otherwise
     means bf16 dense: there the blocks' decoding passes cost a third of bf16's and a whole job
     ran faster, though their prefills cost more (docs/cpu-kernels.md). Not on CPUs with AMX,
     whose bf16 prefills are faster still and where the trade was never measured."""
