@@ -697,10 +697,9 @@ inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int6
         const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
         return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)), 16);
     };
-    auto low_halves = [](__m256i r) {  // 8 lanes' low 16 bits as 8 uint16, in order
+    [[maybe_unused]] auto low_halves = [](__m256i r) {  // 8 lanes' low 16 bits as 8 uint16, in order
         return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
     };
-    (void)low_halves;
     for (int p = 0; p < 4; ++p) {
         uint16_t* out = dst + p * pair_stride;
         const uint8_t* sb = w;
