@@ -84,9 +84,8 @@ class DraftingGate:
     margin: float = 0.03
     min_rounds: int = 6  # drafting rounds at a batch size before they are judged
     smoothing: float = 0.1
-    rates: dict[tuple[bool, int], float] = field(default_factory=dict)  # (asked, rows) -> tokens/s
-    rounds: dict[tuple[bool, int], int] = field(default_factory=dict)
-    # (asked, rows) -> smoothed tokens and seconds of a round, whose ratio is `rates`
+    rounds: dict[tuple[bool, int], int] = field(default_factory=dict)  # (asked, rows) -> rounds
+    # (asked, rows) -> smoothed tokens and seconds of a round, whose ratio is the rate (`rate`)
     _tokens: dict[tuple[bool, int], float] = field(default_factory=dict)
     _seconds: dict[tuple[bool, int], float] = field(default_factory=dict)
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
@@ -142,8 +141,7 @@ class DraftingGate:
         weight = max(smoothing, 1 / self.rounds[key])
         self._tokens[key] = ema(self._tokens.get(key), tokens, weight)
         self._seconds[key] = ema(self._seconds.get(key), seconds, weight)
-        self.rates[key] = self._tokens[key] / self._seconds[key]
-        drafting, plain = self.rates.get((True, rows)), self.rates.get((False, rows))
+        drafting, plain = self.rate(True, rows), self.rate(False, rows)
         if self.rounds.get((True, rows), 0) < self.min_rounds or self.rounds.get((False, rows), 0) < 2:
             return
         if drafting < plain * (1 - self.margin):
@@ -154,11 +152,17 @@ class DraftingGate:
             self.off.discard(rows)
             self._probe_gap = self._since_switch = 0
 
+    def rate(self, asked: bool, rows: int) -> float | None:
+        """Tokens per second of rounds of `rows` rows that did (or did not) ask; None: none yet."""
+        key = (asked, rows)
+        return self._tokens[key] / self._seconds[key] if key in self._seconds else None
+
     def record(self) -> dict:
         """What the gate measured, for stats: rates by batch size, and where it stopped asking."""
+        keys = sorted(self._seconds)
         return {
-            "drafting_tokens_per_second": {r: v for (a, r), v in sorted(self.rates.items()) if a},
-            "plain_tokens_per_second": {r: v for (a, r), v in sorted(self.rates.items()) if not a},
+            "drafting_tokens_per_second": {r: self.rate(a, r) for a, r in keys if a},
+            "plain_tokens_per_second": {r: self.rate(a, r) for a, r in keys if not a},
             "off_at_rows": sorted(self.off),
         }
 
