@@ -1109,7 +1109,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         x16 = static_cast<uint16_t*>(std::aligned_alloc(64, (T * K * 2 + 63) / 64 * 64));
         round_rows_bf16(x, T, K, x16, threads);
     }
-    float* sums = dmin ? static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32)) : nullptr;
+    // the Q4_K mins' partner sums; a prefill's mins are in its decoded weights
+    float* sums = dmin && !prefill ? static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32)) : nullptr;
     int8_t* x8 = nullptr;
     float* dx = nullptr;
     if (q8) {
@@ -1180,7 +1181,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
-            const bool dot_rows = dot && rows % (2 * PAIRS_512) == 0;  // PAIRS_512 pairs a call
+            // prefills through the 16-lane kernels, PAIRS_512 pairs a call (`dot`: on bf16 rows)
+            const bool wide = prefill && wide_fma() && rows % (2 * PAIRS_512) == 0, dot_rows = dot && wide;
             const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
             if (mins)  // many token rows: the factors once per block (0 past O)
                 for (int64_t r = 0; r < rows; ++r) {
@@ -1250,7 +1252,6 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                         __m256* at = acc + (whole ? 0 : (tile - tg0) * MAX_RB * TILE);
                         const int n = tile_rows(tile);
                         // a pair's whole range in one call (PAIRS_512 pairs with AVX-512: rows is whole strips)
-                        const bool wide = prefill && wide_fma() && rows % (2 * PAIRS_512) == 0;
                         for (int64_t p = 0; p < rows; p += wide ? 2 * PAIRS_512 : 2) {
                             const float* xt = x + tile_start(tile) * K + kr0;
                             if (dot_rows)
