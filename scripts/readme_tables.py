@@ -113,6 +113,14 @@ LLAMA_CPP_REPORTS = (
 TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}
 
 
+def _ratios(rows: dict, tasks: list[str], method: str, nouns: bool) -> str:
+    """`method`'s tok/s over llama.cpp's target-only per task, "0.89× (summaries) and ..."."""
+    return " and ".join(
+        f"{rows[(t, method)]['vs_llama_cpp']:.2f}×" + (f" ({TASK_NOUNS.get(t, t)})" if nouns else "")
+        for t in tasks
+    )
+
+
 def render_llama_cpp(report_names: tuple[str, ...] = LLAMA_CPP_REPORTS, root: Path = ROOT) -> str:
     """One sentence: per report, ours (default `auto`, and target-only) over llama.cpp's
     target-only tok/s per task, and the prefill share of ours, from `vs_llama_cpp` and shares."""
@@ -125,18 +133,13 @@ def render_llama_cpp(report_names: tuple[str, ...] = LLAMA_CPP_REPORTS, root: Pa
         if not tasks or any(rows[(t, m)].get("vs_llama_cpp") is None for t in tasks for m in ours):
             raise SystemExit(f"{report_name} has no llama.cpp comparison for ours auto and target-only")
 
-        def ratios(method: str, nouns: bool, rows=rows, tasks=tasks) -> str:
-            return " and ".join(
-                f"{rows[(t, method)]['vs_llama_cpp']:.2f}×" + (f" ({TASK_NOUNS.get(t, t)})" if nouns else "")
-                for t in tasks
-            )
-
         ahead = all(rows[(t, "ours auto")]["vs_llama_cpp"] >= 1 for t in tasks)
         shares = sorted(round(100 * rows[(t, "ours target-only")]["prefill_share"]) for t in tasks)
         link = f"{BENCHMARKS}/{report_name.removesuffix('.json')}.md"
         clauses.append(
             f"on {_machine(report['meta'])}, ours is {'ahead' if ahead else 'not ahead yet'}: `auto` made "
-            f"{ratios('ours auto', number == 0)}, target-only {ratios('ours target-only', False)}, "
+            f"{_ratios(rows, tasks, 'ours auto', number == 0)}, "
+            f"target-only {_ratios(rows, tasks, 'ours target-only', False)}, "
             f"{shares[0]}–{shares[-1]}% of it prefill ([report]({link}))"
         )
     return "Against llama.cpp's target-only on the same GGUF file, " + "; ".join(clauses)
