@@ -208,14 +208,14 @@ def test_a_prefill_on_avx512_bf16_multiplies_bf16_rows_and_keeps_a_rows_bits(kin
     assert not torch.equal(layer(x), full)  # outside a prefill: the blocks' exact values, float rows
 
 
-@pytest.fixture(scope="module", params=["float32", "int8"])
-def block_target(request):
-    """A tiny Qwen2 model whose every Linear reads random Q4_K / Q6_K blocks (a Q4_K_M-like mix),
-    made batch-invariant as the loader makes a float32 target on a CPU; its Q4_K layers'
-    activations as they are or rounded to int8 (`models.block_activations`)."""
+def _block_model(rounded: bool = False, v_kind: str = "Q4_K", fuse: bool = True):
+    """A tiny Qwen2 model whose every Linear reads random Q4_K / Q6_K blocks (a Q4_K_M-like mix:
+    down_proj and the output layer Q6_K, v_proj `v_kind`), made batch-invariant as the loader
+    makes a float32 target on a CPU; its decoding passes' activations as they are or `rounded`
+    to int8 (`models.block_activations`); `fuse=False`: no projection shares a product."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.models import invariant
+    from pipeline.models import fusion, invariant
 
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -232,12 +232,77 @@ def block_target(request):
     blocks = {}
     for seed, (name, module) in enumerate(model.named_modules()):
         if isinstance(module, nn.Linear):
-            kind = "Q6_K" if "down_proj" in name or "lm_head" in name else "Q4_K"
+            kind = (
+                "Q6_K" if "down_proj" in name or "lm_head" in name else v_kind if "v_proj" in name else "Q4_K"
+            )
             raw = random_blocks(kind, module.out_features, module.in_features, seed, scale=0.01)
             blocks[f"{name}.weight"] = (kind, torch.from_numpy(raw))
-    assert streamed.use_blocks(model, blocks, request.param == "int8") == {"Q4_K": 12, "Q6_K": 3}
+    shared = fusion.SHARED
+    fusion.SHARED = shared if fuse else ()
+    try:
+        used = streamed.use_blocks(model, blocks, rounded)
+    finally:
+        fusion.SHARED = shared
+    q6k = 3 if v_kind == "Q4_K" else 5
+    assert used == {"Q4_K": 15 - q6k, "Q6_K": q6k}  # every Linear, fused or not
     streamed.stream_linears(model)
     return invariant.make_batch_invariant(model)
+
+
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def block_target(request):
+    """`_block_model`, its decoding passes with float32 or int8 activations."""
+    return _block_model(rounded=request.param == "int8")
+
+
+@pytest.mark.parametrize("v_kind", ["Q4_K", "Q6_K"])
+def test_projections_of_one_input_share_one_product_and_keep_their_bits(v_kind):
+    """q, k and v (gate and up) whose blocks are of one type run as one BlockLinear over their
+    rows (v apart where its type differs); each output is the chain it was apart, so a model's
+    logits are bitwise those of the same model with every projection its own layer."""
+    fused, apart = _block_model(v_kind=v_kind), _block_model(v_kind=v_kind, fuse=False)
+    attention, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, streamed.BlockLinear) and mlp.gate_up_proj.out_features == 1024
+    names = ("qkv_proj",) if v_kind == "Q4_K" else ("qk_proj", "v_proj")
+    assert {n for n, m in attention.named_children() if isinstance(m, streamed.BlockLinear)} == {
+        "o_proj",
+        *names,
+    }
+    blocks = lambda model: [m for m in model.modules() if isinstance(m, streamed.BlockLinear)]  # noqa: E731
+    assert len(blocks(apart)) == 15 and len(blocks(fused)) == 15 - 2 * 3 + (v_kind == "Q6_K") * 2
+    assert streamed.weight_bytes(fused) == streamed.weight_bytes(apart)
+    for a, b in zip(_passes(fused), _passes(apart)):
+        assert torch.equal(a, b)
+
+
+def test_a_head_reads_a_shared_products_rows_back_as_its_projections_weights():
+    """A draft head starts as a copy of the target's last layer (`DraftHead.from_target`); where
+    q, k and v share one product, each is read back from its own rows of it."""
+    from pipeline.decode.head import DraftHead
+
+    heads = []
+    for fuse in (True, False):
+        torch.manual_seed(0)  # the same random start for the head's `fc`
+        heads.append(DraftHead.from_target(_block_model(v_kind="Q6_K", fuse=fuse)).state_dict())
+    assert heads[0].keys() == heads[1].keys()
+    for name in heads[0]:
+        assert torch.equal(heads[0][name], heads[1][name]), name
+
+
+def _passes(model) -> list[torch.Tensor]:
+    """Logits of a prefill of 2 rows and then passes of 1, 4 and 9 tokens a row (the kernel's
+    three paths)."""
+    from pipeline.decode.batched_lm import BatchedLM
+
+    tokens = torch.randint(3, 300, (2, 60), generator=torch.Generator().manual_seed(1)).tolist()
+    lm = BatchedLM(model, pad_token_id=0)
+    lm.reset(2)
+    out = lm.forward([row[:30] for row in tokens], [30, 30])
+    at = 30
+    for width in (1, 4, 9):
+        out += lm.forward([row[at : at + width] for row in tokens], [width, width])
+        at += width
+    return out
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 8])

@@ -50,6 +50,7 @@ from transformers import PreTrainedModel
 
 from pipeline.decode.costs import RunningRate, ema
 from pipeline.decode.settings import HEAD
+from pipeline.models import fusion
 
 HEAD_FILE = "head.safetensors"
 HEAD_CONFIG = "head.json"
@@ -117,9 +118,13 @@ def _copy_layer(source: torch.nn.Module, into: torch.nn.Module) -> None:
     found = dict(source.named_modules())
     for name, module in into.named_modules():
         if isinstance(module, torch.nn.Linear):
-            module.weight.copy_(_weight_rows(found[name], module.in_features))
+            layer, rows = found[name], None
+            if isinstance(layer, fusion.Part):  # rows of a product it shares (the blocks' q, k, v)
+                layer, rows = getattr(found[name.rpartition(".")[0]], layer._fused_into), layer.rows
+            module.weight.copy_(_weight_rows(layer, module.in_features, rows))
             if module.bias is not None:
-                module.bias.copy_(found[name](torch.zeros(1, module.in_features))[0])
+                bias = layer(torch.zeros(1, module.in_features))[0]
+                module.bias.copy_(bias if rows is None else bias[rows])
         else:  # a norm's weight, say
             for key, value in module.named_parameters(recurse=False):
                 value.copy_(getattr(found[name], key).detach())

@@ -223,22 +223,38 @@ class StreamedLinear(nn.Module):
         self._product = getattr(library(), f"linear_{kind}")
 
     def _weights(self) -> list:
-        """The kernel's arguments between the output width and the output (see `linear_*`)."""
+        """The kernel's arguments between the output width and the bias (see `linear_*`)."""
         return [self.scale.data_ptr() if self.scale is not None else None]
 
     def _options(self) -> list:
         """The kernel's arguments after the threads."""
         return []
 
+    def _fixed(self) -> tuple:
+        """The kernel's arguments from the input width to the bias: the same in every call, so
+        taken once (reading the buffers' addresses in every call was about half of a small
+        layer's 11 µs call). Anything that may move the buffers goes through `_apply`."""
+        if self._held is None:
+            bias = self.bias.data_ptr() if self.bias is not None else None
+            self._held = (self.in_features, self.packed.data_ptr(), self.out_features, *self._weights(), bias)
+        return self._held
+
+    _held: tuple | None = None
+
+    def _apply(self, fn, recurse: bool = True):
+        self._held = None  # `to()`, `share_memory_()`: the buffers may be new tensors
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if x.dtype != torch.float32 or not x.is_cpu:
             raise TypeError(f"{type(self).__name__} takes float32 CPU inputs, got {x.dtype} on {x.device}")
-        rows = x.reshape(-1, self.in_features).contiguous()
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
         self._product(
-            rows.data_ptr(), rows.shape[0], self.in_features, self.packed.data_ptr(), self.out_features,
-            *self._weights(), self.bias.data_ptr() if self.bias is not None else None,
-            out.data_ptr(), self.block_rows, K_SLICE, torch.get_num_threads(), *self._options(),
+            rows.data_ptr(), rows.shape[0], *self._fixed(), out.data_ptr(), self.block_rows, K_SLICE,
+            torch.get_num_threads(), *self._options(),
         )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -371,31 +387,60 @@ def use_blocks(
     model: nn.Module, blocks: dict[str, tuple[str, torch.Tensor]], rounded: bool = False
 ) -> dict[str, int]:
     """Replace each Linear of `model` whose weight has blocks of a type the kernel reads (see
-    `gguf_blocks.read_blocks`) by a BlockLinear, in place; returns how many of each type. A type
-    whose blocks the kernel does not read as gguf does (`_reads_right`) stays dense, with a
-    warning. `rounded`: decoding passes against activations rounded to int8
-    (`models.block_activations`)."""
+    `gguf_blocks.read_blocks`) by a BlockLinear, in place; returns how many Linears, by type. A
+    type whose blocks the kernel does not read as gguf does (`_reads_right`) stays dense, with a
+    warning. Projections of one input with blocks of one type (q, k and v; gate and up) become one
+    BlockLinear over their rows (`fusion.share`): each output is the same chain of operations as
+    apart, so the same bits, for one kernel call instead of several. `rounded`: decoding passes
+    against activations rounded to int8 (`models.block_activations`)."""
+    from pipeline.models import fusion
+
     trusted: dict[str, bool] = {}
+
+    def weight(prefix: str, name: str) -> str:
+        return f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
+
+    def readable(prefix: str, name: str, child: nn.Module | None) -> str | None:
+        """The GGUF type of `child`'s blocks where the kernel takes them in its place."""
+        key = weight(prefix, name)
+        if not isinstance(child, nn.Linear) or key not in blocks:
+            return None
+        gguf_type, raw = blocks[key]
+        if gguf_type not in BLOCK_KINDS or child.in_features % SUPER_BLOCK or raw.dim() != 2:
+            return None
+        row_bytes = child.in_features // SUPER_BLOCK * _GGUF_BYTES[gguf_type]
+        if tuple(raw.shape) != (child.out_features, row_bytes) or raw.shape[0] < 8:
+            return None
+        if gguf_type not in trusted:
+            sample = raw[:8, : _GGUF_BYTES[gguf_type]].contiguous().numpy().tobytes()
+            trusted[gguf_type] = _reads_right(gguf_type, sample)
+            if not trusted[gguf_type]:
+                log.warning(
+                    "the block kernel does not read %s blocks as gguf does: they stay dense", gguf_type
+                )
+        return gguf_type if trusted[gguf_type] else None
+
     used: dict[str, int] = {}
     for prefix, parent in list(model.named_modules()):
+        for names, fused_name in fusion.SHARED:
+            children = [getattr(parent, n, None) for n in names]
+            kinds = [readable(prefix, n, c) for n, c in zip(names, children)]
+            for kind in dict.fromkeys(k for k in kinds if k):  # each type's projections, in call order
+                group = [(n, c) for n, c, k in zip(names, children, kinds) if k == kind]
+                if len(group) < 2 or len({(c.in_features, c.bias is None) for _, c in group}) != 1:
+                    continue
+                raw = torch.cat([blocks[weight(prefix, n)][1] for n, _ in group])
+                bias = None if group[0][1].bias is None else torch.cat([c.bias.detach() for _, c in group])
+                fused = BlockLinear(raw, kind, group[0][1].in_features, bias, rounded)
+                label = fused_name  # or, say, qk_proj where v's blocks are of another type
+                if len(group) < len(names):
+                    label = "".join(n.removesuffix("_proj") for n, _ in group) + "_proj"
+                fusion.share(parent, tuple(n for n, _ in group), fused, label, keep=False)
+                used[kind] = used.get(kind, 0) + len(group)
         for name, child in list(parent.named_children()):
-            key = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
-            if not isinstance(child, nn.Linear) or key not in blocks:
-                continue
-            gguf_type, raw = blocks[key]
-            if gguf_type not in BLOCK_KINDS or child.in_features % SUPER_BLOCK or raw.dim() != 2:
-                continue
-            row_bytes = child.in_features // SUPER_BLOCK * _GGUF_BYTES[gguf_type]
-            if tuple(raw.shape) != (child.out_features, row_bytes) or raw.shape[0] < 8:
-                continue
-            if gguf_type not in trusted:
-                sample = raw[:8, : _GGUF_BYTES[gguf_type]].contiguous().numpy().tobytes()
-                trusted[gguf_type] = _reads_right(gguf_type, sample)
-                if not trusted[gguf_type]:
-                    log.warning(
-                        "the block kernel does not read %s blocks as gguf does: they stay dense", gguf_type
-                    )
-            if trusted[gguf_type]:
+            gguf_type = readable(prefix, name, child)
+            if gguf_type:
+                raw = blocks[weight(prefix, name)][1]
                 setattr(parent, name, BlockLinear(raw, gguf_type, child.in_features, child.bias, rounded))
                 used[gguf_type] = used.get(gguf_type, 0) + 1
     return used
