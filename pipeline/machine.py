@@ -107,6 +107,7 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
                 "gguf_blocks": getattr(loaded, "weights", "dense") == "gguf-blocks",
                 "block_activations": getattr(loaded, "block_activations", None),
                 "block_prefill": _block_prefill(loaded),
+                "kernel_isa": _kernel_isa(loaded),
                 "static_passes": bool(getattr(loaded, "static_passes", False)),
                 "compiled_passes": bool(getattr(loaded, "compiled_passes", False)),
                 "fused_projections": bool(getattr(loaded, "fused_projections", ())),
@@ -122,6 +123,15 @@ def _block_prefill(loaded) -> str | None:
     from pipeline.models import streamed
 
     return "bf16" if streamed.prefill_reads_bf16_rows() else "float32"
+
+
+def _kernel_isa(loaded) -> str | None:
+    """The vector instructions the CPU kernel runs (`streamed.instruction_set`), where it runs."""
+    if not getattr(loaded, "streamed", False) and getattr(loaded, "weights", "dense") != "gguf-blocks":
+        return None
+    from pipeline.models import streamed
+
+    return streamed.instruction_set()
 
 
 def _yes(value: bool | None) -> str:

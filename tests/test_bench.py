@@ -194,7 +194,7 @@ class _FakeLlamaCpp:
     """Stands in for `LlamaCpp` (llama-cpp-python is an optional extra): HF greedy decoding of
     the tiny target, its lookup rows one token short, so that agreement is visibly below 1."""
 
-    version, lookup_tokens = "fake", 3
+    version, lookup_tokens, build = "fake", 3, "AVX AVX2"
 
     def __init__(self, target, pad: int):
         self.target, self.pad = target, pad
@@ -204,6 +204,18 @@ class _FakeLlamaCpp:
 
         outputs, _ = hf_generate(self.target, prompts, max_new, eos, self.pad)
         return ([o[:-1] + [o[-1] + 1] if o else o for o in outputs] if lookup else outputs), {}
+
+
+def test_the_llama_cpp_build_is_named_by_its_vector_instructions():
+    """A report says which kernels llama.cpp ran: a build for AVX2 alone (GGML_NATIVE=OFF,
+    loaded through LLAMA_CPP_LIB_PATH) on an AVX-512 CPU is another comparison."""
+    from pipeline.lab.bench import _vector_features
+
+    native = "CPU : SSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | "
+    native += "AVX512_BF16 = 1 | OPENMP = 1 | "
+    assert _vector_features(native) == "AVX AVX_VNNI AVX2 AVX512 AVX512_BF16"
+    assert _vector_features("CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | REPACK = 1 | ") == "AVX AVX2"
+    assert _vector_features("CPU : SSE3 = 1 | ") == "no AVX"
 
 
 def test_llama_cpp_rows_and_every_rows_speed_against_them(tiny_pair_dirs):

@@ -79,6 +79,7 @@ def test_measure_times_every_batch_and_width_and_reads_back_from_json(tiny_loade
         "gguf_blocks": False,
         "block_activations": None,  # no block layers
         "block_prefill": None,
+        "kernel_isa": streamed_kernel.instruction_set() if streamed else None,  # avx512 or avx2
         "static_passes": False,
         "compiled_passes": False,
         "fused_projections": False,

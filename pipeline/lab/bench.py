@@ -135,6 +135,7 @@ class LlamaCpp:
             ) from exc
         settings = dict(n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
         self.version = llama_cpp.__version__
+        self.build = _vector_features(llama_cpp.llama_print_system_info().decode())
         self.lookup_tokens = lookup_tokens
         self.plain = llama_cpp.Llama(model_path=gguf, **settings)
         # a draft model makes llama-cpp-python keep every position's logits: its own instance,
@@ -160,6 +161,15 @@ class LlamaCpp:
                     break
             outputs.append(tokens)
         return outputs, None
+
+
+def _vector_features(system_info: str) -> str:
+    """The vector instruction sets llama.cpp was built with, from its system info ("CPU : SSE3 =
+    1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | ..."): a build for AVX2 alone (GGML_NATIVE=OFF, say,
+    loaded through LLAMA_CPP_LIB_PATH) runs other kernels than a native one on the same CPU."""
+    found = [part.split("=")[0].strip() for part in system_info.split("|") if part.strip().endswith("= 1")]
+    features = [name.split(":")[-1].strip() for name in found]
+    return " ".join(f for f in features if f.startswith(("AVX", "AMX"))) or "no AVX"
 
 
 def bench_config(kind: str, draft_vocab: int) -> EngineConfig:
@@ -825,7 +835,9 @@ def _meta(options: BenchOptions, loaded: LoadedPair, started: dict, runner: Llam
         "hf_lookup_tokens": list(o.hf_lookup_tokens),
         "weights": loaded.weights,
         "block_activations": loaded.block_activations,
-        "llama_cpp": f"llama-cpp-python {runner.version}, {Path(gguf).name}" if runner else "no",
+        "llama_cpp": f"llama-cpp-python {runner.version} ({runner.build}), {Path(gguf).name}"
+        if runner
+        else "no",
         "dense_reference": o.dense_reference,
         "head": o.head_path,
     }

@@ -136,7 +136,8 @@ def library() -> ctypes.CDLL | None:
             _INT,
             ctypes.c_int,
         ]
-    lib.prefill_reads_bf16_rows.argtypes, lib.prefill_reads_bf16_rows.restype = [], ctypes.c_int
+    for name in ("prefill_reads_bf16_rows", "kernel_avx512"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     # query, B, H, Q, D, keys, values, Hkv, key/value strides, keys, mask, its strides, scale,
     # real queries per row, out, threads
     lib.attend_f32.argtypes = [_POINTER, *[_INT] * 4, _POINTER, _POINTER, *[_INT] * 6, _POINTER, _INT, _INT,
@@ -453,6 +454,14 @@ def prefill_reads_bf16_rows() -> bool:
     AVX2 and AVX-512 alike). Either way a prompt's bits do not depend on the rows beside it."""
     lib = library()
     return bool(lib is not None and lib.prefill_reads_bf16_rows())
+
+
+def instruction_set() -> str | None:
+    """The vector instructions the kernel runs here: "avx512" (16-lane kernels: CPUs with
+    AVX-512F and DQ, unless PIPELINE_KERNEL_AVX512=0), "avx2", or None (no kernel). Reports name
+    it beside the CPU's flags: the flags say what the CPU has, this what ran."""
+    lib = library()
+    return None if lib is None else "avx512" if lib.kernel_avx512() else "avx2"
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -1445,6 +1445,7 @@ void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t 
     linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads, prefill != 0, q8 != 0);
 }
 int prefill_reads_bf16_rows() { return dot_bf16(); }
+int kernel_avx512() { return wide_fma(); }
 void attend_f32(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const float* k, const float* v, int64_t Hkv,
                 int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb, int64_t mq,
                 float scale, const int64_t* queries, float* out, int threads) {
