@@ -206,6 +206,24 @@ class _FakeLlamaCpp:
         return ([o[:-1] + [o[-1] + 1] if o else o for o in outputs] if lookup else outputs), {}
 
 
+def test_a_record_names_the_switches_that_chose_its_kernels(monkeypatch):
+    """A run with the AVX-512 kernels switched off, or another llama.cpp library, is rerun only
+    with the same environment: the record's command line carries it."""
+    from pipeline.lab.record import SWITCHES, command_line
+
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("sys.argv", ["/venv/bin/pipeline", "bench", "--corpus", "licenses", "--tasks", "a b"])
+    assert command_line() == "pipeline bench --corpus licenses --tasks 'a b'"
+    monkeypatch.setenv("PIPELINE_KERNEL_AVX512", "0")
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/tmp/llama build/bin")
+    monkeypatch.setenv("PIPELINE_UNRELATED", "1")
+    assert command_line() == (
+        "PIPELINE_KERNEL_AVX512=0 LLAMA_CPP_LIB_PATH='/tmp/llama build/bin' "
+        "pipeline bench --corpus licenses --tasks 'a b'"
+    )
+
+
 def test_the_llama_cpp_build_is_named_by_its_vector_instructions():
     """A report says which kernels llama.cpp ran: a build for AVX2 alone (GGML_NATIVE=OFF,
     loaded through LLAMA_CPP_LIB_PATH) on an AVX-512 CPU is another comparison."""

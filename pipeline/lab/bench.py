@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import resource
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -30,7 +28,7 @@ from pipeline.decode.engine import EngineConfig, SpeculativeEngine
 from pipeline.decode.stats import BatchStats
 from pipeline.demo_data import CORPORA
 from pipeline.job.prompts import PromptBuilder
-from pipeline.lab.record import write_record
+from pipeline.lab.record import command_line, write_record
 from pipeline.models.draft_int8 import loaded_weights
 from pipeline.models.loading import LoadedPair, eos_ids, pad_id
 from pipeline.spec import TaskSpec
@@ -851,7 +849,7 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
 
     o = options
     # argv[0] is whichever entry point ran the CLI (the script, or -m pipeline.cli)
-    command = shlex.join(["pipeline", *sys.argv[1:]])
+    command = command_line()
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out_path = o.out_path or (
         str(Path(o.report_path).with_suffix(".json")) if o.report_path else "bench.json"

@@ -11,9 +11,7 @@ measurements as a table (`format_table`); and a Markdown record for docs/benchma
 from __future__ import annotations
 
 import json
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any
 
 from pipeline.decode import static_lm
 from pipeline.decode.calibration import measure, summary
-from pipeline.lab.record import write_record
+from pipeline.lab.record import command_line, write_record
 from pipeline.models.loading import LoadedPair
 
 _PASSES = (("target", "target_pass_seconds_by_batch"), ("draft", "draft_step_seconds_by_batch"))
@@ -255,7 +253,7 @@ def record(options: CalibrateOptions, loaded: LoadedPair, result: dict[str, Any]
 
     from pipeline.decode.calibration import calibration_key, save_cached
 
-    command = shlex.join(["pipeline", *sys.argv[1:]])
+    command = command_line()
     report_path = options.report_path
     out_path = options.out_path or (str(Path(report_path).with_suffix(".json")) if report_path else None)
     key = calibration_key(loaded, torch.get_num_threads())

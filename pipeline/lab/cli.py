@@ -397,9 +397,9 @@ def distill(
       pipeline distill ./out/licenses/RUN --pair qwen2.5-coder --out coder-licenses \\
           --max-seconds 2400 --report docs/benchmarks/2026-11-26-distill-avx2-float32.md
     """
-    import shlex
     from functools import partial
 
+    from pipeline.lab.record import command_line
     from pipeline.models.loading import ModelError
     from pipeline.storage import StorageError
 
@@ -427,7 +427,7 @@ def distill(
     try:
         result = job(
             storage_options=parse_storage_options(storage_options),
-            command=shlex.join(["pipeline", *sys.argv[1:]]),
+            command=command_line(),
             log=lambda line: click.echo(line, err=as_json),
         )
     except (ModelError, StorageError) as exc:

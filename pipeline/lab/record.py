@@ -9,9 +9,22 @@ that holds every figure, the exact command, and the machine and commit it ran on
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from pipeline.machine import machine_table
+
+# Environment variables that change which kernels a run takes (a record without them could not
+# be rerun as it ran): ours (`streamed_linear.cpp`) and llama-cpp-python's choice of library.
+SWITCHES = ("PIPELINE_KERNEL_AVX512", "PIPELINE_KERNEL_BF16DOT", "LLAMA_CPP_LIB_PATH")
+
+
+def command_line() -> str:
+    """The command this process runs, as a shell line: the switches of `SWITCHES` that are set,
+    then `pipeline` and its arguments (argv[0] is whichever entry point ran the CLI)."""
+    switches = [f"{name}={shlex.quote(os.environ[name])}" for name in SWITCHES if name in os.environ]
+    return " ".join([*switches, shlex.join(["pipeline", *sys.argv[1:]])])
 
 
 def write_record(
