@@ -275,6 +275,29 @@ def test_projections_of_one_input_share_one_product_and_keep_their_bits(v_kind):
         assert torch.equal(a, b)
 
 
+def test_a_kernel_layer_computes_a_ragged_passs_real_rows_only():
+    """In a packed pass (`packing.packed`) a kernel layer takes the real rows of its rectangle
+    itself, without hooks: the kernel sees only them, each gets the bits it gets alone, and the
+    padding comes back as zeros."""
+    from pipeline.models import packing
+
+    _, layer = _layer("Q4_K", 64, 512, bias=True)
+    x = torch.randn(3, 5, 512)  # rows of 5, 2 and 1 real tokens
+    lengths = [5, 2, 1]
+    layout = packing.Layout.of(lengths, 5, "cpu")
+    rows_computed = []
+    product = layer._product
+    layer._product = lambda *args: (rows_computed.append(args[1]), product(*args))[1]
+    with packing.packed(layout):
+        out = layer(x)
+    assert rows_computed == [8] and not layer._forward_pre_hooks and not layer._forward_hooks
+    packing.install(nn.Sequential(layer))  # a model's install leaves it unhooked
+    assert not layer._forward_pre_hooks
+    for i, n in enumerate(lengths):
+        assert torch.equal(out[i, :n], layer(x[i, :n])), i
+        assert not out[i, n:].any()
+
+
 def test_a_head_reads_a_shared_products_rows_back_as_its_projections_weights():
     """A draft head starts as a copy of the target's last layer (`DraftHead.from_target`); where
     q, k and v share one product, each is read back from its own rows of it."""

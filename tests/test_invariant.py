@@ -201,7 +201,7 @@ def test_a_ragged_pass_computes_only_its_real_tokens_and_changes_no_bit(invarian
         hooks = [
             mlp.down_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[:-1].numel())),
             mlp.gate_proj.register_forward_pre_hook(
-                lambda m, args: gathered_alone.append(getattr(m, "_packed_shape", None) is not None)
+                lambda m, args: gathered_alone.append(getattr(m, "_packed", None) is not None)
             ),
         ]
         results[pack] = lm.forward(blocks, list(lengths))

@@ -107,6 +107,8 @@ def share(
             layer = getattr(owner, name)
             part = Part(layer.in_features, layer.out_features)
             part.rows += start
+            # a fused layer that takes a ragged pass's real rows itself hands out whole rectangles
+            part.packs_itself = getattr(fused, "packs_itself", False)
             start += part.out_features
             setattr(owner, name, part)
     parts = [getattr(owner, name) for name in names]

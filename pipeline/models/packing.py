@@ -8,7 +8,9 @@ weights); on a CPU it is not (measured in docs/engine.md, "Ragged passes on a CP
 How: while a pass runs under `packed(layout)`, every dense MLP block and every other Linear
 layer of a model that went through `install` gathers the real positions of its input into a
 dense matrix, computes on that, and scatters the result back into the rectangle (zeros at
-padding). Each real row gets
+padding): through hooks that `install` adds, or, for layers that do it themselves
+(`packs_itself`, the CPU kernel's), in their own forward, where two hooks a layer cost more
+than the gather. Each real row gets
 the bits it gets unpacked: the CPU's kernels give a row the same result whatever the number
 of rows (see `invariant.linear_is_row_invariant`). The float64 attention of batch-invariant
 models reads `current()` too and attends for each row's real queries only. Everything else
@@ -66,22 +68,40 @@ def packed(layout: Layout | None) -> Iterator[None]:
         _current.reset(token)
 
 
-def _gather(linear: nn.Module, args: tuple) -> tuple | None:
-    layout, x = _current.get(), args[0]
+def real_rows(x: torch.Tensor) -> Layout | None:
+    """The layout of the packed pass running now if `x` is one of its token-wise inputs (a
+    [rows, width, ...] rectangle of it), else None: `x` is to be taken as it is."""
+    layout = _current.get()
     if layout is None or x.shape[:-1].numel() != layout.positions:
+        return None
+    return layout
+
+
+def gather(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """`x`'s real positions under `layout`, [real, features]."""
+    return x.reshape(-1, x.shape[-1])[layout.index]
+
+
+def scatter(out: torch.Tensor, shape: torch.Size, layout: Layout) -> torch.Tensor:
+    """`out` [real, features] back into the rectangle of `shape` (zeros at the padding)."""
+    full = out.new_zeros(shape[:-1].numel(), out.shape[-1])
+    full[layout.index] = out
+    return full.view(*shape[:-1], out.shape[-1])
+
+
+def _gather(linear: nn.Module, args: tuple) -> tuple | None:
+    layout = real_rows(args[0])
+    if layout is None:
         return None  # not a token-wise input of this pass (or no packed pass running)
-    linear._packed_shape = x.shape
-    return (x.reshape(-1, x.shape[-1])[layout.index], *args[1:])
+    linear._packed = (args[0].shape, layout)
+    return (gather(args[0], layout), *args[1:])
 
 
 def _scatter(linear: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-    shape = linear._packed_shape
-    if shape is None:
+    if linear._packed is None:
         return None
-    linear._packed_shape = None
-    full = out.new_zeros(shape[:-1].numel(), out.shape[-1])
-    full[_current.get().index] = out
-    return full.view(*shape[:-1], out.shape[-1])
+    (shape, layout), linear._packed = linear._packed, None
+    return scatter(out, shape, layout)
 
 
 def _dense_mlp(name: str, module: nn.Module) -> bool:
@@ -117,8 +137,10 @@ def install(model: nn.Module) -> nn.Module:
     if getattr(model, "_packing", False):
         return model
     for name, module in model.named_modules():
+        if getattr(module, "packs_itself", False):
+            continue  # it takes `real_rows` itself (the kernel's layers: no hooks to call)
         if _token_wise(module) or _dense_mlp(name, module):
-            module._packed_shape = None
+            module._packed = None
             module.register_forward_pre_hook(_gather, prepend=True)
             module.register_forward_hook(_scatter)
     model._packing = True
