@@ -108,7 +108,7 @@ def render_table(table: Table, root: Path = ROOT) -> str:
 # rows at batch 1.
 LLAMA_CPP_REPORTS = (
     "2026-11-28-llama-cpp-avx2-float32-gguf-blocks-int8-licenses-gqa.json",
-    "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-fused-projections-licenses.json",
+    "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-call-overhead-licenses.json",
 )
 TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}
 
