@@ -848,7 +848,6 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
     from pipeline.models.loading import load_model, load_pair, resolve_pair
 
     o = options
-    # argv[0] is whichever entry point ran the CLI (the script, or -m pipeline.cli)
     command = command_line()
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out_path = o.out_path or (

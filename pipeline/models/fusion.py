@@ -84,7 +84,7 @@ class Part(nn.Module):
     """A projection whose product a fused layer computes (`share`): it holds no weights; its
     outputs are the fused layer's `rows`."""
 
-    token_wise = True  # `packing` gathers a ragged pass's real rows for it, as for a Linear
+    token_wise = True  # it works token by token, as a Linear (`packing`)
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
