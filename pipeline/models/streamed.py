@@ -355,9 +355,10 @@ class BlockLinear(StreamedLinear):
         self.block_rows = max(8, min(MAX_BLOCK_ROWS, BLOCK_BYTES // per_row) // 8 * 8)
         source = blocks.contiguous()
         packed = torch.empty(size, dtype=torch.uint8)
-        if kind == "q4k":  # the mins apart: the epilogue reads them (see the kernel)
-            dmin = torch.empty(rows * in_features // SUPER_BLOCK)
-            mins = torch.empty(rows * in_features // 32, dtype=torch.uint8)
+        if kind == "q4k":  # the mins apart, strip by strip of 8 rows: the epilogue reads them
+            strips = (rows + 7) // 8 * 8
+            dmin = torch.empty(strips * in_features // SUPER_BLOCK)
+            mins = torch.empty(strips * in_features // 32, dtype=torch.uint8)
             lib.pack_q4k(source.data_ptr(), rows, in_features, self.block_rows, K_SLICE, packed.data_ptr(),
                          dmin.data_ptr(), mins.data_ptr())  # fmt: skip
             self.register_buffer("dmin", dmin.view(torch.int32))  # integers: `model.to(dtype)` leaves them

@@ -326,7 +326,7 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 //         32 k the 4 pairs' 32 bytes, byte i the codes of a pair's two rows at k = i (row o low
 //         nibble, o+1 high), so that one widening of 8 bytes to 32-bit lanes, an `and` and a
 //         shift give both rows' 8 codes: 1120 bytes (4.375 bits a weight; the mins live apart,
-//         `dmin[o][K/256]` and `m[o][K/32]`, read by the epilogue only).
+//         strip by strip, read by the epilogue only: see `strip_entry`).
 //   Q6_K: 4 headers (float d[2]; int8 sc[2][16]: 40 bytes), then per group of 8 k the 4 pairs'
 //         16 bytes, 8 codes (q - 32, as int8) of row o and 8 of row o+1: 2208 bytes (8 bits a
 //         weight rather than 6.56, for one widening per 8 weights).
@@ -343,6 +343,7 @@ constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, 
 constexpr int DIRECT_MAX = 4, STRIPWISE_MAX = 24;  // the paths through a block, by width (`linear_blocks`)
 constexpr int Q8_WIDE_TILE = 3;                    // token rows a tile of a wide pass on rounded rows
 constexpr int Q8_TILE_512 = 6;  // ... with AVX-512's 32 registers (`micro_q8_512`)
+static_assert(Q8_TILE_512 <= TILE && DIRECT_MAX <= TILE && Q8_WIDE_TILE <= TILE);
 constexpr int64_t SCRATCH_BYTES = 256 * 1024, ACC_BYTES = 128 * 1024;  // L2: 512 KB
 
 float half_to_float(uint16_t h) {  // exact; for packing only
@@ -508,14 +509,26 @@ void pack_blocks(const uint8_t* src, int64_t in_bytes, int64_t O, int64_t K, int
     }
 }
 
-// The Q4_K mins of every row, apart: dmin[o][K/256] and m[o][K/32].
+// The Q4_K mins, apart from the stream, strip by strip, so that the epilogue of a decoding pass
+// reads a strip's in one run (`strip_mins_q8`): per strip of 8 rows and super-block (entry
+// `strip_entry`), the rows' 8 dmin (floats, row after row), and their sub-block mins m, 64 bytes:
+// per pair of sub-blocks (2q, 2q + 1), row after row, the row's m_2q and m_2q+1. Rows past O
+// are zeros.
+inline int64_t strip_entry(int64_t o, int64_t s, int64_t per_row) { return o / STRIP * per_row + s; }
+inline int64_t min_at(int64_t o, int j) { return 16 * (j / 2) + 2 * (o % STRIP) + j % 2; }  // m in its entry
+
 void pack_q4k_mins(const uint8_t* src, int64_t O, int64_t K, float* dmin, uint8_t* m) {
-    const int64_t per_row = K / QK;
-    for (int64_t i = 0; i < O * per_row; ++i) {
-        float d;
-        uint8_t sc[8], q[256];
-        q4k_fields(src + i * GGUF_Q4K, d, dmin[i], sc, m + 8 * i, q);
-    }
+    const int64_t per_row = K / QK, padded = (O + STRIP - 1) / STRIP * STRIP;
+    std::memset(dmin, 0, padded * per_row * sizeof(float));
+    std::memset(m, 0, padded * per_row * 8);
+    for (int64_t o = 0; o < O; ++o)
+        for (int64_t s = 0; s < per_row; ++s) {
+            float d;
+            uint8_t sc[8], mins[8], q[256];
+            const int64_t at = strip_entry(o, s, per_row);
+            q4k_fields(src + (o * per_row + s) * GGUF_Q4K, d, dmin[STRIP * at + o % STRIP], sc, mins, q);
+            for (int j = 0; j < 8; ++j) m[8 * STRIP * at + min_at(o, j)] = mins[j];
+        }
 }
 
 // P pairs of a strip's slice (from pair p0) against N token rows. The chain of each output:
@@ -750,12 +763,18 @@ void sub_block_sums(const float* x, int64_t T, int64_t K, float* sums, int threa
         }
 }
 
-// A row's Q4_K min factors b_j = dmin*m_j (exact: 11 + 6 bits), K/32 of them, for `finish`.
-inline void min_factors(const float* dmin, const uint8_t* m, int64_t K, float* b) {
-    for (int64_t s = 0; s < K / QK; ++s) {
-        const __m128i ms = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + 8 * s));
-        _mm256_storeu_ps(b + 8 * s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ms)), _mm256_broadcast_ss(dmin + s)));
-    }
+// Row o's Q4_K min factors of super-block s, b_j = dmin*m_j (exact: 11 + 6 bits).
+inline __m256 min_factors(const float* dmin, const uint8_t* m, int64_t o, int64_t s, int64_t per_row) {
+    const int64_t at = strip_entry(o, s, per_row);
+    const uint8_t* entry = m + 8 * STRIP * at;
+    const __m256i ms = _mm256_setr_epi32(entry[min_at(o, 0)], entry[min_at(o, 1)], entry[min_at(o, 2)], entry[min_at(o, 3)],
+                                         entry[min_at(o, 4)], entry[min_at(o, 5)], entry[min_at(o, 6)], entry[min_at(o, 7)]);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(ms), _mm256_broadcast_ss(dmin + STRIP * at + o % STRIP));
+}
+
+// ... all K/32 of row o, for `finish` and the prefills' decoding.
+inline void min_factors(const float* dmin, const uint8_t* m, int64_t o, int64_t K, float* b) {
+    for (int64_t s = 0; s < K / QK; ++s) _mm256_storeu_ps(b + 8 * s, min_factors(dmin, m, o, s, K / QK));
 }
 
 // The Q4_K mins of one row as `finish` reads them: its min factors computed once (`b`, for
@@ -764,10 +783,9 @@ struct RowMins {
     const float* b;
     const float* dmin;
     const uint8_t* m;
+    int64_t o, per_row;
     inline __m256 factors(int64_t s) const {  // those of super-block s
-        if (b) return _mm256_loadu_ps(b + 8 * s);
-        const __m128i ms = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + 8 * s));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ms)), _mm256_broadcast_ss(dmin + s));
+        return b ? _mm256_loadu_ps(b + 8 * s) : min_factors(dmin, m, o, s, per_row);
     }
 };
 
@@ -799,8 +817,9 @@ inline void finish(const __m256* a, int n, int64_t o, int64_t t, int64_t O, int6
 // output is the blocks' weights against the rounded activations. Row-invariant like the rest: a
 // row's x8 and dx depend on that row alone, its integer sums on nothing else.
 
-// x8 [T][K], dx [T][K/256] and sums [T][K/32] = dx * (sum of x8 over each sub-block of 32).
-void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, float* sums, int threads) {
+// x8 [T][K], dx [T][K/256] and sums [T][K/32], the sum of x8 over each sub-block of 32 (exact:
+// at most 32 * 127).
+void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, int16_t* sums, int threads) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for num_threads(static_cast<int>(std::min<int64_t>(threads, T))) schedule(static)
     for (int64_t t = 0; t < T; ++t)
@@ -826,7 +845,7 @@ void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, fl
                 __m128i r = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
                 r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
                 r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1));
-                if (sums) sums[t * (K / 32) + s * 8 + j] = d * static_cast<float>(_mm_cvtsi128_si32(r));
+                if (sums) sums[t * (K / 32) + s * 8 + j] = static_cast<int16_t>(_mm_cvtsi128_si32(r));
                 // packs interleave 128-bit lanes; the permute restores k order
                 const __m256i w16 = _mm256_packs_epi32(v[0], v[1]), x16 = _mm256_packs_epi32(v[2], v[3]);
                 const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16),
@@ -1097,6 +1116,70 @@ inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const flo
 // (prefills) decode the block's rows over a range of k into L2 and run every tile over that,
 // every tile's accumulators kept in memory between ranges: the token rows are then read once
 // per block of rows, not once per few rows (a prefill's rows of a 8960-wide input are 14 MB).
+// The epilogue of a decoding pass on rounded rows, a strip's 8 rows at once (the row-at-a-time
+// `finish` was 14% of a 1-token pass on one core: a horizontal sum and a chain over the mins a
+// row). The 8 rows' horizontal sums, each by `hsum`'s own chain (lanes i + (i + 4), then
+// (0 + 2) + (1 + 3)), so the same bits; in lanes [0, 2, 4, 6, 1, 3, 5, 7] (rows). Row r's
+// accumulator is a[r * stride].
+inline __m256 hsum8(const __m256* a, int64_t stride) {
+    auto halves = [&](int r) {  // [row r's lanes i + (i + 4) | row r + 1's]
+        const __m256 u = a[r * stride], v = a[(r + 1) * stride];
+        return _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
+    };
+    auto pairs = [](__m256 t, __m256 u) {  // [r: 0 + 2, 1 + 3; r + 2: the same | r + 1; r + 3]
+        return _mm256_add_ps(_mm256_shuffle_ps(t, u, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t, u, _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    const __m256 low = pairs(halves(0), halves(2)), high = pairs(halves(4), halves(6));
+    return _mm256_add_ps(_mm256_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Lanes [0, 2, 4, 6, 1, 3, 5, 7] (what `hsum8` leaves) back to row order.
+inline __m256i strip_order() { return _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); }
+
+// The Q4_K mins' term of a strip's 8 rows (`strip_entry`) against n rounded token rows, in
+// integers as llama.cpp takes it: per super-block s, I_r = sum_j m_rj * xs_j (exact in int32:
+// one `madd` per pair of sub-blocks gives the 8 rows' products in their lanes), then term_r =
+// fma(dmin_r * dx_s, I_r, term_r), one lane a row, super-block after super-block. A row's term
+// depends on its mins and its token row alone: row-invariant.
+inline void strip_mins_q8(const uint8_t* m, const float* dmin, const int16_t* xs, const float* dx, int64_t K, int n,
+                          __m256* term) {
+    for (int i = 0; i < n; ++i) term[i] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < K / QK; ++s, m += 8 * STRIP, dmin += STRIP) {
+        __m256i pair[4];  // sub-blocks 2q and 2q + 1: each row's two mins as int16, a row a lane
+        for (int q = 0; q < 4; ++q) pair[q] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 16 * q)));
+        const __m256 d = _mm256_loadu_ps(dmin);
+        for (int i = 0; i < n; ++i) {
+            const int16_t* x = xs + i * (K / 32) + 8 * s;
+            int32_t two[4];  // the token row's sums of sub-blocks 2q and 2q + 1, as madd pairs them
+            std::memcpy(two, x, sizeof(two));
+            __m256i sum = _mm256_madd_epi16(pair[0], _mm256_set1_epi32(two[0]));
+            for (int q = 1; q < 4; ++q) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pair[q], _mm256_set1_epi32(two[q])));
+            term[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[i * (K / QK) + s])), _mm256_cvtepi32_ps(sum), term[i]);
+        }
+    }
+}
+
+// A strip's outputs (rows o..o+8, those below O) for token rows t..t+n from its accumulators
+// (row r's token i at acc[r * n + i]): the horizontal sum, less the mins' term where there is
+// one, plus the bias, each lane the same operations as `finish`.
+inline void finish_strip(const __m256* acc, int n, int64_t o, int64_t t, int64_t O, const __m256* term,
+                         const float* bias, float* y) {
+    const int64_t rows = std::min<int64_t>(STRIP, O - o);
+    for (int i = 0; i < n; ++i) {
+        __m256 s = _mm256_permutevar8x32_ps(hsum8(acc + i, n), strip_order());
+        if (term) s = _mm256_sub_ps(s, term[i]);
+        float* out = y + (t + i) * O + o;
+        if (rows == STRIP) {
+            if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + o));
+            _mm256_storeu_ps(out, s);
+        } else {
+            alignas(32) float v[STRIP];
+            _mm256_store_ps(v, s);
+            for (int64_t r = 0; r < rows; ++r) out[r] = bias ? v[r] + bias[o + r] : v[r];
+        }
+    }
+}
+
 template <typename B>
 void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
                    const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads, bool prefill,
@@ -1109,14 +1192,16 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         x16 = static_cast<uint16_t*>(std::aligned_alloc(64, (T * K * 2 + 63) / 64 * 64));
         round_rows_bf16(x, T, K, x16, threads);
     }
-    // the Q4_K mins' partner sums; a prefill's mins are in its decoded weights
-    float* sums = dmin && !prefill ? static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32)) : nullptr;
+    // the Q4_K mins' partner sums (of the rounded rows: integers); a prefill's mins are in its
+    // decoded weights
+    float* sums = dmin && !prefill && !q8 ? static_cast<float*>(std::aligned_alloc(32, (T * (K / 32) * 4 + 31) / 32 * 32)) : nullptr;
+    int16_t* xs = dmin && q8 ? static_cast<int16_t*>(std::aligned_alloc(32, (T * (K / 32) * 2 + 31) / 32 * 32)) : nullptr;
     int8_t* x8 = nullptr;
     float* dx = nullptr;
     if (q8) {
         x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
         dx = static_cast<float*>(std::aligned_alloc(32, (T * (K / QK) * 4 + 31) / 32 * 32));
-        quantize_q8(x, T, K, x8, dx, sums, threads);
+        quantize_q8(x, T, K, x8, dx, xs, threads);
     } else if (sums) {
         sub_block_sums(x, T, K, sums, threads);
     }
@@ -1173,7 +1258,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         uint16_t* halves = reinterpret_cast<uint16_t*>(scratch);  // the prefill's bf16 pairs
         const int64_t acc_tiles = path == DIRECT || (path == GROUPED && whole) ? 1 : group_tiles;
         // the Q4_K min factors once per block where many tiles' outputs read them
-        const bool block_mins = dmin && (path == GROUPED || tiles > 1);
+        const bool block_mins = dmin && !q8 && (path == GROUPED || tiles > 1);
         float* mins = block_mins ? static_cast<float*>(std::aligned_alloc(32, MAX_RB * (K / 32) * 4)) : nullptr;
         __m256* acc = static_cast<__m256*>(std::aligned_alloc(32, acc_tiles * MAX_RB * TILE * sizeof(__m256)));
         for (int64_t tg0 = 0; tg0 < tiles; tg0 += group_tiles) {
@@ -1187,7 +1272,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
             if (mins)  // many token rows: the factors once per block (0 past O)
                 for (int64_t r = 0; r < rows; ++r) {
                     if (o0 + r < O)
-                        min_factors(dmin + (o0 + r) * per_row, m + (o0 + r) * per_row * 8, K, mins + r * (K / 32));
+                        min_factors(dmin, m, o0 + r, K, mins + r * (K / 32));
                     else
                         std::memset(mins + r * (K / 32), 0, (K / 32) * 4);
                 }
@@ -1195,7 +1280,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
             auto row_mins = [&](int64_t r) -> const RowMins* {
                 if (!dmin) return nullptr;
                 const int64_t o = o0 + r;
-                row_mins_at = {mins ? mins + r * (K / 32) : nullptr, dmin + o * per_row, m + o * per_row * 8};
+                row_mins_at = {mins ? mins + r * (K / 32) : nullptr, dmin, m, o, per_row};
                 return &row_mins_at;
             };
             if (path == DIRECT) {
@@ -1211,8 +1296,20 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                                 micro_direct<B>(n, slice(wb, rows, k0, len, i), x + t * K + k0, K, len, acc + i * n,
                                                 k0 == 0);
                     }
-                    for (int64_t r = 0; r < rows && o0 + r < O; ++r)
-                        finish(acc + r * n, n, o0 + r, t, O, K, row_mins(r), sums, bias, y);
+                    if (x8) {  // a strip's 8 rows at once
+                        for (int64_t i = 0; i < rows && o0 + i < O; i += STRIP) {
+                            __m256 term[TILE];  // tiles of rounded rows are at most TILE wide
+                            if (dmin) {
+                                const int64_t at = strip_entry(o0 + i, 0, per_row);
+                                strip_mins_q8(m + 8 * STRIP * at, dmin + STRIP * at, xs + t * (K / 32), dx + t * (K / QK), K, n,
+                                              term);
+                            }
+                            finish_strip(acc + i * n, n, o0 + i, t, O, dmin ? term : nullptr, bias, y);
+                        }
+                    } else {
+                        for (int64_t r = 0; r < rows && o0 + r < O; ++r)
+                            finish(acc + r * n, n, o0 + r, t, O, K, row_mins(r), sums, bias, y);
+                    }
                 }
             } else if (path == STRIPWISE) {
                 for (int64_t k0 = 0; k0 < K; k0 += KB) {
@@ -1285,6 +1382,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         std::free(scales);
     }
     std::free(sums);
+    std::free(xs);
     std::free(x8);
     std::free(dx);
     std::free(x16);
