@@ -327,9 +327,13 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 //         nibble, o+1 high), so that one widening of 8 bytes to 32-bit lanes, an `and` and a
 //         shift give both rows' 8 codes: 1120 bytes (4.375 bits a weight; the mins live apart,
 //         strip by strip, read by the epilogue only: see `strip_entry`).
-//   Q6_K: 4 headers (float d[2]; int8 sc[2][16]: 40 bytes), then per group of 8 k the 4 pairs'
-//         16 bytes, 8 codes (q - 32, as int8) of row o and 8 of row o+1: 2208 bytes (8 bits a
-//         weight rather than 6.56, for one widening per 8 weights).
+//   Q6_K: 4 headers (float d[2]; int8 sc[2][16]: 40 bytes), then the 6-bit codes u = q + 32 in
+//         two parts: per chunk of 32 k, the 4 pairs' 32 bytes of low 4 bits, byte i a pair's
+//         two rows' at k = i (row o low nibble, o+1 high, as Q4_K); then per two chunks c, c + 1
+//         the 4 pairs' 32 bytes of high 2 bits, byte i holding, from bit 0, row o's at chunk c
+//         and c + 1, row o+1's at c and c + 1: 1696 bytes (6.6 bits a weight). Until
+//         2026-11-29 the codes were whole int8s (2208 bytes): a quarter more to read, for a
+//         1-token pass that mostly waits on memory.
 // A pass of one token row reads a strip as one stream with its 8 outputs' chains in flight
 // together (with 2, the core would mostly wait on their latency); wider passes read it again
 // from L1, a pair at a time. Wider passes decode a strip (5-24 token rows) or a group of rows
@@ -443,10 +447,12 @@ struct Q4K {
     }
 };
 struct Q6K {
-    static constexpr int64_t bytes = 4 * 40 + 32 * 64;
+    static constexpr int64_t LOW = 4 * 40, HIGH = LOW + 8 * 128;  // where the codes' two parts begin
+    static constexpr int64_t bytes = HIGH + 4 * 128;
     static constexpr int SUBS = 16, GROUPS = 2;  // sub-blocks of 16 k
     static constexpr bool FACTORED = false;      // each weight a*q, then one fma per weight
     static void pack(const uint8_t* const rows[8], uint8_t* dst) {
+        std::memset(dst, 0, bytes);
         for (int p = 0; p < 4; ++p) {
             float d[2] = {0, 0};
             int8_t sc[2][16] = {}, q[2][256] = {};
@@ -454,10 +460,12 @@ struct Q6K {
                 if (rows[2 * p + r]) q6k_fields(rows[2 * p + r], d[r], sc[r], q[r]);
             std::memcpy(dst + 40 * p, d, 8);
             std::memcpy(dst + 40 * p + 8, sc, 32);
-            // per chunk of 32 k, pair after pair, each row's 32 codes in k order (`micro_q8_q6k`
-            // reads them whole)
             for (int c = 0; c < 8; ++c)
-                for (int r = 0; r < 2; ++r) std::memcpy(dst + 160 + 256 * c + 64 * p + 32 * r, q[r] + 32 * c, 32);
+                for (int i = 0; i < 32; ++i) {
+                    const int u0 = q[0][32 * c + i] + 32, u1 = q[1][32 * c + i] + 32;
+                    dst[LOW + 128 * c + 32 * p + i] = static_cast<uint8_t>((u0 & 15) | (u1 & 15) << 4);
+                    dst[HIGH + 128 * (c / 2) + 32 * p + i] |= static_cast<uint8_t>((u0 >> 4) << (2 * (c % 2)) | (u1 >> 4) << (4 + 2 * (c % 2)));
+                }
         }
     }
     static inline void scales(const uint8_t* sb, int p, float* a0, float* a1) {
@@ -471,13 +479,23 @@ struct Q6K {
         }
     }
     struct Sub {
-        const uint8_t* q;
+        const uint8_t *low, *high;  // a pair's bytes of the sub-block, of either part
+        int shift;                  // of row o's high bits (row o+1's: 4 more)
     };
-    static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + 160 + 256 * (j / 2) + 64 * p + 16 * (j % 2)}; }
-    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {
-        const uint8_t* q = u.q + 8 * g;
-        w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 32))));
+    static inline Sub sub(const uint8_t* sb, int p, int j) {
+        const int c = j / 2, at = 32 * p + 16 * (j % 2);
+        return {sb + LOW + 128 * c + at, sb + HIGH + 128 * (c / 2) + at, 2 * (c % 2)};
+    }
+    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // q = u - 32, widened
+        const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.low + 8 * g)));
+        const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.high + 8 * g)));
+        const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+        const __m256i h0 = _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(u.shift)), three);
+        const __m256i h1 = _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(u.shift + 4)), three);
+        const __m256i u0 = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)), _mm256_slli_epi32(h0, 4));
+        const __m256i u1 = _mm256_or_si256(_mm256_srli_epi32(low, 4), _mm256_slli_epi32(h1, 4));
+        w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(u0, bias));
+        w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(u1, bias));
     }
     static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
         codes(u, g, w0, w1);
@@ -919,14 +937,17 @@ inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx
     for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
 }
 
-// The same for Q6_K (codes -32..31, a scale per 16 k): per chunk of 32 k a row's codes whole,
-// |q| times x8 with q's sign (`maddubs` takes one unsigned side), times the two sub-blocks'
-// scales in the low and high halves (`madd`), summed in int32 over the super-block.
+// The same for Q6_K (codes q = u - 32, u in 0..63, a scale per 16 k): per chunk of 32 k a row's
+// 6-bit codes u from their two parts (see the layout), u times x8 (`maddubs`), less 32 times x8
+// (the same pairs' sums of x8, once per token row and chunk for every pair), so that each int16
+// is (q_a * x_a + q_b * x_b) exactly; times the two sub-blocks' scales in the low and high
+// halves (`madd`), summed in int32 over the super-block.
 template <int N, int P>
 inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
                          __m256* acc, bool first) {
     __m256 c[2 * P * N];
     for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+    const __m256i nibble = _mm256_set1_epi8(15), thirty_two = _mm256_set1_epi8(32);
     for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
         __m256i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in both lanes
         for (int p = 0; p < P; ++p)
@@ -945,21 +966,32 @@ inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float
                                                   2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
                                                   2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1,
                                                   2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1);
-            __m256i xv[N];
-            for (int n = 0; n < N; ++n)
+            __m256i xv[N], x32[N];
+            for (int n = 0; n < N; ++n) {
                 xv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + n * K + s + 32 * ch));
-            for (int p = 0; p < P; ++p)
+                x32[n] = _mm256_maddubs_epi16(thirty_two, xv[n]);
+            }
+            for (int p = 0; p < P; ++p) {
+                const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::LOW + 128 * ch + 32 * (p0 + p)));
+                const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 128 * (ch / 2) + 32 * (p0 + p)));
+                __m256i u[2];  // the pair's two rows' codes u
+                if (ch % 2 == 0) {
+                    u[0] = _mm256_or_si256(_mm256_and_si256(lo, nibble), _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(0x03)), 4));
+                    u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+                } else {
+                    u[0] = _mm256_or_si256(_mm256_and_si256(lo, nibble), _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(0x0C)), 2));
+                    u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble),
+                                           _mm256_srli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
+                }
                 for (int r = 0; r < 2; ++r) {
-                    const __m256i q = _mm256_loadu_si256(
-                        reinterpret_cast<const __m256i*>(w + 160 + 256 * ch + 64 * (p0 + p) + 32 * r));
-                    const __m256i mag = _mm256_abs_epi8(q);
                     const __m256i scale = _mm256_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
                     for (int n = 0; n < N; ++n) {
-                        const __m256i prod = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv[n], q));
+                        const __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(u[r], xv[n]), x32[n]);
                         __m256i& t = sum[(2 * p + r) * N + n];
                         t = _mm256_add_epi32(t, _mm256_madd_epi16(prod, scale));
                     }
                 }
+            }
         }
         super_block_step<N, P>(w, 40, p0, dx + s / QK, K, sum, c);
     }
@@ -1032,7 +1064,13 @@ AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const
                                __m256* acc, bool first) {
     __m256 c[2 * P * N];
     for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i nibble = _mm512_set1_epi8(15), thirty_two = _mm512_set1_epi8(32);
+    // the high bits of chunks c (low half) and c + 1 (high half), from the 32 bytes of both:
+    // row o's at bits 0-1 and 2-3, moved to 4-5; row o+1's at 4-5 and 6-7
+    const __m512i mask0 = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
+    const __m512i mask1 = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(static_cast<char>(0xC0)), 1);
+    const __m512i shift0 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shift1 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
         __m512i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in every lane
         for (int p = 0; p < P; ++p)
@@ -1048,23 +1086,29 @@ AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const
             // chunk ch's two sub-blocks in 128-bit lanes 0 and 1, chunk ch + 1's in lanes 2 and 3
             const int a = (2 * ch) % 8, b = (2 * ch + 2) % 8;
             const __m512i pick = pick_512(a, a + 1, b, b + 1);
-            __m512i xv[N];
-            for (int n = 0; n < N; ++n) xv[n] = _mm512_loadu_si512(x8 + n * K + s + 32 * ch);
-            for (int p = 0; p < P; ++p)
+            __m512i xv[N], x32[N];
+            for (int n = 0; n < N; ++n) {
+                xv[n] = _mm512_loadu_si512(x8 + n * K + s + 32 * ch);
+                x32[n] = _mm512_maddubs_epi16(thirty_two, xv[n]);
+            }
+            for (int p = 0; p < P; ++p) {
+                const uint8_t* at = w + Q6K::LOW + 32 * (p0 + p);
+                const __m512i lo = two_chunks(at + 128 * ch, at + 128 * (ch + 1));
+                const __m512i hi = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 128 * (ch / 2) + 32 * (p0 + p))));
+                __m512i u[2];  // the pair's two rows' codes u; 0xEA: (a & b) | c
+                u[0] = _mm512_ternarylogic_epi32(lo, nibble, _mm512_sllv_epi16(_mm512_and_si512(hi, mask0), shift0), 0xEA);
+                u[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), nibble,
+                                                 _mm512_srlv_epi16(_mm512_and_si512(hi, mask1), shift1), 0xEA);
                 for (int r = 0; r < 2; ++r) {
-                    const uint8_t* at = w + 160 + 64 * (p0 + p) + 32 * r;
-                    const __m512i q = two_chunks(at + 256 * ch, at + 256 * (ch + 1));
-                    const __m512i mag = _mm512_abs_epi8(q);
-                    const __mmask64 negative = _mm512_movepi8_mask(q);
                     const __m512i scale = _mm512_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
                     for (int n = 0; n < N; ++n) {
-                        // x with q's sign (where q is 0 so is |q|, so x's own value does not matter)
-                        const __m512i signed_x = _mm512_mask_sub_epi8(xv[n], negative, zero, xv[n]);
-                        const __m512i prod = _mm512_maddubs_epi16(mag, signed_x);
+                        const __m512i prod = _mm512_sub_epi16(_mm512_maddubs_epi16(u[r], xv[n]), x32[n]);
                         __m512i& t = sum[(2 * p + r) * N + n];
                         t = _mm512_dpwssd_epi32(t, prod, scale);
                     }
                 }
+            }
         }
         __m256i folded[2 * P * N];
         for (int i = 0; i < 2 * P * N; ++i) folded[i] = fold(sum[i]);
