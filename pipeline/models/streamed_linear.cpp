@@ -328,12 +328,12 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 //         shift give both rows' 8 codes: 1120 bytes (4.375 bits a weight; the mins live apart,
 //         strip by strip, read by the epilogue only: see `strip_entry`).
 //   Q6_K: 4 headers (float d[2]; int8 sc[2][16]: 40 bytes), then the 6-bit codes u = q + 32 in
-//         two parts: per chunk of 32 k, the 4 pairs' 32 bytes of low 4 bits, byte i a pair's
-//         two rows' at k = i (row o low nibble, o+1 high, as Q4_K); then per two chunks c, c + 1
-//         the 4 pairs' 32 bytes of high 2 bits, byte i holding, from bit 0, row o's at chunk c
-//         and c + 1, row o+1's at c and c + 1: 1696 bytes (6.6 bits a weight). Until
-//         2026-11-29 the codes were whole int8s (2208 bytes): a quarter more to read, for a
-//         1-token pass that mostly waits on memory.
+//         two parts. Per chunk of 32 k, the 4 pairs' 32 bytes: byte i row o's u at k = i in
+//         bits 0-5, row o+1's top 2 bits in bits 6-7. Then per two chunks, the 4 pairs' 32
+//         bytes of row o+1's low 4 bits: 16 bytes a chunk, byte i its k = i low nibble and
+//         k = i + 16 high. 1696 bytes (6.6 bits a weight): one `and` gives row o's codes, four
+//         instructions row o+1's. Until 2026-11-29 the codes were whole int8s (2208 bytes): a
+//         third more to read, for a 1-token pass that mostly waits on memory.
 // A pass of one token row reads a strip as one stream with its 8 outputs' chains in flight
 // together (with 2, the core would mostly wait on their latency); wider passes read it again
 // from L1, a pair at a time. Wider passes decode a strip (5-24 token rows) or a group of rows
@@ -463,8 +463,8 @@ struct Q6K {
             for (int c = 0; c < 8; ++c)
                 for (int i = 0; i < 32; ++i) {
                     const int u0 = q[0][32 * c + i] + 32, u1 = q[1][32 * c + i] + 32;
-                    dst[LOW + 128 * c + 32 * p + i] = static_cast<uint8_t>((u0 & 15) | (u1 & 15) << 4);
-                    dst[HIGH + 128 * (c / 2) + 32 * p + i] |= static_cast<uint8_t>((u0 >> 4) << (2 * (c % 2)) | (u1 >> 4) << (4 + 2 * (c % 2)));
+                    dst[LOW + 128 * c + 32 * p + i] = static_cast<uint8_t>(u0 | (u1 >> 4) << 6);
+                    dst[HIGH + 128 * (c / 2) + 32 * p + 16 * (c % 2) + i % 16] |= static_cast<uint8_t>((u1 & 15) << (4 * (i / 16)));
                 }
         }
     }
@@ -479,21 +479,20 @@ struct Q6K {
         }
     }
     struct Sub {
-        const uint8_t *low, *high;  // a pair's bytes of the sub-block, of either part
-        int shift;                  // of row o's high bits (row o+1's: 4 more)
+        const uint8_t *first, *second;  // a pair's bytes of the sub-block, of either part
+        int shift;                      // of row o+1's low 4 bits in the second part
     };
     static inline Sub sub(const uint8_t* sb, int p, int j) {
-        const int c = j / 2, at = 32 * p + 16 * (j % 2);
-        return {sb + LOW + 128 * c + at, sb + HIGH + 128 * (c / 2) + at, 2 * (c % 2)};
+        const int c = j / 2;
+        return {sb + LOW + 128 * c + 32 * p + 16 * (j % 2), sb + HIGH + 128 * (c / 2) + 32 * p + 16 * (c % 2), 4 * (j % 2)};
     }
     static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // q = u - 32, widened
-        const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.low + 8 * g)));
-        const __m256i high = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.high + 8 * g)));
-        const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
-        const __m256i h0 = _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(u.shift)), three);
-        const __m256i h1 = _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(u.shift + 4)), three);
-        const __m256i u0 = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)), _mm256_slli_epi32(h0, 4));
-        const __m256i u1 = _mm256_or_si256(_mm256_srli_epi32(low, 4), _mm256_slli_epi32(h1, 4));
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.first + 8 * g)));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.second + 8 * g)));
+        const __m256i u0 = _mm256_and_si256(a, _mm256_set1_epi32(63));
+        const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(b, _mm_cvtsi32_si128(u.shift)), _mm256_set1_epi32(15)),
+                                           _mm256_slli_epi32(_mm256_srli_epi32(a, 6), 4));
+        const __m256i bias = _mm256_set1_epi32(32);
         w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(u0, bias));
         w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(u1, bias));
     }
@@ -947,7 +946,8 @@ inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float
                          __m256* acc, bool first) {
     __m256 c[2 * P * N];
     for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
-    const __m256i nibble = _mm256_set1_epi8(15), thirty_two = _mm256_set1_epi8(32);
+    const __m256i nibble = _mm256_set1_epi8(15), thirty_two = _mm256_set1_epi8(32), six_bits = _mm256_set1_epi8(63);
+    const __m256i top = _mm256_set1_epi8(0x30), halves = _mm256_setr_epi64x(0, 0, 4, 4);
     for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
         __m256i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in both lanes
         for (int p = 0; p < P; ++p)
@@ -972,17 +972,13 @@ inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float
                 x32[n] = _mm256_maddubs_epi16(thirty_two, xv[n]);
             }
             for (int p = 0; p < P; ++p) {
-                const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::LOW + 128 * ch + 32 * (p0 + p)));
-                const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 128 * (ch / 2) + 32 * (p0 + p)));
-                __m256i u[2];  // the pair's two rows' codes u
-                if (ch % 2 == 0) {
-                    u[0] = _mm256_or_si256(_mm256_and_si256(lo, nibble), _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(0x03)), 4));
-                    u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble), _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
-                } else {
-                    u[0] = _mm256_or_si256(_mm256_and_si256(lo, nibble), _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(0x0C)), 2));
-                    u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), nibble),
-                                           _mm256_srli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
-                }
+                const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::LOW + 128 * ch + 32 * (p0 + p)));
+                // row o+1's low 4 bits: the chunk's 16 bytes in both halves, the high one shifted
+                const __m256i b = _mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                                        w + Q6K::HIGH + 128 * (ch / 2) + 32 * (p0 + p) + 16 * (ch % 2)))),
+                                                    halves);
+                const __m256i u[2] = {_mm256_and_si256(a, six_bits),  // the pair's two rows' codes u
+                                      _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_srli_epi16(a, 2), top))};
                 for (int r = 0; r < 2; ++r) {
                     const __m256i scale = _mm256_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
                     for (int n = 0; n < N; ++n) {
@@ -1064,13 +1060,8 @@ AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const
                                __m256* acc, bool first) {
     __m256 c[2 * P * N];
     for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
-    const __m512i nibble = _mm512_set1_epi8(15), thirty_two = _mm512_set1_epi8(32);
-    // the high bits of chunks c (low half) and c + 1 (high half), from the 32 bytes of both:
-    // row o's at bits 0-1 and 2-3, moved to 4-5; row o+1's at 4-5 and 6-7
-    const __m512i mask0 = _mm512_inserti64x4(_mm512_set1_epi8(0x03), _mm256_set1_epi8(0x0C), 1);
-    const __m512i mask1 = _mm512_inserti64x4(_mm512_set1_epi8(0x30), _mm256_set1_epi8(static_cast<char>(0xC0)), 1);
-    const __m512i shift0 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    const __m512i shift1 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i nibble = _mm512_set1_epi8(15), thirty_two = _mm512_set1_epi8(32), six_bits = _mm512_set1_epi8(63);
+    const __m512i top = _mm512_set1_epi8(0x30), halves = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
     for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
         __m512i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in every lane
         for (int p = 0; p < P; ++p)
@@ -1093,13 +1084,14 @@ AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const
             }
             for (int p = 0; p < P; ++p) {
                 const uint8_t* at = w + Q6K::LOW + 32 * (p0 + p);
-                const __m512i lo = two_chunks(at + 128 * ch, at + 128 * (ch + 1));
-                const __m512i hi = _mm512_broadcast_i64x4(
+                const __m512i a = two_chunks(at + 128 * ch, at + 128 * (ch + 1));
+                // row o+1's low 4 bits: each chunk's 16 bytes in two 128-bit lanes, the second shifted
+                const __m512i both = _mm512_broadcast_i64x4(
                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 128 * (ch / 2) + 32 * (p0 + p))));
-                __m512i u[2];  // the pair's two rows' codes u; 0xEA: (a & b) | c
-                u[0] = _mm512_ternarylogic_epi32(lo, nibble, _mm512_sllv_epi16(_mm512_and_si512(hi, mask0), shift0), 0xEA);
-                u[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), nibble,
-                                                 _mm512_srlv_epi16(_mm512_and_si512(hi, mask1), shift1), 0xEA);
+                const __m512i b = _mm512_srlv_epi64(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(1, 1, 0, 0)), halves);
+                // the pair's two rows' codes u; 0xEA: (x & y) | z
+                const __m512i u[2] = {_mm512_and_si512(a, six_bits),
+                                      _mm512_ternarylogic_epi32(b, nibble, _mm512_and_si512(_mm512_srli_epi16(a, 2), top), 0xEA)};
                 for (int r = 0; r < 2; ++r) {
                     const __m512i scale = _mm512_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
                     for (int n = 0; n < N; ++n) {
