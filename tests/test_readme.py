@@ -100,3 +100,25 @@ def test_readme_llama_cpp_sentence_check_fails_on_an_edited_ratio(tmp_path: Path
     edited = re.sub(r"(<!-- figure:llama-cpp -->[^<]*?)\d\.\d\d×", r"\g<1>9.99×", text, count=1)
     result = _check_edited(tmp_path, edited)
     assert result.returncode == 1 and "llama-cpp" in result.stderr
+
+
+def test_the_llama_cpp_sentence_says_where_auto_stands_per_task():
+    """Ahead from 1.1x, behind under 0.9x, level between, named per task where they differ: a
+    1.05x run is not called ahead."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from readme_tables import _standing
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+    def rows(summaries: float, translations: float) -> dict:
+        return {
+            ("summarize", "ours auto"): {"vs_llama_cpp": summaries},
+            ("translate", "ours auto"): {"vs_llama_cpp": translations},
+        }
+
+    tasks = ["summarize", "translate"]
+    assert _standing(rows(1.35, 1.05), tasks) == "ahead on summaries and level on translations"
+    assert _standing(rows(0.89, 0.75), tasks) == "behind on summaries and translations"
+    assert _standing(rows(1.1, 1.2), tasks) == "ahead on summaries and translations"
+    assert _standing(rows(0.9, 1.09), tasks) == "level on summaries and translations"
