@@ -194,7 +194,7 @@ bool wide_fma() {
 // instruction's own fixed order, float32 sums, round to nearest even), then `hsum` over the 8
 // lanes as everywhere. A row's bits depend on its x and W alone, so the path is row-invariant
 // like the others; its numbers are bf16 activations', not float32's. The decoded pairs are laid
-// out for it by `decode_strip_bf16<true>`: per 16 k, row o's 16 values, then row o + 1's.
+// out for it by `decode_strip_dot`: per 16 k, row o's 16 values, then row o + 1's.
 #define AVX512BF16 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16")))
 
 template <int N>
@@ -479,22 +479,21 @@ struct Q6K {
         }
     }
     struct Sub {
-        const uint8_t *first, *second;  // a pair's bytes of the sub-block, of either part
-        int shift;                      // of row o+1's low 4 bits in the second part
+        __m128i q0, q1;  // the sub-block's 16 codes q = u - 32 of either row, as int8
     };
-    static inline Sub sub(const uint8_t* sb, int p, int j) {
+    static inline Sub sub(const uint8_t* sb, int p, int j) {  // decoded once, for its two groups
         const int c = j / 2;
-        return {sb + LOW + 128 * c + 32 * p + 16 * (j % 2), sb + HIGH + 128 * (c / 2) + 32 * p + 16 * (c % 2), 4 * (j % 2)};
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + LOW + 128 * c + 32 * p + 16 * (j % 2)));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + HIGH + 128 * (c / 2) + 32 * p + 16 * (c % 2)));
+        const __m128i nibble = _mm_set1_epi8(15), bias = _mm_set1_epi8(32);
+        const __m128i u0 = _mm_and_si128(a, _mm_set1_epi8(63));
+        const __m128i u1 = _mm_or_si128(_mm_and_si128(j % 2 ? _mm_srli_epi16(b, 4) : b, nibble),
+                                        _mm_and_si128(_mm_srli_epi16(a, 2), _mm_set1_epi8(0x30)));
+        return {_mm_sub_epi8(u0, bias), _mm_sub_epi8(u1, bias)};
     }
-    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // q = u - 32, widened
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.first + 8 * g)));
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.second + 8 * g)));
-        const __m256i u0 = _mm256_and_si256(a, _mm256_set1_epi32(63));
-        const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(b, _mm_cvtsi32_si128(u.shift)), _mm256_set1_epi32(15)),
-                                           _mm256_slli_epi32(_mm256_srli_epi32(a, 6), 4));
-        const __m256i bias = _mm256_set1_epi32(32);
-        w0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(u0, bias));
-        w1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(u1, bias));
+    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // group g's 8, widened
+        w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(g ? _mm_unpackhi_epi64(u.q0, u.q0) : u.q0));
+        w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(g ? _mm_unpackhi_epi64(u.q1, u.q1) : u.q1));
     }
     static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
         codes(u, g, w0, w1);
@@ -715,10 +714,10 @@ inline void micro_scaled_n(int n, const float* w, const float* a0, const float* 
 // A strip's slice decoded into bfloat16 pairs: the blocks' values as gguf dequantizes them (a*q,
 // less the Q4_K min) rounded to bfloat16, which is what the install's bf16 weights hold. For
 // prefills (see `linear_blocks`). Laid out for `micro_512` / `micro` (the `bf16` layout: per k
-// one 32-bit lane with row o's value in the low half, row o+1's in the high half) or, `DOT`, for
-// `micro_dot_512` (per 16 k, row o's 16 values in k order, then row o+1's). `mins`: the strip's
-// rows' min factors (row r at r * subs), from sub-block `sub0` of the slice on; nullptr for Q6_K.
-template <typename B, bool DOT = false>
+// one 32-bit lane with row o's value in the low half, row o+1's in the high half; for
+// `micro_dot_512`, see `decode_strip_dot`). `mins`: the strip's rows' min factors (row r at
+// r * subs), from sub-block `sub0` of the slice on; nullptr for Q6_K.
+template <typename B>
 inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int64_t pair_stride, const float* mins,
                               int64_t subs, int64_t sub0) {
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
@@ -726,9 +725,6 @@ inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int6
         const __m256i bits = _mm256_castps_si256(v);
         const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
         return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)), 16);
-    };
-    [[maybe_unused]] auto low_halves = [](__m256i r) {  // 8 lanes' low 16 bits as 8 uint16, in order
-        return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
     };
     for (int p = 0; p < 4; ++p) {
         uint16_t* out = dst + p * pair_stride;
@@ -752,14 +748,47 @@ inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int6
                         w0 = _mm256_sub_ps(w0, b0);
                         w1 = _mm256_sub_ps(w1, b1);
                     }
-                    if constexpr (DOT) {  // GROUPS is even: a 16-k chunk is two groups of one sub-block
-                        uint16_t* chunk = out - 16 * (g % 2);  // the 16-k chunk: g's 8 values at + 8 * (g % 2)
-                        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 8 * (g % 2)), low_halves(rounded(w0)));
-                        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 16 + 8 * (g % 2)), low_halves(rounded(w1)));
-                    } else {
-                        const __m256i both = _mm256_or_si256(rounded(w0), _mm256_slli_epi32(rounded(w1), 16));
-                        _mm256_store_si256(reinterpret_cast<__m256i*>(out), both);
+                    const __m256i both = _mm256_or_si256(rounded(w0), _mm256_slli_epi32(rounded(w1), 16));
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(out), both);
+                }
+            }
+        }
+    }
+}
+
+// The same `DOT` layout on CPUs with AVX512_BF16 (the only ones that read it), rounded by the
+// instruction (`vcvtneps2bf16`: to nearest even, as `decode_strip_bf16`'s arithmetic; it would
+// flush denormals, and a block's value is 0 or at least 2^-24, so there are none): a prefill of
+// a wide layer decodes its blocks once per group of tiles, and the rounding was most of that.
+template <typename B>
+AVX512BF16 void decode_strip_dot(const uint8_t* w, int64_t len, uint16_t* dst, int64_t pair_stride, const float* mins,
+                                 int64_t subs, int64_t sub0) {
+    for (int p = 0; p < 4; ++p) {
+        uint16_t* out = dst + p * pair_stride;
+        const uint8_t* sb = w;
+        for (int64_t s = 0; s < len; s += QK, sb += B::bytes) {
+            alignas(32) float sc[2][B::SUBS];
+            B::scales(sb, p, sc[0], sc[1]);
+            for (int j = 0; j < B::SUBS; ++j) {
+                const typename B::Sub u = B::sub(sb, p, j);
+                const __m256 s0 = _mm256_broadcast_ss(&sc[0][j]), s1 = _mm256_broadcast_ss(&sc[1][j]);
+                __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+                if (mins) {
+                    const int64_t sub = sub0 + s / 32 + j;
+                    b0 = _mm256_broadcast_ss(mins + (2 * p) * subs + sub);
+                    b1 = _mm256_broadcast_ss(mins + (2 * p + 1) * subs + sub);
+                }
+                for (int g = 0; g < B::GROUPS; ++g, out += 16) {
+                    __m256 w0, w1;
+                    B::weights(u, g, s0, s1, w0, w1);
+                    if (mins) {  // a*q is exact: one rounding, as gguf's d*q - dm
+                        w0 = _mm256_sub_ps(w0, b0);
+                        w1 = _mm256_sub_ps(w1, b1);
                     }
+                    // a 16-k chunk is two groups of one sub-block: row o's 16 values, then row o+1's
+                    uint16_t* chunk = out - 16 * (g % 2);
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 8 * (g % 2)), (__m128i)_mm256_cvtneps_pbh(w0));
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 16 + 8 * (g % 2)), (__m128i)_mm256_cvtneps_pbh(w1));
                 }
             }
         }
@@ -789,9 +818,27 @@ inline __m256 min_factors(const float* dmin, const uint8_t* m, int64_t o, int64_
     return _mm256_mul_ps(_mm256_cvtepi32_ps(ms), _mm256_broadcast_ss(dmin + STRIP * at + o % STRIP));
 }
 
-// ... all K/32 of row o, for `finish` and the prefills' decoding.
-inline void min_factors(const float* dmin, const uint8_t* m, int64_t o, int64_t K, float* b) {
-    for (int64_t s = 0; s < K / QK; ++s) _mm256_storeu_ps(b + 8 * s, min_factors(dmin, m, o, s, K / QK));
+// ... all K/32 of each row of the strip from row o (a multiple of 8), row r's at b + r * K/32,
+// for prefills and wide passes. The strip's mins of a super-block turned row by row: as 16-bit
+// pairs, rows in order for each pair of sub-blocks, then transposed 4 x 8.
+inline void strip_min_factors(const float* dmin, const uint8_t* m, int64_t o, int64_t K, float* b) {
+    const int64_t per_row = K / QK;
+    for (int64_t s = 0; s < per_row; ++s) {
+        const int64_t at = strip_entry(o, s, per_row);
+        const uint8_t* e = m + 8 * STRIP * at;
+        auto pairs = [&](int q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(e + 16 * q)); };
+        const __m128i p0 = pairs(0), p1 = pairs(1), p2 = pairs(2), p3 = pairs(3);
+        // [sub-block pair 0 and 1 of rows 0-3], [of rows 4-7], then the same for pairs 2 and 3
+        const __m128i a = _mm_unpacklo_epi16(p0, p1), b4 = _mm_unpackhi_epi16(p0, p1);
+        const __m128i c = _mm_unpacklo_epi16(p2, p3), d4 = _mm_unpackhi_epi16(p2, p3);
+        const __m128i rows[4] = {_mm_unpacklo_epi32(a, c), _mm_unpackhi_epi32(a, c), _mm_unpacklo_epi32(b4, d4),
+                                 _mm_unpackhi_epi32(b4, d4)};  // two rows' 8 mins each, in order
+        for (int r = 0; r < STRIP; ++r) {
+            const __m128i ms = r % 2 ? _mm_unpackhi_epi64(rows[r / 2], rows[r / 2]) : rows[r / 2];
+            _mm256_storeu_ps(b + r * (K / 32) + 8 * s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ms)),
+                                                                   _mm256_broadcast_ss(dmin + STRIP * at + r)));
+        }
+    }
 }
 
 // The Q4_K mins of one row as `finish` reads them: its min factors computed once (`b`, for
@@ -1305,13 +1352,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
             // prefills through the 16-lane kernels, PAIRS_512 pairs a call (`dot`: on bf16 rows)
             const bool wide = prefill && wide_fma() && rows % (2 * PAIRS_512) == 0, dot_rows = dot && wide;
             const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
-            if (mins)  // many token rows: the factors once per block (0 past O)
-                for (int64_t r = 0; r < rows; ++r) {
-                    if (o0 + r < O)
-                        min_factors(dmin, m, o0 + r, K, mins + r * (K / 32));
-                    else
-                        std::memset(mins + r * (K / 32), 0, (K / 32) * 4);
-                }
+            if (mins)  // many token rows: the factors once per block (rows past O have zeros)
+                for (int64_t i = 0; i < rows; i += STRIP) strip_min_factors(dmin, m, o0 + i, K, mins + i * (K / 32));
             RowMins row_mins_at;
             auto row_mins = [&](int64_t r) -> const RowMins* {
                 if (!dmin) return nullptr;
@@ -1371,8 +1413,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                         for (int64_t i = 0; i < rows; i += STRIP) {
                             const int64_t at = i * range + 2 * (k0 - kr0);
                             if (dot_rows)
-                                decode_strip_bf16<B, true>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
-                                                           mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
+                                decode_strip_dot<B>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
+                                                    mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
                             else if (prefill)
                                 decode_strip_bf16<B>(slice(wb, rows, k0, len, i), len, halves + at, 2 * range,
                                                      mins ? mins + i * (K / 32) : nullptr, K / 32, k0 / 32);
