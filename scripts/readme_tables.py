@@ -141,7 +141,7 @@ def render_llama_cpp(report_names: tuple[str, ...] = LLAMA_CPP_REPORTS, root: Pa
             f"target-only {_ratios(rows, tasks, 'ours target-only', False)}, "
             f"{shares[0]}–{shares[-1]}% of it prefill ([report]({link}))"
         )
-    return "Against llama.cpp's target-only on the same GGUF file, " + "; ".join(clauses)
+    return "Against llama.cpp's target-only on the same GGUF, " + "; ".join(clauses)
 
 
 def _standing(rows: dict, tasks: list[str]) -> str:
@@ -153,7 +153,8 @@ def _standing(rows: dict, tasks: list[str]) -> str:
 
     words = {t: word(rows[(t, "ours auto")]["vs_llama_cpp"]) for t in tasks}
     if len(set(words.values())) == 1:
-        return f"{next(iter(words.values()))} on {' and '.join(TASK_NOUNS.get(t, t) for t in tasks)}"
+        where = "both tasks" if len(tasks) == 2 else TASK_NOUNS.get(tasks[0], tasks[0])
+        return f"{next(iter(words.values()))} on {where}"
     return " and ".join(f"{w} on {TASK_NOUNS.get(t, t)}" for t, w in words.items())
 
 

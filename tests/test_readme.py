@@ -119,6 +119,9 @@ def test_the_llama_cpp_sentence_says_where_auto_stands_per_task():
 
     tasks = ["summarize", "translate"]
     assert _standing(rows(1.35, 1.05), tasks) == "ahead on summaries and level on translations"
-    assert _standing(rows(0.89, 0.75), tasks) == "behind on summaries and translations"
-    assert _standing(rows(1.1, 1.2), tasks) == "ahead on summaries and translations"
-    assert _standing(rows(0.9, 1.09), tasks) == "level on summaries and translations"
+    assert _standing(rows(0.89, 0.75), tasks) == "behind on both tasks"
+    assert _standing(rows(1.1, 1.2), tasks) == "ahead on both tasks"
+    assert _standing(rows(0.9, 1.09), tasks) == "level on both tasks"
+    assert (
+        _standing({("summarize", "ours auto"): {"vs_llama_cpp": 1.2}}, ["summarize"]) == "ahead on summaries"
+    )
