@@ -760,6 +760,8 @@ inline void decode_strip_bf16(const uint8_t* w, int64_t len, uint16_t* dst, int6
 // instruction (`vcvtneps2bf16`: to nearest even, as `decode_strip_bf16`'s arithmetic; it would
 // flush denormals, and a block's value is 0 or at least 2^-24, so there are none): a prefill of
 // a wide layer decodes its blocks once per group of tiles, and the rounding was most of that.
+// A loop of its own, `decode_strip_bf16`'s but for the store: the instruction needs this
+// function's target, and GCC will not inline it into a loop compiled for AVX2.
 template <typename B>
 AVX512BF16 void decode_strip_dot(const uint8_t* w, int64_t len, uint16_t* dst, int64_t pair_stride, const float* mins,
                                  int64_t subs, int64_t sub0) {
