@@ -117,12 +117,13 @@ def describe_machine(loaded: Any = None) -> dict[str, Any]:
 
 
 def _block_prefill(loaded) -> str | None:
-    """What a block target's prefill multiplies: bf16 token rows (`micro_dot_512`) or float32."""
+    """What a block target's prefill multiplies (`streamed.prefill_numbers`): "bf16", "int8" or
+    "float32"."""
     if getattr(loaded, "weights", "dense") != "gguf-blocks":
         return None
     from pipeline.models import streamed
 
-    return "bf16" if streamed.prefill_reads_bf16_rows() else "float32"
+    return streamed.prefill_numbers(getattr(loaded, "block_activations", None) == "int8")
 
 
 def _kernel_isa(loaded) -> str | None:

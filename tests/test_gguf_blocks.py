@@ -67,7 +67,8 @@ def _rounded_rows(x: torch.Tensor) -> torch.Tensor:
 def test_int8_activations_multiply_the_blocks_with_the_rounded_rows_whatever_the_pass(kind, rows, cols):
     """`block_activations: int8`: a layer's decoding passes give the blocks' product with each
     row rounded to 8 bits per 256 values (integer sums, then one float step a super-block), the
-    same bits for a row at every width and place; prefills keep the float path's bf16 reading."""
+    same bits for a row at every width and place. Prefills keep the float path's bf16 reading
+    where they multiply bf16 rows (AVX512_BF16); elsewhere they round too (next tests)."""
     raw = random_blocks(kind, rows, cols, 3)
     bias = torch.randn(rows, generator=torch.Generator().manual_seed(3))
     exact = streamed.BlockLinear(torch.from_numpy(raw), kind, cols, bias)
@@ -81,8 +82,9 @@ def test_int8_activations_multiply_the_blocks_with_the_rounded_rows_whatever_the
     for width in [*range(1, 17), 24, 40]:
         for start in {0, 7 % (41 - width), 40 - width}:
             assert torch.equal(layer(x[start : start + width]), full[start : start + width]), (width, start)
-    with streamed.prefilling():
-        assert torch.equal(layer(x), exact(x))
+    if streamed.prefill_numbers(rounded=True) == "bf16":
+        with streamed.prefilling():
+            assert torch.equal(layer(x), exact(x))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -206,6 +208,76 @@ def test_a_prefill_on_avx512_bf16_multiplies_bf16_rows_and_keeps_a_rows_bits(kin
         finally:
             torch.set_num_threads(threads)
     assert not torch.equal(layer(x), full)  # outside a prefill: the blocks' exact values, float rows
+
+
+@pytest.mark.parametrize("rows, cols", [*SHAPES, (48, 8960)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prefill_on_rounded_rows_multiplies_int8_codes_and_keeps_a_rows_bits(kind, rows, cols):
+    """Where prefills do not take bf16 rows, a layer whose decoding passes round their rows to
+    int8 (`models.block_activations: int8`) prefills on rounded rows too, by the blocks' integer
+    codes 8 rows abreast (`micro_q8_gemm`): the blocks' values against the rounded rows, within
+    float32 rounding of that product in float64, and a row's bits the same at every width and
+    place in the pass and with one thread or two."""
+    if streamed.prefill_reads_bf16_rows():
+        name = "test_a_prefill_on_rounded_rows_multiplies_int8_codes_and_keeps_a_rows_bits"
+        _in_a_process_without_bf16_rows(f"t.{name}({kind!r}, {rows}, {cols})")
+        return
+    assert streamed.prefill_numbers(rounded=True) == "int8"
+    raw = random_blocks(kind, rows, cols, 4)
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(4))
+    layer = streamed.BlockLinear(torch.from_numpy(raw), kind, cols, bias, rounded=True)
+    values = quants.dequantize(raw, GGMLQuantizationType[kind])
+    weights = torch.from_numpy(values).reshape(rows, cols).double()
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(5))
+    with streamed.prefilling():
+        full = layer(x)
+        rounded = _rounded_rows(x).double()
+        reference = rounded @ weights.T + bias.double()
+        scale = rounded.abs() @ weights.abs().T + bias.double().abs()
+        assert ((full.double() - reference).abs() <= 2e-6 * scale).all()
+        for rows_from, rows_to in ((0, 1), (0, 3), (0, 7), (5, 17), (39, 40), (3, 40)):
+            assert torch.equal(layer(x[rows_from:rows_to]), full[rows_from:rows_to]), (rows_from, rows_to)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x), full)
+        finally:
+            torch.set_num_threads(threads)
+    assert not torch.equal(layer(x), full)  # a decoding pass sums in another order
+
+
+EXTREMES = [("Q4_K", 0xFF, 0xFF), ("Q6_K", 0xFF, 0x80), ("Q6_K", 0, 0x80), ("Q6_K", 0xFF, 0x7F)]
+
+
+@pytest.mark.parametrize("kind, code_byte, scale_byte", EXTREMES)
+def test_a_rounded_prefill_sums_the_largest_codes_without_overflow(kind, code_byte, scale_byte):
+    """The int8 prefill adds 8 (Q4_K) or 2 (Q6_K) `maddubs` of a sub-block in int16 before the
+    scale: with every code, scale and x8 at its extreme (Q4_K q = 15, sc = 63; Q6_K u = 63 or 0,
+    sc = -128 or 127; x8 = +-127), each output is still the exact sum."""
+    if streamed.prefill_reads_bf16_rows():
+        name = "test_a_rounded_prefill_sums_the_largest_codes_without_overflow"
+        _in_a_process_without_bf16_rows(f"t.{name}({kind!r}, {code_byte}, {scale_byte})")
+        return
+    rows, cols = 16, 512
+    one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    raw = np.zeros((rows, cols // 256, 144 if kind == "Q4_K" else 210), dtype=np.uint8)
+    if kind == "Q4_K":  # d = 1, dmin = 0, every 6-bit scale and min 63, every code 15
+        raw[..., 0:2], raw[..., 4:16], raw[..., 16:] = one, scale_byte, code_byte
+    else:  # every u (low 4 bits, high 2 bits) from `code_byte`, every scale `scale_byte`, d = 1
+        raw[..., 0:192], raw[..., 192:208], raw[..., 208:210] = code_byte, scale_byte, one
+    raw = raw.reshape(rows, -1)
+    layer = streamed.BlockLinear(torch.from_numpy(raw), kind, cols, rounded=True)
+    values = quants.dequantize(raw, GGMLQuantizationType[kind])
+    weights = torch.from_numpy(values).reshape(rows, cols).double()
+    x = torch.ones(4, cols)
+    x[1] = -1
+    x[2, ::2] = -1  # pairs of opposite signs
+    x[3, 256:] = -1
+    with streamed.prefilling():
+        got = layer(x).double()
+    expected = x.double() @ weights.T  # +-1 rounds to +-127 / 127: exactly +-1 up to float32
+    scale = x.double().abs() @ weights.abs().T  # an overflow would be off by 2^16 products
+    assert scale.min() > 0 and ((got - expected).abs() <= 1e-6 * scale).all()
 
 
 def _block_model(rounded: bool = False, v_kind: str = "Q4_K", fuse: bool = True):

@@ -298,7 +298,7 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         if loaded.streamed or getattr(loaded, "weights", "dense") == "gguf-blocks"
         else None,
         **(
-            {"block_prefill_bf16": streamed.prefill_reads_bf16_rows()}
+            {"block_prefill": streamed.prefill_numbers(getattr(loaded, "block_activations", None) == "int8")}
             if getattr(loaded, "weights", "dense") == "gguf-blocks"
             else {}
         ),

@@ -138,7 +138,7 @@ def library() -> ctypes.CDLL | None:
             _INT,
             ctypes.c_int,
         ]
-    for name in ("prefill_reads_bf16_rows", "kernel_avx512"):
+    for name in ("prefill_reads_bf16_rows", "prefill_rounds_rows", "kernel_avx512"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
     # query, B, H, Q, D, keys, values, Hkv, key/value strides, keys, mask, its strides, scale,
     # real queries per row, out, threads
@@ -326,8 +326,8 @@ class BlockLinear(StreamedLinear):
     scales in registers: about a third of the bf16 bytes. A decoding pass computes with the
     blocks' exact values (for Q4_K, sum a*q*x less the mins' sum b*X, taken apart), against the
     activations as they are or, `rounded`, rounded to int8 per 256 values; a prefill
-    (`prefilling`) with gguf's values rounded to bf16 (against bf16 token rows where
-    `prefill_reads_bf16_rows`). Row-invariant like every kind of the
+    (`prefilling`) with gguf's values rounded to bf16, or, `rounded`, against rows rounded to
+    int8 (see `prefill_numbers`). Row-invariant like every kind of the
     kernel. `blocks` is uint8 [out_features, bytes per row] as the GGUF file has them;
     `in_features` must be a multiple of 256."""
 
@@ -463,6 +463,18 @@ def prefill_reads_bf16_rows() -> bool:
     AVX2 and AVX-512 alike). Either way a prompt's bits do not depend on the rows beside it."""
     lib = library()
     return bool(lib is not None and lib.prefill_reads_bf16_rows())
+
+
+def prefill_numbers(rounded: bool) -> str:
+    """What a block prefill multiplies here, by the layers' `rounded` (`models.block_activations:
+    int8`): "bf16", bf16 token rows by the weights' bf16 rounding (`prefill_reads_bf16_rows`);
+    "int8", token rows rounded to int8 by the blocks' own codes (`micro_q8_gemm`: rounded layers
+    on every other CPU, unless PIPELINE_KERNEL_Q8GEMM=0), about 2.5x the float32 chain's products
+    a second in AVX2 code; "float32", float32 rows by the bf16 rounding."""
+    lib = library()
+    if lib is not None and lib.prefill_reads_bf16_rows():
+        return "bf16"
+    return "int8" if rounded and lib is not None and lib.prefill_rounds_rows() else "float32"
 
 
 def instruction_set() -> str | None:

@@ -340,7 +340,8 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 // (more) once into float32 pairs in a per-thread scratch (Q4_K: the codes and the scales apart,
 // for `micro_scaled`; Q6_K: a*q, for `micro`) and run every tile over it: the same values in the
 // same chain, so a row's bits do not depend on which way its pass went. Prefills decode to bf16
-// instead (`decode_strip_bf16`), in a chain of their own (prompt tokens are always prefilled).
+// instead (`decode_strip_bf16`), or on rounded rows to int8 codes 8 rows abreast
+// (`micro_q8_gemm`), in a chain of their own (prompt tokens are always prefilled).
 
 constexpr int64_t QK = 256, STRIP = 8;
 constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, in the file
@@ -1265,12 +1266,272 @@ inline void finish_strip(const __m256* acc, int n, int64_t o, int64_t t, int64_t
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Prefills on rounded rows (`linear_q4k(..., prefill, q8)`) where prefills have no bf16 dot
+// products (`dot_bf16`: AVX2 CPUs). A prefill is bound by arithmetic, and there the decoding
+// kernel's int8 chain makes about 10.7 products an instruction (per 32 k of a row: a `maddubs`,
+// a `madd` by the sub-block's scale, an `add`), the float32 chain over the bf16 rounding 8.
+// llama.cpp's AVX2 GEMM for Q4_K makes more by laying 8 rows' codes 4 k at a time in one vector:
+// one `maddubs` against the token row's 4 x8 broadcast gives 8 rows' partial sums, and the 8
+// `maddubs` of a sub-block add up in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15) before one `madd`
+// by the 8 rows' scales: 16 products an instruction. Q6_K's codes u = q + 32 (0..63) allow two
+// `maddubs` in int16, and take 32 * sum sc * x8 off per super-block, in integers. Here a block's
+// strips are decoded once per prefill into that layout (`decode_strip_q8`), and every tile of
+// token rows runs over it (`micro_q8_gemm`). Q4_K layers of 256 token rows in AVX2 code, 2
+// threads: 250-280 G products a second against about 100 on the float32 chain; Q6_K 196 G.
+//
+// The chain of an output (row-invariant: integer sums are exact in any order, and the float
+// steps depend on the row's own x8, dx and weights): per super-block the integer sum of
+// sc_j * q * x8 over its 256 k, then acc = fma(d * dx, sum, acc) super-block after super-block;
+// the Q4_K mins' term as a decoding pass takes it (`strip_mins_q8`); y = acc - term (+ bias).
+// Not a decoding pass's chain (that one sums in 8 lanes of k): prompt tokens are always
+// prefilled and generated ones never are, so target-only and speculative decoding still share
+// every bit.
+
+// A strip's super-block decoded (`decode_strip_q8`): per chunk c of 32 k and group g of 4 k in
+// it, 32 bytes holding row r's codes at k = 32c + 4g .. + 4 in bytes 4r .. 4r + 4 (Q4_K: q;
+// Q6_K: u = q + 32, 0..63); per sub-block the rows' scales as int16, row r's in lanes 2r and
+// 2r + 1; Q6_K: per pair of sub-blocks (2i, 2i + 1) row r's two scales in lanes 2r, 2r + 1 (for
+// the 32 * sum sc * x8 that u's offset adds); the rows' 8 d.
+template <typename B>
+struct Q8Gemm {
+    static constexpr int64_t CODES = 8 * 8 * 32, SCALES = B::SUBS * 32, PAIRED = B::FACTORED ? 0 : 8 * 32;
+    static constexpr int64_t D = CODES + SCALES + PAIRED, bytes = D + 32;
+};
+
+// Rows' 8 vectors of 8 32-bit lanes to lanes' 8 vectors of 8 rows: out[g] lane r = in[r] lane g.
+inline void transpose_8x8_epi32(const __m256i in[8], __m256i out[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h)  // rows 4h .. 4h + 4: lanes (0, 4), (1, 5), (2, 6), (3, 7)
+        for (int i = 0; i < 2; ++i) {
+            u[4 * h + 2 * i] = _mm256_unpacklo_epi64(t[4 * h + i], t[4 * h + 2 + i]);
+            u[4 * h + 2 * i + 1] = _mm256_unpackhi_epi64(t[4 * h + i], t[4 * h + 2 + i]);
+        }
+    for (int g = 0; g < 4; ++g) {
+        out[g] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
+        out[g + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
+    }
+}
+
+// A strip's slice of `len` k into `dst` (`Q8Gemm<B>::bytes` a super-block).
+template <typename B>
+inline void decode_strip_q8(const uint8_t* w, int64_t len, uint8_t* dst) {
+    using L = Q8Gemm<B>;
+    constexpr int header = B::FACTORED ? 24 : 40, scale_bytes = B::SUBS;  // a pair's, and a row's scales
+    for (int64_t s = 0; s < len; s += QK, w += B::bytes, dst += L::bytes) {
+        int16_t* scales = reinterpret_cast<int16_t*>(dst + L::CODES);
+        int16_t* paired = reinterpret_cast<int16_t*>(dst + L::CODES + L::SCALES);
+        for (int p = 0; p < 4; ++p) {
+            std::memcpy(dst + L::D + 8 * p, w + header * p, 8);
+            for (int r = 0; r < 2; ++r) {
+                const int o = 2 * p + r;
+                const uint8_t* sc = w + header * p + 8 + scale_bytes * r;
+                for (int j = 0; j < B::SUBS; ++j) {
+                    const int16_t v = B::FACTORED ? sc[j] : static_cast<int8_t>(sc[j]);
+                    scales[16 * j + 2 * o] = scales[16 * j + 2 * o + 1] = v;
+                    if constexpr (!B::FACTORED) paired[16 * (j / 2) + 2 * o + j % 2] = v;
+                }
+            }
+        }
+        for (int c = 0; c < 8; ++c) {
+            __m256i rows[8], groups[8];
+            for (int p = 0; p < 4; ++p) {
+                if constexpr (B::FACTORED) {
+                    const __m256i low = _mm256_set1_epi8(15);
+                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 96 + 128 * c + 32 * p));
+                    rows[2 * p] = _mm256_and_si256(q, low);
+                    rows[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                } else {
+                    const typename B::Sub a = B::sub(w, p, 2 * c), b = B::sub(w, p, 2 * c + 1);
+                    const __m256i offset = _mm256_set1_epi8(32);
+                    rows[2 * p] = _mm256_add_epi8(_mm256_set_m128i(b.q0, a.q0), offset);
+                    rows[2 * p + 1] = _mm256_add_epi8(_mm256_set_m128i(b.q1, a.q1), offset);
+                }
+            }
+            transpose_8x8_epi32(rows, groups);
+            for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 256 * c + 32 * g), groups[g]);
+        }
+    }
+}
+
+// N token rows' int16 sums of a decoded strip's groups g0 .. g0 + G of chunk c against their x8
+// (from the super-block's first k, K a row), added to part[n]: G `maddubs` a row, summed in
+// int16. GCC, left to unroll it whole, took every group's products first and spilled them.
+template <int N, int G>
+inline void group_sums(const uint8_t* w, const int8_t* x8, int64_t K, int c, int g0, __m256i* part) {
+#pragma GCC unroll 4
+    for (int g = g0; g < g0 + G; ++g) {
+        const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + 256 * c + 32 * g));
+        for (int n = 0; n < N; ++n) {
+            int32_t four;
+            std::memcpy(&four, x8 + n * K + 32 * c + 4 * g, 4);
+            part[n] = _mm256_add_epi16(part[n], _mm256_maddubs_epi16(q, _mm256_set1_epi32(four)));
+        }
+    }
+}
+
+// A decoded strip's `len` k against N rounded token rows (x8 from the slice's first k, K a row;
+// dx from its first super-block, K / 256 a row; Q6_K: xs16, the sums of x8 over each 16 k,
+// K / 16 a row): acc[n], a row a lane. Per super-block an exact int32 sum a row: Q4_K, a
+// sub-block's 8 groups summed in int16 (|sum| <= 8 * 2 * 15 * 127), times its scale (`madd`);
+// Q6_K, two groups at a time (2 * 2 * 63 * 127), then less 32 * sum sc * xs16 for u's offset.
+// Then acc = fma(d * dx, sum, acc).
+template <typename B, int N>
+inline void micro_q8_gemm(const uint8_t* w, const int8_t* x8, const float* dx, const int16_t* xs16, int64_t K,
+                          int64_t len, __m256* acc, bool first) {
+    using L = Q8Gemm<B>;
+    if (first)
+        for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < len; s += QK, w += L::bytes, x8 += QK) {
+        __m256i sum[N];
+        for (int n = 0; n < N; ++n) sum[n] = _mm256_setzero_si256();
+        constexpr int G = B::FACTORED ? 8 : 2;  // groups summed in int16
+        for (int h = 0; h < 64 / G; ++h) {
+            __m256i part[N];
+            for (int n = 0; n < N; ++n) part[n] = _mm256_setzero_si256();
+            group_sums<N, G>(w, x8, K, h * G / 8, h * G % 8, part);
+            const __m256i sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + L::CODES + 32 * (h * G / (256 / B::SUBS / 4))));
+            for (int n = 0; n < N; ++n) sum[n] = _mm256_add_epi32(sum[n], _mm256_madd_epi16(part[n], sc));
+        }
+        if constexpr (!B::FACTORED)
+            for (int n = 0; n < N; ++n) {
+                const int16_t* xs = xs16 + n * (K / 16) + s / 16;
+                __m256i offset = _mm256_setzero_si256();
+                for (int i = 0; i < 8; ++i) {
+                    int32_t two;
+                    std::memcpy(&two, xs + 2 * i, 4);
+                    const __m256i paired = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + L::CODES + L::SCALES + 32 * i));
+                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(paired, _mm256_set1_epi32(two)));
+                }
+                sum[n] = _mm256_sub_epi32(sum[n], _mm256_slli_epi32(offset, 5));
+            }
+        const __m256 d = _mm256_load_ps(reinterpret_cast<const float*>(w + L::D));
+        for (int n = 0; n < N; ++n)
+            acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])),
+                                     _mm256_cvtepi32_ps(sum[n]), acc[n]);
+    }
+}
+
+constexpr int Q8_GEMM_TILE = 6;  // token rows a `micro_q8_gemm` call: 2 * 6 + 2 of 16 registers
+
+template <typename B>
+inline void micro_q8_gemm_n(int n, const uint8_t* w, const int8_t* x8, const float* dx, const int16_t* xs16,
+                            int64_t K, int64_t len, __m256* acc, bool first) {
+    switch (n) {
+        case 1: micro_q8_gemm<B, 1>(w, x8, dx, xs16, K, len, acc, first); break;
+        case 2: micro_q8_gemm<B, 2>(w, x8, dx, xs16, K, len, acc, first); break;
+        case 3: micro_q8_gemm<B, 3>(w, x8, dx, xs16, K, len, acc, first); break;
+        case 4: micro_q8_gemm<B, 4>(w, x8, dx, xs16, K, len, acc, first); break;
+        case 5: micro_q8_gemm<B, 5>(w, x8, dx, xs16, K, len, acc, first); break;
+        default: micro_q8_gemm<B, 6>(w, x8, dx, xs16, K, len, acc, first); break;
+    }
+}
+
+// Do prefills on rounded rows take `micro_q8_gemm` here? (CPUs without bf16 dot products;
+// PIPELINE_KERNEL_Q8GEMM=0 says no: the float32 chain over the bf16 rounding, as on those CPUs
+// before, to compare.)
+bool gemm_q8() {
+    static const bool yes = [] {
+        const char* off = std::getenv("PIPELINE_KERNEL_Q8GEMM");
+        return !dot_bf16() && !(off && off[0] == '0');
+    }();
+    return yes;
+}
+
+// A prefill on rounded rows (see above): every block's strips decoded over a range of k into
+// L2, every tile of token rows run over them, the tiles' accumulators (one vector a strip and
+// token row) kept until the block's last range; then the Q4_K mins' term, the bias.
+template <typename B>
+void prefill_q8(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
+                const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
+    using L = Q8Gemm<B>;
+    const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
+    int8_t* x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
+    float* dx = static_cast<float*>(std::aligned_alloc(32, (T * per_row * 4 + 31) / 32 * 32));
+    int16_t* xs = static_cast<int16_t*>(std::aligned_alloc(32, (T * (K / 32) * 2 + 31) / 32 * 32));
+    quantize_q8(x, T, K, x8, dx, xs, threads);
+    int16_t* xs16 = nullptr;  // Q6_K: sums of x8 over each 16 k
+    if constexpr (!B::FACTORED) {
+        xs16 = static_cast<int16_t*>(std::aligned_alloc(32, (T * (K / 16) * 2 + 31) / 32 * 32));
+        for (int64_t i = 0; i < T * (K / 16); ++i) {
+            int sum = 0;
+            for (int k = 0; k < 16; ++k) sum += x8[16 * i + k];
+            xs16[i] = static_cast<int16_t>(sum);
+        }
+    }
+    const int64_t strips = RB / STRIP;
+    // whole slices of k, their decoded strips within SCRATCH_BYTES
+    const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (strips * L::bytes) * QK / KB * KB);
+    const int64_t tiles = (T + Q8_GEMM_TILE - 1) / Q8_GEMM_TILE;
+    auto tile_rows = [&](int64_t tile) { return static_cast<int>(T / tiles + (tile < T % tiles)); };
+    auto tile_start = [&](int64_t tile) { return tile * (T / tiles) + std::min(tile, T % tiles); };
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t* codes = static_cast<uint8_t*>(std::aligned_alloc(32, strips * (range / QK) * L::bytes));
+        __m256* acc = static_cast<__m256*>(std::aligned_alloc(32, strips * T * sizeof(__m256)));  // strip i's at i * T
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t o0 = b * RB, rows = std::min(RB, padded - o0);
+            const uint8_t* wb = w + (o0 / STRIP) * per_row * B::bytes;
+            for (int64_t kr0 = 0; kr0 < K; kr0 += range) {
+                const int64_t kr1 = std::min(K, kr0 + range);
+                for (int64_t k0 = kr0; k0 < kr1; k0 += KB) {
+                    const int64_t len = std::min(KB, K - k0);
+                    for (int64_t i = 0; i < rows; i += STRIP)
+                        decode_strip_q8<B>(wb + (rows / STRIP) * (k0 / QK) * B::bytes + (i / STRIP) * (len / QK) * B::bytes,
+                                           len, codes + ((i / STRIP) * (range / QK) + (k0 - kr0) / QK) * L::bytes);
+                }
+                for (int64_t tile = 0; tile < tiles; ++tile) {
+                    const int64_t t = tile_start(tile);
+                    for (int64_t i = 0; i < rows; i += STRIP)
+                        micro_q8_gemm_n<B>(tile_rows(tile), codes + (i / STRIP) * (range / QK) * L::bytes, x8 + t * K + kr0,
+                                           dx + t * per_row + kr0 / QK, xs16 ? xs16 + t * (K / 16) + kr0 / 16 : nullptr, K,
+                                           kr1 - kr0, acc + (i / STRIP) * T + t, kr0 == 0);
+                }
+            }
+            for (int64_t i = 0; i < rows && o0 + i < O; i += STRIP) {
+                const int64_t o = o0 + i, at = strip_entry(o, 0, per_row), real = std::min<int64_t>(STRIP, O - o);
+                for (int64_t tile = 0; tile < tiles; ++tile) {
+                    const int64_t t = tile_start(tile);
+                    const int n = tile_rows(tile);
+                    __m256 term[Q8_GEMM_TILE];
+                    if (dmin) strip_mins_q8(m + 8 * STRIP * at, dmin + STRIP * at, xs + t * (K / 32), dx + t * per_row, K, n, term);
+                    for (int r = 0; r < n; ++r) {
+                        __m256 v = acc[(i / STRIP) * T + t + r];
+                        if (dmin) v = _mm256_sub_ps(v, term[r]);
+                        float* out = y + (t + r) * O + o;
+                        if (real == STRIP) {
+                            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + o));
+                            _mm256_storeu_ps(out, v);
+                        } else {
+                            alignas(32) float lanes[STRIP];
+                            _mm256_store_ps(lanes, v);
+                            for (int64_t l = 0; l < real; ++l) out[l] = bias ? lanes[l] + bias[o + l] : lanes[l];
+                        }
+                    }
+                }
+            }
+        }
+        std::free(codes);
+        std::free(acc);
+    }
+    std::free(x8);
+    std::free(dx);
+    std::free(xs);
+    std::free(xs16);
+}
+
 template <typename B>
 void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
                    const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads, bool prefill,
                    bool q8 = false) {
+    if (prefill && q8 && gemm_q8()) return prefill_q8<B>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads);
     const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
-    q8 = q8 && !prefill;  // a prefill reads the bf16 rounding, whatever the decoding passes read
+    q8 = q8 && !prefill;  // any other prefill reads the bf16 rounding, whatever the decoding passes read
     const bool dot = prefill && dot_bf16();  // ... and with AVX512_BF16, bf16 token rows (`micro_dot_512`)
     uint16_t* x16 = nullptr;
     if (dot) {
@@ -1623,6 +1884,7 @@ void linear_q6k(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t 
     linear_blocks<Q6K>(x, T, K, w, O, nullptr, nullptr, bias, y, RB, KB, threads, prefill != 0, q8 != 0);
 }
 int prefill_reads_bf16_rows() { return dot_bf16(); }
+int prefill_rounds_rows() { return gemm_q8(); }
 int kernel_avx512() { return wide_fma(); }
 void attend_f32(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const float* k, const float* v, int64_t Hkv,
                 int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb, int64_t mq,
