@@ -58,6 +58,10 @@ def _machine(meta: dict) -> str:
         return machine["gpu"]
     flags = machine.get("cpu_flags") or {}
     kind = "AVX-512 BF16" if flags.get("avx512_bf16") else "AVX2 only" if flags.get("avx2") else "no AVX2"
+    # an AVX-512 CPU told to run AVX2 code (PIPELINE_KERNEL_AVX512=0; llama.cpp built without it)
+    if flags.get("avx512f") and (machine.get("kernels") or {}).get("kernel_isa") == "avx2":
+        llama_avx2 = "AVX2" in (meta.get("llama_cpp") or "") and "AVX512" not in meta["llama_cpp"]
+        kind += ", both in AVX2 code" if llama_avx2 else ", ours in AVX2 code"
     return f"{machine['cpu_model']} ({kind}), {machine['threads']} threads"
 
 
@@ -107,7 +111,7 @@ def render_table(table: Table, root: Path = ROOT) -> str:
 # The sentence on llama.cpp: one `pipeline bench --llama-cpp` report per kind of machine, its
 # rows at batch 1.
 LLAMA_CPP_REPORTS = (
-    "2026-11-28-llama-cpp-avx2-float32-gguf-blocks-int8-licenses-gqa.json",
+    "2026-11-29-llama-cpp-avx512bf16-avx2-code-float32-gguf-blocks-int8-prefill-licenses.json",
     "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-q6k-6bit-licenses.json",
 )
 TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}

@@ -564,12 +564,19 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     assert dense.weights == "dense" and dense.block_layers == {} and dense.block_activations is None
     assert not any(isinstance(m, streamed.BlockLinear) for m in dense.target.modules())
     # auto: blocks for jobs of 1 or 2 rows at a time, whose passes are bound by reading weights;
-    # up to 16 where block prefills multiply bf16 rows (AVX512-BF16), as fast as bf16 dense ones
-    for bf16_rows, widest in ((False, 2), (True, 16)):
-        monkeypatch.setattr(streamed, "prefill_reads_bf16_rows", lambda on=bf16_rows: on)
+    # up to 16 where block prefills are cheap: bf16 rows (AVX512-BF16), or rows rounded to int8
+    # as the decoding passes' are (`block_activations: int8`, the default)
+    for numbers, widest in (("float32", 2), ("bf16", 16), ("int8", 16)):
+        monkeypatch.setattr(
+            streamed, "prefill_numbers", lambda rounded, n=numbers: n if rounded or n == "bf16" else "float32"
+        )
         fits = load_pair(target, None, device="cpu", dtype="float32", batch=widest)
-        assert fits.weights == "gguf-blocks", bf16_rows
+        assert fits.weights == "gguf-blocks", numbers
         assert load_pair(target, None, device="cpu", dtype="float32", batch=widest + 1).weights == "dense"
+    # float32 activations keep the float32 prefill chain there: blocks for 2 rows at most
+    as_float = {"device": "cpu", "dtype": "float32", "block_activations": "float32"}
+    assert load_pair(target, None, batch=2, **as_float).weights == "gguf-blocks"
+    assert load_pair(target, None, batch=3, **as_float).weights == "dense"
     wide = load_pair(target, None, device="cpu", dtype="float32", weights="gguf-blocks", batch=32)
     assert wide.block_layers
     # dtype auto: float32 wherever auto streams the blocks, also where it would mean bf16 dense
@@ -578,13 +585,16 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
 
     for flags, batch, expected in (
         ({"avx2", "fma"}, 1, ("gguf-blocks", torch.float32)),
+        ({"avx2", "fma"}, 16, ("gguf-blocks", torch.float32)),
+        ({"avx2", "fma"}, 32, ("dense", torch.float32)),
         ({"avx2", "fma", "avx512_bf16"}, 1, ("gguf-blocks", torch.float32)),
         ({"avx2", "fma", "avx512_bf16"}, 16, ("gguf-blocks", torch.float32)),
         ({"avx2", "fma", "avx512_bf16"}, 32, ("dense", torch.bfloat16)),
         ({"avx2", "fma", "avx512_bf16", "amx_bf16"}, 1, ("dense", torch.bfloat16)),
     ):
         monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: frozenset(flags))
-        monkeypatch.setattr(streamed, "prefill_reads_bf16_rows", lambda flags=flags: "avx512_bf16" in flags)
+        numbers = "bf16" if "avx512_bf16" in flags else "int8"
+        monkeypatch.setattr(streamed, "prefill_numbers", lambda rounded, n=numbers: n)
         auto = load_pair(target, None, device="cpu", batch=batch)
         assert (auto.weights, auto.dtype) == expected, (flags, batch)
 

@@ -444,17 +444,19 @@ WEIGHTS = ("auto", "gguf-blocks", "dense")
 # it is bound by arithmetic, and decoding the blocks costs more than the bytes save (1.2-1.3x).
 # Measured by `pipeline calibrate --against` (docs/benchmarks/, 2026-11-27, AVX2 float32).
 BLOCKS_MAX_BATCH = 2
-# ... and where block prefills multiply bf16 rows (AVX512_BF16, `streamed.prefill_reads_bf16_rows`)
-# up to this many: a batch's time is mostly its prefills, and there the blocks' prefill costs
-# about what bf16 dense's does. Target-only summaries, one bench run, medians of 3, blocks over
-# bf16 dense: 1.70x at batch 4, 1.34x at 8, 1.07x at 16 (docs/benchmarks/, 2026-11-29, AVX-512 EPYC).
-BLOCKS_MAX_BATCH_BF16_PREFILL = 16
+# ... and where block prefills are cheap, up to this many: bf16 rows (AVX512_BF16), or rows
+# rounded to int8 by the blocks' codes (`streamed.prefill_numbers`). A batch's time is mostly its
+# prefills. Target-only summaries, one bench run each, medians of 3, blocks over dense: on bf16
+# rows 1.70x at batch 4, 1.34x at 8, 1.07x at 16 (over bf16 dense, AVX-512 EPYC); on int8 rows
+# in AVX2 code 2.05x, 1.92x and 1.86x (over float32 dense) (docs/benchmarks/, 2026-11-29).
+BLOCKS_MAX_BATCH_CHEAP_PREFILL = 16
 
 
-def _auto_fits(batch: int | None) -> bool:
-    """Does `weights: auto` stream blocks for passes of `batch` rows (None: unknown)?"""
-    most = BLOCKS_MAX_BATCH_BF16_PREFILL if streamed.prefill_reads_bf16_rows() else BLOCKS_MAX_BATCH
-    return batch is None or batch <= most
+def _auto_fits(batch: int | None, rounded: bool = True) -> bool:
+    """Does `weights: auto` stream blocks for passes of `batch` rows (None: unknown), their
+    decoding passes' rows `rounded` to int8 or not (`models.block_activations`)?"""
+    cheap = streamed.prefill_numbers(rounded) != "float32"
+    return batch is None or batch <= (BLOCKS_MAX_BATCH_CHEAP_PREFILL if cheap else BLOCKS_MAX_BATCH)
 
 
 def _keeps_blocks(target: ModelRef) -> bool:
@@ -466,7 +468,9 @@ def _keeps_blocks(target: ModelRef) -> bool:
     return is_local and (Path(src) / gguf_blocks.FILE).is_file()
 
 
-def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int | None) -> bool:
+def _blocks_decide_dtype(
+    target: ModelRef, weights: str, device: str, batch: int | None, rounded: bool = True
+) -> bool:
     """Does `dtype: auto` become float32 for the target's GGUF blocks? Where gguf-blocks is asked
     for on a CPU, and where `auto` would stream them: a CPU with the kernel, a target that keeps
     blocks, a batch small enough (`_auto_fits`). Also on CPUs with AVX512-BF16, where auto otherwise
@@ -479,17 +483,19 @@ def _blocks_decide_dtype(target: ModelRef, weights: str, device: str, batch: int
         return True
     measured = "amx_bf16" not in _cpu_flags()
     usable = _keeps_blocks(target) and streamed.library() is not None
-    return weights == "auto" and _auto_fits(batch) and measured and usable
+    return weights == "auto" and _auto_fits(batch, rounded) and measured and usable
 
 
-def _target_blocks(target: ModelRef, weights: str, dtype, device: str, batch: int | None) -> dict | None:
+def _target_blocks(
+    target: ModelRef, weights: str, dtype, device: str, batch: int | None, rounded: bool = True
+) -> dict | None:
     """The target's GGUF blocks where `weights` asks for them and this machine can stream them
     (None: dense weights). `auto` takes them where the target keeps blocks, float32 runs on a CPU
     with the streamed kernel, and `batch` (the rows a pass decodes; None: unknown) is small enough
     (`_auto_fits`); `gguf-blocks` insists, with an error that says what is missing."""
     if weights not in WEIGHTS:
         raise InvalidOptionError(f"unknown weights {weights!r}; use {', '.join(WEIGHTS)}")
-    if weights == "dense" or (weights == "auto" and not _auto_fits(batch)):
+    if weights == "dense" or (weights == "auto" and not _auto_fits(batch, rounded)):
         return None
     try:
         src, is_local = _source(target, "model", ("config.json",))
@@ -531,9 +537,10 @@ def _target_kernels(
     batch: int | None,
     streamed_linears: bool | None,
     batch_invariant: bool | None,
+    rounded: bool = True,
 ) -> _TargetKernels:
     """Choose the target's kernels as `load_pair` documents, before any weights are read."""
-    blocks = _target_blocks(target, weights, dtype, device, batch)
+    blocks = _target_blocks(target, weights, dtype, device, batch, rounded)
     if streamed_linears is False and weights != "gguf-blocks":
         blocks = None  # blocks stream through the same kernel
     if streamed_linears is None:
@@ -671,10 +678,13 @@ def load_pair(
     so off unless asked).
     """
     device = resolve_device(device)
-    if dtype in (None, "auto") and _blocks_decide_dtype(target, weights, device, batch):
+    rounded = block_activations == "int8"
+    if dtype in (None, "auto") and _blocks_decide_dtype(target, weights, device, batch, rounded):
         dtype = torch.float32  # the block kernel's activations
     torch_dtype = resolve_dtype(dtype, device)
-    kernels = _target_kernels(target, weights, torch_dtype, device, batch, streamed_linears, batch_invariant)
+    kernels = _target_kernels(
+        target, weights, torch_dtype, device, batch, streamed_linears, batch_invariant, rounded
+    )
     streamed_linears, batch_invariant = kernels.streamed_linears, kernels.batch_invariant
     times: dict[str, float] = {}
     t = time.perf_counter()

@@ -1374,6 +1374,31 @@ inline void group_sums(const uint8_t* w, const int8_t* x8, int64_t K, int c, int
     }
 }
 
+// The end of a decoded super-block for N token rows, either kernel: Q6_K's sums less 32 * sum
+// sc * xs16 (u's offset: the pairs' two scales against the token row's two sums of 16, `madd`),
+// then acc = fma(d * dx, sum, acc).
+template <typename B, int N>
+inline void end_super_block(const uint8_t* w, const float* dx, const int16_t* xs16, int64_t K, int64_t s, __m256i* sum,
+                            __m256* acc) {
+    using L = Q8Gemm<B>;
+    if constexpr (!B::FACTORED)
+        for (int n = 0; n < N; ++n) {
+            const int16_t* xs = xs16 + n * (K / 16) + s / 16;
+            __m256i offset = _mm256_setzero_si256();
+            for (int i = 0; i < 8; ++i) {
+                int32_t two;
+                std::memcpy(&two, xs + 2 * i, 4);
+                const __m256i paired = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + L::CODES + L::SCALES + 32 * i));
+                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(paired, _mm256_set1_epi32(two)));
+            }
+            sum[n] = _mm256_sub_epi32(sum[n], _mm256_slli_epi32(offset, 5));
+        }
+    const __m256 d = _mm256_load_ps(reinterpret_cast<const float*>(w + L::D));
+    for (int n = 0; n < N; ++n)
+        acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])), _mm256_cvtepi32_ps(sum[n]),
+                                 acc[n]);
+}
+
 // A decoded strip's `len` k against N rounded token rows (x8 from the slice's first k, K a row;
 // dx from its first super-block, K / 256 a row; Q6_K: xs16, the sums of x8 over each 16 k,
 // K / 16 a row): acc[n], a row a lane. Per super-block an exact int32 sum a row: Q4_K, a
@@ -1397,22 +1422,7 @@ inline void micro_q8_gemm(const uint8_t* w, const int8_t* x8, const float* dx, c
             const __m256i sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + L::CODES + 32 * (h * G / (256 / B::SUBS / 4))));
             for (int n = 0; n < N; ++n) sum[n] = _mm256_add_epi32(sum[n], _mm256_madd_epi16(part[n], sc));
         }
-        if constexpr (!B::FACTORED)
-            for (int n = 0; n < N; ++n) {
-                const int16_t* xs = xs16 + n * (K / 16) + s / 16;
-                __m256i offset = _mm256_setzero_si256();
-                for (int i = 0; i < 8; ++i) {
-                    int32_t two;
-                    std::memcpy(&two, xs + 2 * i, 4);
-                    const __m256i paired = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + L::CODES + L::SCALES + 32 * i));
-                    offset = _mm256_add_epi32(offset, _mm256_madd_epi16(paired, _mm256_set1_epi32(two)));
-                }
-                sum[n] = _mm256_sub_epi32(sum[n], _mm256_slli_epi32(offset, 5));
-            }
-        const __m256 d = _mm256_load_ps(reinterpret_cast<const float*>(w + L::D));
-        for (int n = 0; n < N; ++n)
-            acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])),
-                                     _mm256_cvtepi32_ps(sum[n]), acc[n]);
+        end_super_block<B, N>(w, dx, xs16, K, s, sum, acc);
     }
 }
 

@@ -415,13 +415,14 @@ class ModelsSpec(_Section):
         description="The target's weights on a CPU. gguf-blocks: the GGUF blocks its install kept "
         "(Q4_K, Q6_K), streamed by the CPU kernel with float32 activations (dtype auto becomes float32): "
         "about a third of the bytes of bf16 weights per pass; decoding passes compute with the blocks' "
-        "exact values, prefills with their bf16 rounding (the installed weights; on CPUs with "
-        "AVX512-BF16 against bf16-rounded activations too, twice as fast). dense: the installed "
-        "weights. auto: gguf-blocks where the target keeps blocks, the dtype is float32 on a CPU with "
-        "AVX2 (dtype auto picks float32 there, also on CPUs with AVX512-BF16 but without AMX: a whole "
-        "job ran faster on the blocks than on bf16) and execution.batch_size is at most 2, or 16 on "
-        "CPUs with AVX512-BF16 (wider passes are bound by arithmetic, and there dense weights are "
-        "faster), else dense.",
+        "exact values (see block_activations), prefills with their bf16 rounding against bf16-rounded "
+        "activations on CPUs with AVX512-BF16, and elsewhere with the blocks' integer codes against "
+        "activations rounded to int8 (block_activations int8; float32: the installed bf16 weights). "
+        "dense: the installed weights. auto: gguf-blocks where the target keeps blocks, the dtype is "
+        "float32 on a CPU with AVX2 (dtype auto picks float32 there, also on CPUs with AVX512-BF16 but "
+        "without AMX: a whole job ran faster on the blocks than on bf16) and execution.batch_size is at "
+        "most 16 (2 with block_activations float32 on CPUs without AVX512-BF16, whose prefills then "
+        "cost as much as dense ones), else dense.",
     )
     block_activations: Literal["int8", "float32"] = Field(
         "int8",
@@ -430,7 +431,8 @@ class ModelsSpec(_Section):
         "llama.cpp's Q8_K), then integer products: a third of the instructions a weight, about "
         "as close to the float32 product as llama.cpp's own. float32: the activations as they "
         "are. Either way every pass computes a token the same way, so speculative output stays "
-        "the target-only output bit for bit; prefills read the bf16 rounding of the blocks.",
+        "the target-only output bit for bit. int8 also rounds prefills' activations on CPUs "
+        "without AVX512-BF16 (2.4x faster prefills in AVX2 code); those with it prefill bf16 rows.",
     )
     static_passes: bool | None = Field(
         None,
