@@ -180,6 +180,19 @@ def _in_a_process_without_bf16_rows(call: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def _assert_a_rows_bits_hold(layer, x: torch.Tensor, full: torch.Tensor) -> None:
+    """`layer` gives each row of `x` the bits of `full` at any width and place in the pass, and
+    on one thread as on several."""
+    for rows_from, rows_to in ((0, 1), (0, 3), (0, 7), (5, 17), (39, 40), (3, 40)):
+        assert torch.equal(layer(x[rows_from:rows_to]), full[rows_from:rows_to]), (rows_from, rows_to)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif(
     not streamed.prefill_reads_bf16_rows(), reason="the CPU has no AVX512_BF16 (or it is off)"
 )
@@ -199,14 +212,7 @@ def test_a_prefill_on_avx512_bf16_multiplies_bf16_rows_and_keeps_a_rows_bits(kin
         reference = x.to(torch.bfloat16).double() @ weights.T + layer.bias.double()
         scale = x.to(torch.bfloat16).double().abs() @ weights.abs().T  # the sum of |products|
         assert ((full.double() - reference).abs() <= 1e-6 * scale + 1e-30).all()
-        for rows_from, rows_to in ((0, 1), (0, 3), (0, 7), (5, 17), (39, 40)):
-            assert torch.equal(layer(x[rows_from:rows_to]), full[rows_from:rows_to]), (rows_from, rows_to)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(layer(x), full)
-        finally:
-            torch.set_num_threads(threads)
+        _assert_a_rows_bits_hold(layer, x, full)
     assert not torch.equal(layer(x), full)  # outside a prefill: the blocks' exact values, float rows
 
 
@@ -235,14 +241,7 @@ def test_a_prefill_on_rounded_rows_multiplies_int8_codes_and_keeps_a_rows_bits(k
         reference = rounded @ weights.T + bias.double()
         scale = rounded.abs() @ weights.abs().T + bias.double().abs()
         assert ((full.double() - reference).abs() <= 2e-6 * scale).all()
-        for rows_from, rows_to in ((0, 1), (0, 3), (0, 7), (5, 17), (39, 40), (3, 40)):
-            assert torch.equal(layer(x[rows_from:rows_to]), full[rows_from:rows_to]), (rows_from, rows_to)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(layer(x), full)
-        finally:
-            torch.set_num_threads(threads)
+        _assert_a_rows_bits_hold(layer, x, full)
     assert not torch.equal(layer(x), full)  # a decoding pass sums in another order
 
 

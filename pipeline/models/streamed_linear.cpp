@@ -1245,24 +1245,29 @@ inline void strip_mins_q8(const uint8_t* m, const float* dmin, const int16_t* xs
     }
 }
 
+// A strip's 8 outputs of one token row (`s`, a row a lane) plus the bias, into `out` (row o's
+// output; those of rows at or past O are not written).
+inline void store_strip(__m256 s, int64_t o, int64_t O, const float* bias, float* out) {
+    const int64_t rows = std::min<int64_t>(STRIP, O - o);
+    if (rows == STRIP) {
+        if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + o));
+        _mm256_storeu_ps(out, s);
+    } else {
+        alignas(32) float v[STRIP];
+        _mm256_store_ps(v, s);
+        for (int64_t r = 0; r < rows; ++r) out[r] = bias ? v[r] + bias[o + r] : v[r];
+    }
+}
+
 // A strip's outputs (rows o..o+8, those below O) for token rows t..t+n from its accumulators
 // (row r's token i at acc[r * n + i]): the horizontal sum, less the mins' term where there is
 // one, plus the bias, each lane the same operations as `finish`.
 inline void finish_strip(const __m256* acc, int n, int64_t o, int64_t t, int64_t O, const __m256* term,
                          const float* bias, float* y) {
-    const int64_t rows = std::min<int64_t>(STRIP, O - o);
     for (int i = 0; i < n; ++i) {
         __m256 s = _mm256_permutevar8x32_ps(hsum8(acc + i, n), strip_order());
         if (term) s = _mm256_sub_ps(s, term[i]);
-        float* out = y + (t + i) * O + o;
-        if (rows == STRIP) {
-            if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + o));
-            _mm256_storeu_ps(out, s);
-        } else {
-            alignas(32) float v[STRIP];
-            _mm256_store_ps(v, s);
-            for (int64_t r = 0; r < rows; ++r) out[r] = bias ? v[r] + bias[o + r] : v[r];
-        }
+        store_strip(s, o, O, bias, y + (t + i) * O + o);
     }
 }
 
@@ -1504,7 +1509,7 @@ void prefill_q8(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t 
                 }
             }
             for (int64_t i = 0; i < rows && o0 + i < O; i += STRIP) {
-                const int64_t o = o0 + i, at = strip_entry(o, 0, per_row), real = std::min<int64_t>(STRIP, O - o);
+                const int64_t o = o0 + i, at = strip_entry(o, 0, per_row);
                 for (int64_t tile = 0; tile < tiles; ++tile) {
                     const int64_t t = tile_start(tile);
                     const int n = tile_rows(tile);
@@ -1513,15 +1518,7 @@ void prefill_q8(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t 
                     for (int r = 0; r < n; ++r) {
                         __m256 v = acc[(i / STRIP) * T + t + r];
                         if (dmin) v = _mm256_sub_ps(v, term[r]);
-                        float* out = y + (t + r) * O + o;
-                        if (real == STRIP) {
-                            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + o));
-                            _mm256_storeu_ps(out, v);
-                        } else {
-                            alignas(32) float lanes[STRIP];
-                            _mm256_store_ps(lanes, v);
-                            for (int64_t l = 0; l < real; ++l) out[l] = bias ? lanes[l] + bias[o + l] : lanes[l];
-                        }
+                        store_strip(v, o, O, bias, y + (t + r) * O + o);
                     }
                 }
             }
