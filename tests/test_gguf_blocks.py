@@ -82,9 +82,24 @@ def test_int8_activations_multiply_the_blocks_with_the_rounded_rows_whatever_the
     for width in [*range(1, 17), 24, 40]:
         for start in {0, 7 % (41 - width), 40 - width}:
             assert torch.equal(layer(x[start : start + width]), full[start : start + width]), (width, start)
-    if streamed.prefill_numbers(rounded=True) == "bf16":
-        with streamed.prefilling():
+    with streamed.prefilling():
+        if streamed.prefill_numbers(rounded=True) == "bf16":
             assert torch.equal(layer(x), exact(x))
+        else:  # the decoding passes' own chain, by the GEMM
+            assert torch.equal(layer(x), full)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_in_avx2_code_wide_decoding_passes_take_the_gemm_and_keep_a_rows_bits(kind):
+    """With AVX2's decoding kernels, passes of 12 token rows or more on rounded rows take the
+    GEMM (`micro_q8_gemm`), whose chain is the decoding kernels': a row's bits are the same at
+    every width on either side of that line. Run where the AVX-512 kernels are off."""
+    name = "test_int8_activations_multiply_the_blocks_with_the_rounded_rows_whatever_the_pass"
+    for rows, cols in SHAPES:
+        if streamed.instruction_set() == "avx512":
+            _in_a_process_with(f"t.{name}({kind!r}, {rows}, {cols})", PIPELINE_KERNEL_AVX512="0")
+        else:
+            globals()[name](kind, rows, cols)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -164,8 +179,13 @@ def test_a_prefill_reads_the_blocks_as_the_bf16_weights_the_install_wrote(kind, 
 
 
 def _in_a_process_without_bf16_rows(call: str) -> None:
-    """Run `call` (on this module as `t`) where prefills take the float32 chain
+    """Run `call` (on this module as `t`) where prefills take no bf16 rows
     (PIPELINE_KERNEL_BF16DOT=0; the kernel reads the switch once a process)."""
+    _in_a_process_with(call, PIPELINE_KERNEL_BF16DOT="0")
+
+
+def _in_a_process_with(call: str, **switches: str) -> None:
+    """Run `call` (on this module as `t`) in a process with the kernel's `switches` set."""
     import os
     import subprocess
     import sys
@@ -173,7 +193,7 @@ def _in_a_process_without_bf16_rows(call: str) -> None:
 
     here = str(Path(__file__).parent)
     script = f"import sys; sys.path.insert(0, {here!r}); import test_gguf_blocks as t; {call}"
-    env = {**os.environ, "PIPELINE_KERNEL_BF16DOT": "0"}
+    env = {**os.environ, **switches}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
@@ -242,7 +262,7 @@ def test_a_prefill_on_rounded_rows_multiplies_int8_codes_and_keeps_a_rows_bits(k
         scale = rounded.abs() @ weights.abs().T + bias.double().abs()
         assert ((full.double() - reference).abs() <= 2e-6 * scale).all()
         _assert_a_rows_bits_hold(layer, x, full)
-    assert not torch.equal(layer(x), full)  # a decoding pass sums in another order
+    assert torch.equal(layer(x), full)  # a decoding pass: the same chain
 
 
 EXTREMES = [("Q4_K", 0xFF, 0xFF), ("Q6_K", 0xFF, 0x80), ("Q6_K", 0, 0x80), ("Q6_K", 0xFF, 0x7F)]

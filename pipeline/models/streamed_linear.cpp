@@ -930,19 +930,51 @@ inline void prefetch_ahead(const uint8_t* w) {
     for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * BYTES + l), _MM_HINT_T0);
 }
 
-// The one float step of a super-block for both kinds: acc = fma(d * dx, sum, acc) per row of
-// each pair (d, the rows' two float scales, at `header` bytes a pair from the super-block's
-// start) and per token row (dx, its rounding scale, K / 256 floats a token row).
+// Each of v[0 .. count)'s 8 lanes added up (count <= 8; the rest count as zeros), in lane i for
+// v[i]: exact int32 sums, by a transposed tree (one vector for 8 totals).
+inline __m256i lane_totals(const __m256i* v, int count) {
+    __m256i a[8];
+    for (int i = 0; i < 8; ++i) a[i] = i < count ? v[i] : _mm256_setzero_si256();
+    auto halves = [&](int r) {  // [v_r's lanes j + (j + 4) | v_r+1's]
+        return _mm256_add_epi32(_mm256_permute2x128_si256(a[r], a[r + 1], 0x20),
+                                _mm256_permute2x128_si256(a[r], a[r + 1], 0x31));
+    };
+    // [v0, v2 | v1, v3] in pairs, then [v0, v2, v4, v6 | v1, v3, v5, v7] whole
+    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(halves(0), halves(2)), _mm256_hadd_epi32(halves(4), halves(6)));
+    return _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// The accumulators of a decoding kernel's tile on rounded rows: one float per slot (row of a pair
+// and token row, slot (2p + r) * N + n, as `sum`), 8 slots a vector, kept in memory (`acc`) between
+// k slices.
+inline __m256i first_lanes(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+template <int SLOTS>
+inline void load_slots(const float* acc, bool first, __m256* c) {
+    for (int g = 0; g < (SLOTS + 7) / 8; ++g)
+        c[g] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(acc + 8 * g, first_lanes(SLOTS - 8 * g));
+}
+template <int SLOTS>
+inline void store_slots(const __m256* c, float* acc) {
+    for (int g = 0; g < (SLOTS + 7) / 8; ++g) _mm256_maskstore_ps(acc + 8 * g, first_lanes(SLOTS - 8 * g), c[g]);
+}
+
+// The one float step of a super-block for both kinds and every kernel on rounded rows, decoding
+// passes and the wide GEMM alike (`micro_q8_gemm`): the exact integer sum of the super-block, then
+// acc = fma(d * dx, sum, acc), for each row of each pair (d, the rows' two float scales, at
+// `header` bytes a pair from the super-block's start) and token row (dx, its rounding scale,
+// K / 256 floats a token row). A slot's 8 lanes of `sum` are added up first (`lane_totals`).
 template <int N, int P>
 inline void super_block_step(const uint8_t* w, int header, int p0, const float* dx, int64_t K, const __m256i* sum,
                              __m256* c) {
-    for (int p = 0; p < P; ++p) {
-        const float* d = reinterpret_cast<const float*>(w + header * (p0 + p));
-        for (int n = 0; n < N; ++n)
-            for (int r = 0; r < 2; ++r) {
-                const int i = (2 * p + r) * N + n;
-                c[i] = _mm256_fmadd_ps(_mm256_set1_ps(d[r] * dx[n * (K / QK)]), _mm256_cvtepi32_ps(sum[i]), c[i]);
-            }
+    constexpr int SLOTS = 2 * P * N;
+    for (int g = 0; g < (SLOTS + 7) / 8; ++g) {
+        alignas(32) float scale[8] = {};
+        for (int l = 0; l < 8 && 8 * g + l < SLOTS; ++l) {
+            const int row = (8 * g + l) / N, n = (8 * g + l) % N;
+            scale[l] = reinterpret_cast<const float*>(w + header * (p0 + row / 2))[row % 2] * dx[n * (K / QK)];
+        }
+        const __m256i total = lane_totals(sum + 8 * g, std::min(8, SLOTS - 8 * g));
+        c[g] = _mm256_fmadd_ps(_mm256_load_ps(scale), _mm256_cvtepi32_ps(total), c[g]);
     }
 }
 
@@ -950,9 +982,9 @@ inline void super_block_step(const uint8_t* w, int header, int p0, const float* 
 // acc[(2p + r) * N + n] as `micro_pairs` lays them out.
 template <int N, int P>
 inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                     __m256* acc, bool first) {
-    __m256 c[2 * P * N];
-    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+                     float* acc, bool first) {
+    __m256 c[(2 * P * N + 7) / 8];
+    load_slots<2 * P * N>(acc, first, c);
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t s = 0, sb = 0; s < len; s += QK, w += Q4K::bytes, ++sb) {
         __m256i scale[2 * P];  // each row's 8 sub-block scales as int16, in both 128-bit lanes
@@ -983,7 +1015,7 @@ inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx
         }
         super_block_step<N, P>(w, 24, p0, dx + s / QK, K, sum, c);
     }
-    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+    store_slots<2 * P * N>(c, acc);
 }
 
 // The same for Q6_K (codes q = u - 32, u in 0..63, a scale per 16 k): per chunk of 32 k a row's
@@ -993,9 +1025,9 @@ inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx
 // halves (`madd`), summed in int32 over the super-block.
 template <int N, int P>
 inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                         __m256* acc, bool first) {
-    __m256 c[2 * P * N];
-    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+                         float* acc, bool first) {
+    __m256 c[(2 * P * N + 7) / 8];
+    load_slots<2 * P * N>(acc, first, c);
     const __m256i nibble = _mm256_set1_epi8(15), thirty_two = _mm256_set1_epi8(32), six_bits = _mm256_set1_epi8(63);
     const __m256i top = _mm256_set1_epi8(0x30), halves = _mm256_setr_epi64x(0, 0, 4, 4);
     for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
@@ -1041,7 +1073,7 @@ inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float
         }
         super_block_step<N, P>(w, 40, p0, dx + s / QK, K, sum, c);
     }
-    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+    store_slots<2 * P * N>(c, acc);
 }
 
 // The same two kernels on CPUs with AVX-512 (BW and VNNI): each instruction takes two chunks of
@@ -1068,9 +1100,9 @@ AVX512BW inline __m256i fold(__m512i v) {
 
 template <int N, int P>
 AVX512BW void micro_q8_512(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                           __m256* acc, bool first) {
-    __m256 c[2 * P * N];
-    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+                           float* acc, bool first) {
+    __m256 c[(2 * P * N + 7) / 8];
+    load_slots<2 * P * N>(acc, first, c);
     const __m512i low = _mm512_set1_epi8(15);
     for (int64_t s = 0; s < len; s += QK, w += Q4K::bytes) {
         __m512i scale[2 * P];  // each row's 8 sub-block scales as int16, in every 128-bit lane
@@ -1102,14 +1134,14 @@ AVX512BW void micro_q8_512(const uint8_t* w, int p0, const int8_t* x8, const flo
         for (int i = 0; i < 2 * P * N; ++i) folded[i] = fold(sum[i]);
         super_block_step<N, P>(w, 24, p0, dx + s / QK, K, folded, c);
     }
-    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+    store_slots<2 * P * N>(c, acc);
 }
 
 template <int N, int P>
 AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                               __m256* acc, bool first) {
-    __m256 c[2 * P * N];
-    for (int i = 0; i < 2 * P * N; ++i) c[i] = first ? _mm256_setzero_ps() : acc[i];
+                               float* acc, bool first) {
+    __m256 c[(2 * P * N + 7) / 8];
+    load_slots<2 * P * N>(acc, first, c);
     const __m512i nibble = _mm512_set1_epi8(15), thirty_two = _mm512_set1_epi8(32), six_bits = _mm512_set1_epi8(63);
     const __m512i top = _mm512_set1_epi8(0x30), halves = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
     for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
@@ -1156,7 +1188,7 @@ AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const
         for (int i = 0; i < 2 * P * N; ++i) folded[i] = fold(sum[i]);
         super_block_step<N, P>(w, 40, p0, dx + s / QK, K, folded, c);
     }
-    for (int i = 0; i < 2 * P * N; ++i) acc[i] = c[i];
+    store_slots<2 * P * N>(c, acc);
 }
 
 // Does this CPU run `micro_q8_512`? (PIPELINE_KERNEL_AVX512=0 says no, as for `wide_fma`.)
@@ -1166,9 +1198,10 @@ bool wide_int8() {
 }
 
 // A tile of n token rows through kernel(N, P, p, acc): the strip's 4 pairs, P at a time (all 4
-// for 1 row, 2 for 2 rows, one for more, as the registers allow), N from 1 to MAX (more: MAX).
+// for 1 row, 2 for 2 rows, one for more, as the registers allow), N from 1 to MAX (more: MAX);
+// their slots (`load_slots`) row after row of the strip, token after token.
 template <int N, int MAX, typename Kernel>
-inline void by_tile_width(int n, Kernel kernel, __m256* acc) {
+inline void by_tile_width(int n, Kernel kernel, float* acc) {
     if constexpr (N < MAX) {
         if (n > N) return by_tile_width<N + 1, MAX>(n, kernel, acc);
     }
@@ -1181,8 +1214,8 @@ inline void by_tile_width(int n, Kernel kernel, __m256* acc) {
 // Q8_TILE_512), as `micro_direct`.
 template <typename B>
 inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                            __m256* acc, bool first) {
-#define Q8_KERNEL(name) [&](auto N, auto P, int p, __m256* a) { name<decltype(N)::value, decltype(P)::value>(w, p, x8, dx, K, len, a, first); }
+                            float* acc, bool first) {
+#define Q8_KERNEL(name) [&](auto N, auto P, int p, float* a) { name<decltype(N)::value, decltype(P)::value>(w, p, x8, dx, K, len, a, first); }
     if (wide_int8()) {  // the same sums, two chunks an instruction
         if constexpr (B::FACTORED)
             by_tile_width<1, Q8_TILE_512>(n, Q8_KERNEL(micro_q8_512), acc);
@@ -1202,26 +1235,6 @@ inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const flo
 // (prefills) decode the block's rows over a range of k into L2 and run every tile over that,
 // every tile's accumulators kept in memory between ranges: the token rows are then read once
 // per block of rows, not once per few rows (a prefill's rows of a 8960-wide input are 14 MB).
-// The epilogue of a decoding pass on rounded rows, a strip's 8 rows at once (the row-at-a-time
-// `finish` was 14% of a 1-token pass on one core: a horizontal sum and a chain over the mins a
-// row). The 8 rows' horizontal sums, each by `hsum`'s own chain (lanes i + (i + 4), then
-// (0 + 2) + (1 + 3)), so the same bits; in lanes [0, 2, 4, 6, 1, 3, 5, 7] (rows). Row r's
-// accumulator is a[r * stride].
-inline __m256 hsum8(const __m256* a, int64_t stride) {
-    auto halves = [&](int r) {  // [row r's lanes i + (i + 4) | row r + 1's]
-        const __m256 u = a[r * stride], v = a[(r + 1) * stride];
-        return _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
-    };
-    auto pairs = [](__m256 t, __m256 u) {  // [r: 0 + 2, 1 + 3; r + 2: the same | r + 1; r + 3]
-        return _mm256_add_ps(_mm256_shuffle_ps(t, u, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(t, u, _MM_SHUFFLE(3, 2, 3, 2)));
-    };
-    const __m256 low = pairs(halves(0), halves(2)), high = pairs(halves(4), halves(6));
-    return _mm256_add_ps(_mm256_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Lanes [0, 2, 4, 6, 1, 3, 5, 7] (what `hsum8` leaves) back to row order.
-inline __m256i strip_order() { return _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); }
-
 // The Q4_K mins' term of a strip's 8 rows (`strip_entry`) against n rounded token rows, in
 // integers as llama.cpp takes it: per super-block s, I_r = sum_j m_rj * xs_j (exact in int32:
 // one `madd` per pair of sub-blocks gives the 8 rows' products in their lanes), then term_r =
@@ -1259,13 +1272,16 @@ inline void store_strip(__m256 s, int64_t o, int64_t O, const float* bias, float
     }
 }
 
-// A strip's outputs (rows o..o+8, those below O) for token rows t..t+n from its accumulators
-// (row r's token i at acc[r * n + i]): the horizontal sum, less the mins' term where there is
-// one, plus the bias, each lane the same operations as `finish`.
-inline void finish_strip(const __m256* acc, int n, int64_t o, int64_t t, int64_t O, const __m256* term,
+// The epilogue of a decoding pass on rounded rows, a strip's 8 rows at once (the row-at-a-time
+// `finish` was 14% of a 1-token pass on one core): rows o..o+8 (those below O) for token rows
+// t..t+n from their slots (row r's token i at acc[r * n + i]), less the mins' term where there
+// is one, plus the bias: `micro_q8_gemm`'s epilogue, lane for lane.
+inline void finish_strip(const float* acc, int n, int64_t o, int64_t t, int64_t O, const __m256* term,
                          const float* bias, float* y) {
     for (int i = 0; i < n; ++i) {
-        __m256 s = _mm256_permutevar8x32_ps(hsum8(acc + i, n), strip_order());
+        alignas(32) float rows[STRIP];
+        for (int r = 0; r < STRIP; ++r) rows[r] = acc[r * n + i];
+        __m256 s = _mm256_load_ps(rows);
         if (term) s = _mm256_sub_ps(s, term[i]);
         store_strip(s, o, O, bias, y + (t + i) * O + o);
     }
@@ -1273,7 +1289,7 @@ inline void finish_strip(const __m256* acc, int n, int64_t o, int64_t t, int64_t
 
 // ---------------------------------------------------------------------------------------------
 // Prefills on rounded rows (`linear_q4k(..., prefill, q8)`) where prefills have no bf16 dot
-// products (`dot_bf16`: AVX2 CPUs). A prefill is bound by arithmetic, and there the decoding
+// products (`dot_bf16`: AVX2 CPUs), and wide decoding passes. A prefill is bound by arithmetic, and there the decoding
 // kernel's int8 chain makes about 10.7 products an instruction (per 32 k of a row: a `maddubs`,
 // a `madd` by the sub-block's scale, an `add`), the float32 chain over the bf16 rounding 8.
 // llama.cpp's AVX2 GEMM for Q4_K makes more by laying 8 rows' codes 4 k at a time in one vector:
@@ -1289,9 +1305,9 @@ inline void finish_strip(const __m256* acc, int n, int64_t o, int64_t t, int64_t
 // steps depend on the row's own x8, dx and weights): per super-block the integer sum of
 // sc_j * q * x8 over its 256 k, then acc = fma(d * dx, sum, acc) super-block after super-block;
 // the Q4_K mins' term as a decoding pass takes it (`strip_mins_q8`); y = acc - term (+ bias).
-// Not a decoding pass's chain (that one sums in 8 lanes of k): prompt tokens are always
-// prefilled and generated ones never are, so target-only and speculative decoding still share
-// every bit.
+// That is the decoding kernels' chain too (`super_block_step` adds up their lanes' integer sums
+// first), so a prompt token prefilled here has the bits it would have in a decoding pass, and
+// wide decoding passes take this kernel where it is faster (`gemm_decoding`).
 
 // A strip's super-block decoded (`decode_strip_q8`): per chunk c of 32 k and group g of 4 k in
 // it, 32 bytes holding row r's codes at k = 32c + 4g .. + 4 in bytes 4r .. 4r + 4 (Q4_K: q;
@@ -1446,23 +1462,31 @@ inline void micro_q8_gemm_n(int n, const uint8_t* w, const int8_t* x8, const flo
     }
 }
 
-// Do prefills on rounded rows take `micro_q8_gemm` here? (CPUs without bf16 dot products;
-// PIPELINE_KERNEL_Q8GEMM=0 says no: the float32 chain over the bf16 rounding, as on those CPUs
-// before, to compare.)
-bool gemm_q8() {
+// Do passes on rounded rows take `micro_q8_gemm` here (PIPELINE_KERNEL_Q8GEMM=0 says never: the
+// float32 chain over the bf16 rounding for prefills, as before, to compare)? Prefills, where they
+// do not take bf16 rows (`dot_bf16`); decoding passes of GEMM_DECODING_FROM token rows or more
+// where the decoding kernels are AVX2's (`wide_int8`). Either way the same chain, so the same
+// bits, as the decoding kernels'. Whole 1.5B passes in AVX2 code (2 threads): 12 token rows
+// 189 against 215 ms, 16 rows 210 against 261, 32 rows 331 against 526; 8 rows 161 against
+// 143, where decoding the blocks into the layout costs more than it saves. The AVX-512 decoding
+// kernels stay ahead at every width measured (32 rows: 302 against 326 ms).
+constexpr int64_t GEMM_DECODING_FROM = 12;
+bool gemm_on() {
     static const bool yes = [] {
         const char* off = std::getenv("PIPELINE_KERNEL_Q8GEMM");
-        return !dot_bf16() && !(off && off[0] == '0');
+        return !(off && off[0] == '0');
     }();
     return yes;
 }
+bool gemm_q8() { return gemm_on() && !dot_bf16(); }
+bool gemm_decoding(int64_t T) { return gemm_on() && !wide_int8() && T >= GEMM_DECODING_FROM; }
 
-// A prefill on rounded rows (see above): every block's strips decoded over a range of k into
-// L2, every tile of token rows run over them, the tiles' accumulators (one vector a strip and
-// token row) kept until the block's last range; then the Q4_K mins' term, the bias.
+// A pass on rounded rows by `micro_q8_gemm` (see above): every block's strips decoded over a
+// range of k into L2, every tile of token rows run over them, the tiles' accumulators (one vector
+// a strip and token row) kept until the block's last range; then the Q4_K mins' term, the bias.
 template <typename B>
-void prefill_q8(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
-                const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
+void linear_q8_gemm(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
+                    const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads) {
     using L = Q8Gemm<B>;
     const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
     int8_t* x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
@@ -1536,7 +1560,7 @@ template <typename B>
 void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t O, const float* dmin,
                    const uint8_t* m, const float* bias, float* y, int64_t RB, int64_t KB, int threads, bool prefill,
                    bool q8 = false) {
-    if (prefill && q8 && gemm_q8()) return prefill_q8<B>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads);
+    if (q8 && (prefill ? gemm_q8() : gemm_decoding(T))) return linear_q8_gemm<B>(x, T, K, w, O, dmin, m, bias, y, RB, KB, threads);
     const int64_t padded = (O + STRIP - 1) / STRIP * STRIP, blocks = (padded + RB - 1) / RB, per_row = K / QK;
     q8 = q8 && !prefill;  // any other prefill reads the bf16 rounding, whatever the decoding passes read
     const bool dot = prefill && dot_bf16();  // ... and with AVX512_BF16, bf16 token rows (`micro_dot_512`)
@@ -1639,7 +1663,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                         for (int64_t i = 0; i < rows; i += STRIP)
                             if (x8)
                                 micro_q8_direct<B>(n, slice(wb, rows, k0, len, i), x8 + t * K + k0, dx + t * (K / QK) + k0 / QK,
-                                                K, len, acc + i * n, k0 == 0);
+                                                K, len, reinterpret_cast<float*>(acc + i * n), k0 == 0);
                             else
                                 micro_direct<B>(n, slice(wb, rows, k0, len, i), x + t * K + k0, K, len, acc + i * n,
                                                 k0 == 0);
@@ -1652,7 +1676,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                                 strip_mins_q8(m + 8 * STRIP * at, dmin + STRIP * at, xs + t * (K / 32), dx + t * (K / QK), K, n,
                                               term);
                             }
-                            finish_strip(acc + i * n, n, o0 + i, t, O, dmin ? term : nullptr, bias, y);
+                            finish_strip(reinterpret_cast<const float*>(acc + i * n), n, o0 + i, t, O, dmin ? term : nullptr,
+                                         bias, y);
                         }
                     } else {
                         for (int64_t r = 0; r < rows && o0 + r < O; ++r)
