@@ -564,9 +564,9 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     assert dense.weights == "dense" and dense.block_layers == {} and dense.block_activations is None
     assert not any(isinstance(m, streamed.BlockLinear) for m in dense.target.modules())
     # auto: blocks for jobs of 1 or 2 rows at a time, whose passes are bound by reading weights;
-    # up to 16 where block prefills are cheap: bf16 rows (AVX512-BF16), or rows rounded to int8
-    # as the decoding passes' are (`block_activations: int8`, the default)
-    for numbers, widest in (("float32", 2), ("bf16", 16), ("int8", 16)):
+    # more where block prefills are cheap: up to 16 on bf16 rows (AVX512-BF16), 32 on rows
+    # rounded to int8 as the decoding passes' are (`block_activations: int8`, the default)
+    for numbers, widest in (("float32", 2), ("bf16", 16), ("int8", 32)):
         monkeypatch.setattr(
             streamed, "prefill_numbers", lambda rounded, n=numbers: n if rounded or n == "bf16" else "float32"
         )
@@ -585,8 +585,8 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
 
     for flags, batch, expected in (
         ({"avx2", "fma"}, 1, ("gguf-blocks", torch.float32)),
-        ({"avx2", "fma"}, 16, ("gguf-blocks", torch.float32)),
-        ({"avx2", "fma"}, 32, ("dense", torch.float32)),
+        ({"avx2", "fma"}, 32, ("gguf-blocks", torch.float32)),
+        ({"avx2", "fma"}, 33, ("dense", torch.float32)),
         ({"avx2", "fma", "avx512_bf16"}, 1, ("gguf-blocks", torch.float32)),
         ({"avx2", "fma", "avx512_bf16"}, 16, ("gguf-blocks", torch.float32)),
         ({"avx2", "fma", "avx512_bf16"}, 32, ("dense", torch.bfloat16)),

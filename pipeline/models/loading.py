@@ -444,19 +444,19 @@ WEIGHTS = ("auto", "gguf-blocks", "dense")
 # it is bound by arithmetic, and decoding the blocks costs more than the bytes save (1.2-1.3x).
 # Measured by `pipeline calibrate --against` (docs/benchmarks/, 2026-11-27, AVX2 float32).
 BLOCKS_MAX_BATCH = 2
-# ... and where block prefills are cheap, up to this many: bf16 rows (AVX512_BF16), or rows
-# rounded to int8 by the blocks' codes (`streamed.prefill_numbers`). A batch's time is mostly its
-# prefills. Target-only summaries, one bench run each, medians of 3, blocks over dense: on bf16
-# rows 1.70x at batch 4, 1.34x at 8, 1.07x at 16 (over bf16 dense, AVX-512 EPYC); on int8 rows
-# in AVX2 code 2.05x, 1.92x and 1.86x (over float32 dense) (docs/benchmarks/, 2026-11-29).
-BLOCKS_MAX_BATCH_CHEAP_PREFILL = 16
+# ... and where block prefills are cheap (`streamed.prefill_numbers`), up to these many: a
+# batch's time is mostly its prefills. Target-only summaries, one bench run each, medians of 3:
+# bf16 rows (AVX512_BF16), blocks over bf16 dense 1.70x at batch 4, 1.34x at 8, 1.07x at 16,
+# 1.03x at 32; int8 rows by the blocks' codes (in AVX2 code), blocks over float32 dense 2.05x at
+# batch 4, 1.92x at 8, 1.86x at 16, 2.10x at 32 (docs/benchmarks/, 2026-11-29, the EPYC).
+BLOCKS_MAX_BATCH_CHEAP_PREFILL = {"bf16": 16, "int8": 32}
 
 
 def _auto_fits(batch: int | None, rounded: bool = True) -> bool:
     """Does `weights: auto` stream blocks for passes of `batch` rows (None: unknown), their
     decoding passes' rows `rounded` to int8 or not (`models.block_activations`)?"""
-    cheap = streamed.prefill_numbers(rounded) != "float32"
-    return batch is None or batch <= (BLOCKS_MAX_BATCH_CHEAP_PREFILL if cheap else BLOCKS_MAX_BATCH)
+    most = BLOCKS_MAX_BATCH_CHEAP_PREFILL.get(streamed.prefill_numbers(rounded), BLOCKS_MAX_BATCH)
+    return batch is None or batch <= most
 
 
 def _keeps_blocks(target: ModelRef) -> bool:

@@ -979,7 +979,7 @@ inline void super_block_step(const uint8_t* w, int header, int p0, const float* 
 }
 
 // P pairs of a Q4_K strip's slice (from pair p0) against N rounded token rows (`quantize_q8`):
-// acc[(2p + r) * N + n] as `micro_pairs` lays them out.
+// one float a row of a pair and token row, acc[(2p + r) * N + n] (`load_slots`).
 template <int N, int P>
 inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
                      float* acc, bool first) {

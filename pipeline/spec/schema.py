@@ -421,8 +421,8 @@ class ModelsSpec(_Section):
         "dense: the installed weights. auto: gguf-blocks where the target keeps blocks, the dtype is "
         "float32 on a CPU with AVX2 (dtype auto picks float32 there, also on CPUs with AVX512-BF16 but "
         "without AMX: a whole job ran faster on the blocks than on bf16) and execution.batch_size is at "
-        "most 16 (2 with block_activations float32 on CPUs without AVX512-BF16, whose prefills then "
-        "cost as much as dense ones), else dense.",
+        "most 16 on CPUs with AVX512-BF16, 32 on others (2 with block_activations float32 there, whose "
+        "prefills then cost as much as dense ones), else dense.",
     )
     block_activations: Literal["int8", "float32"] = Field(
         "int8",
