@@ -282,14 +282,15 @@ _prefill: ContextVar[bool] = ContextVar("prefill", default=False)
 @contextmanager
 def prefilling(on: bool = True) -> Iterator[None]:
     """Passes in this block are prefills (`on`; False: are not): block weights run as their
-    bf16 rounding.
+    bf16 rounding, or by the int8 GEMM on rounded rows (`prefill_numbers`).
 
     Why: a prefill is hundreds of token rows, and bound by arithmetic. Read as bf16 (the values
     the install's bf16 weights hold, gguf's dequantization rounded), the kernel runs it as fast
     as the dense path does; read as exact float32, the wider values cost about a third more.
     Decoding passes read the blocks' exact values. A row's numbers stay one fixed chain either
     way, since the runner (`BatchedLM`) marks every prefill, in target-only and speculative
-    decoding alike: a prompt is always prefilled, a generated token never is.
+    decoding alike: a prompt is always prefilled, a generated token never is. (The int8 GEMM's
+    chain is the decoding passes' own.)
     """
     global _traced_prefill
     token, traced = _prefill.set(on), _traced_prefill
