@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.decode.engine import EngineConfig
 from pipeline.decode.sampling import SamplingParams
+from pipeline.decode.settings import EngineConfig
 from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
 from pipeline.models.pairs import cache_dir
 

@@ -16,8 +16,9 @@ from decode_case import DEVICE
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import pipeline.decode.engine as engine_module
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams, probabilities
+from pipeline.decode.settings import EngineConfig
 
 VOCAB = 8
 PROMPT = [3, 5, 2, 7, 3, 5]

@@ -22,7 +22,8 @@ from tiny_models import CORPUS, build_tokenizer, tiny_config
 from transformers import LlamaForCausalLM
 
 from pipeline.cli import main
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.settings import EngineConfig
 from pipeline.job.executor import JobResult, write_manifest
 from pipeline.job.layout import name_shards
 from pipeline.job.worker import build_processor

@@ -19,9 +19,9 @@ from decode_case import (
 )
 
 from pipeline.decode.drafters import Proposal
-from pipeline.decode.engine import EngineConfig, PromptError, SpeculativeEngine
+from pipeline.decode.engine import PromptError, SpeculativeEngine
 from pipeline.decode.sampling import SamplingParams
-from pipeline.decode.settings import PROMPT_LOOKUP
+from pipeline.decode.settings import PROMPT_LOOKUP, EngineConfig
 from pipeline.models.draft_int8 import quantize_draft
 
 

@@ -16,7 +16,7 @@ import torch
 from decode_case import MAX_NEW, TEXTS, reference
 from tiny_models import CORPUS
 
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.head import (
     ChainFigures,
     DraftHead,
@@ -28,6 +28,7 @@ from pipeline.decode.head import (
     train,
 )
 from pipeline.decode.sampling import SamplingParams
+from pipeline.decode.settings import EngineConfig
 
 
 def _docs(target, tokenizer, count: int, seed: int, new: int = 24):

@@ -17,7 +17,8 @@ from decode_case import DEVICE
 from transformers import AutoModelForCausalLM
 
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.settings import EngineConfig
 from pipeline.models import invariant, streamed
 from pipeline.models.loading import ModelRef, load_pair
 

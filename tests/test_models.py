@@ -510,7 +510,8 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
     """The install keeps every Linear weight's Q4_K/Q6_K blocks (checked against the bf16 ones);
     a target loaded on them decodes greedily, and every speculative output equals its own
     target-only output, token for token."""
-    from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+    from pipeline.decode.engine import SpeculativeEngine
+    from pipeline.decode.settings import EngineConfig
     from pipeline.models import streamed
 
     if streamed.library() is None:

@@ -15,9 +15,9 @@ from decode_case import (
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.costs import AcceptanceByPosition, CostModel, RunningRate, iid_survival
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policy import DraftingGate, Offer, Policy, RoundOptions
-from pipeline.decode.settings import DRAFT_MODEL, HEAD, PROMPT_LOOKUP, SUFFIX
+from pipeline.decode.settings import DRAFT_MODEL, HEAD, PROMPT_LOOKUP, SUFFIX, EngineConfig
 
 
 def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):

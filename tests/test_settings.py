@@ -7,7 +7,7 @@ import pydantic
 import pytest
 
 from pipeline.decode import settings
-from pipeline.decode.engine import EngineConfig
+from pipeline.decode.settings import EngineConfig
 from pipeline.spec.schema import DrafterSpec
 
 

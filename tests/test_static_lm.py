@@ -12,7 +12,8 @@ from decode_case import DEVICE, MAX_NEW, TEXTS
 
 from pipeline.decode import static_lm
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.settings import EngineConfig
 from pipeline.decode.static_lm import StaticLM
 from pipeline.models import invariant
 from pipeline.models.architecture import static_support

@@ -10,7 +10,8 @@ import torch
 from decode_case import assert_widths_alike
 from torch import nn
 
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.settings import EngineConfig
 from pipeline.models import invariant, streamed
 from pipeline.models.loading import ModelRef, load_pair
 

@@ -28,7 +28,7 @@ import torch
 
 from pipeline.decode import static_lm
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.engine import EngineConfig
+from pipeline.decode.settings import EngineConfig
 from pipeline.machine import CPU_FLAGS, cpu_info, describe_machine
 from pipeline.models import streamed
 from pipeline.models.loading import LoadedPair, pad_id

@@ -28,7 +28,7 @@ from pipeline.decode.settings import DRAFT_MODEL
 
 if TYPE_CHECKING:
     from pipeline.decode.batched_lm import BatchedLM
-    from pipeline.decode.engine import EngineConfig
+    from pipeline.decode.settings import EngineConfig
 
 
 @dataclass(frozen=True)

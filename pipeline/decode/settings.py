@@ -1,12 +1,15 @@
-"""The drafter settings a job may choose: every drafter's name and every bound, stated once.
+"""The drafter settings a job may choose: every drafter's name and every bound, stated once,
+and the engine's config (`EngineConfig`) built on them.
 
-The job spec's schema (`pipeline.spec.schema.DrafterSpec`) and the engine's own config
-(`pipeline.decode.engine.EngineConfig`) both take their names and limits from here, so a value
-the spec accepts is one the engine runs, and a bench or a test that builds an engine directly
-meets the same limits. Kept free of torch: the spec is validated where no model is loaded.
+The job spec's schema (`pipeline.spec.schema.DrafterSpec`) and `EngineConfig` both take their
+names and limits from here, so a value the spec accepts is one the engine runs, and a bench or
+a test that builds an engine directly meets the same limits. The policy reads the config too,
+without importing the engine. Kept free of torch: the spec is validated where no model is loaded.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
 
 AUTO, NONE = "auto", "none"
 DRAFT_MODEL, PROMPT_LOOKUP, SUFFIX = "draft_model", "prompt_lookup", "suffix"
@@ -55,3 +58,51 @@ def check(settings: object) -> None:
     sources = settings.auto_sources
     if not sources or not set(sources) <= set(AUTO_CHOICES):
         raise ValueError(f"auto_sources must be a non-empty part of {AUTO_CHOICES}: {tuple(sources)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to speculate. `adaptive=False` always drafts `gamma_max` tokens (fixed gamma).
+
+    The drafter names and every setting's bounds are `pipeline.decode.settings`'s, which the
+    job spec's schema reads too; a job's config is `from_spec(spec.drafter)`."""
+
+    drafter: str = "auto"
+    gamma_max: int = 8
+    adaptive: bool = True
+    ngram_min: int = 1
+    ngram_max: int = 4
+    probe_every: int = 32  # rounds without a drafter (draft model, copies) before trying it again
+    probe_alpha: float = 0.95  # acceptance a probe hopes for: no probe when even that cannot pay
+    probe_budget: float = 0.05  # most a probe may risk on catch-up, as a share of the plain decoding left
+    # The draft model proposes among token ids below this (plus prompt tokens and EOS); 0: all.
+    draft_vocab: int = 32768
+    # Speculate only when the expected rate beats target-only by this much: cost estimates are
+    # noisy (a slow spell inflates one measurement), and a marginal gain is not worth the risk.
+    min_gain: float = 0.05
+    # A lone row's draft model checks this many tokens of a prompt-lookup copy in one pass as a
+    # guess at its own next drafts (see `DraftModelDrafter.propose`); 0: one pass per draft.
+    guess_tokens: int = 3
+    # The suffix drafter's corpus of this engine's earlier outputs keeps at most this many
+    # tokens, the oldest dropped first (0: only the row's own text); it proposes nothing where
+    # no suffix of at least `suffix_min_match` tokens matches.
+    suffix_max_tokens: int = 1 << 20
+    suffix_min_match: int = 1
+    # The drafters `auto` chooses among: leaving one out measures what it adds to the others.
+    auto_sources: tuple[str, ...] = AUTO_SOURCES
+    # The draft head learns from the rows it drafts for, between shards (`refine_head`), for
+    # this many seconds per second of decoding (`OnlineHead`).
+    head_online: bool = False
+    head_online_share: float = 0.25
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @classmethod
+    def from_spec(cls, section, drafter: str | None = None) -> EngineConfig:
+        """The config a job spec's `drafter` section asks for (any object with its fields):
+        every field the two share is copied by name, so a new setting is added in one place.
+        `drafter` overrides the section's `kind` (the speedup sample's target-only twin)."""
+        shared = {f.name: getattr(section, f.name) for f in fields(cls) if hasattr(section, f.name)}
+        shared["auto_sources"] = tuple(shared.get("auto_sources", AUTO_SOURCES))
+        return cls(drafter=drafter or section.kind, **shared)

@@ -51,7 +51,8 @@ def build_processor(spec: JobSpec) -> ShardProcessor:
     """Load the models a spec names and wire them into an engine and a shard processor."""
     import transformers
 
-    from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+    from pipeline.decode.engine import SpeculativeEngine
+    from pipeline.decode.settings import EngineConfig
     from pipeline.job.shard import ShardProcessor
     from pipeline.models.loading import eos_ids, load_pair, pad_id
 

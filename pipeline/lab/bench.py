@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from pipeline.decode.costs import predicted_speedup
-from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.settings import EngineConfig
 from pipeline.decode.stats import BatchStats
 from pipeline.demo_data import CORPORA
 from pipeline.job.prompts import PromptBuilder

@@ -386,7 +386,8 @@ def evaluate(
     under each of DRAFTERS with the run's engine settings, at batch 1, `max_new` tokens per
     document, in one interleaved bench run of `runs` rounds over `prompts`; speedups over
     target-only, outputs checked equal to it."""
-    from pipeline.decode.engine import EngineConfig, SpeculativeEngine
+    from pipeline.decode.engine import SpeculativeEngine
+    from pipeline.decode.settings import EngineConfig
     from pipeline.lab.bench import TaskBench, ours
     from pipeline.models.loading import eos_ids, pad_id
 
