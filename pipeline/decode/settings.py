@@ -64,8 +64,8 @@ def check(settings: object) -> None:
 class EngineConfig:
     """How to speculate. `adaptive=False` always drafts `gamma_max` tokens (fixed gamma).
 
-    The drafter names and every setting's bounds are `pipeline.decode.settings`'s, which the
-    job spec's schema reads too; a job's config is `from_spec(spec.drafter)`."""
+    Its names and bounds are the ones above (`check`), which the job spec's schema reads too;
+    a job's config is `from_spec(spec.drafter)`."""
 
     drafter: str = "auto"
     gamma_max: int = 8
