@@ -269,12 +269,13 @@ EXTREMES = [("Q4_K", 0xFF, 0xFF), ("Q6_K", 0xFF, 0x80), ("Q6_K", 0, 0x80), ("Q6_
 
 
 @pytest.mark.parametrize("kind, code_byte, scale_byte", EXTREMES)
-def test_a_rounded_prefill_sums_the_largest_codes_without_overflow(kind, code_byte, scale_byte):
-    """The int8 prefill adds 8 (Q4_K) or 2 (Q6_K) `maddubs` of a sub-block in int16 before the
-    scale: with every code, scale and x8 at its extreme (Q4_K q = 15, sc = 63; Q6_K u = 63 or 0,
-    sc = -128 or 127; x8 = +-127), each output is still the exact sum."""
+def test_rounded_rows_sum_the_largest_codes_without_overflow(kind, code_byte, scale_byte):
+    """The int8 prefill and decoding passes add 8 (Q4_K) or 2 (Q6_K) `maddubs` of a sub-block in
+    int16 before the scale: with every code, scale and x8 at its extreme (Q4_K q = 15, sc = 63;
+    Q6_K u = 63 or 0, sc = -128 or 127; x8 = +-127), each output is still the exact sum, at
+    every width of a decoding pass."""
     if streamed.prefill_reads_bf16_rows():
-        name = "test_a_rounded_prefill_sums_the_largest_codes_without_overflow"
+        name = "test_rounded_rows_sum_the_largest_codes_without_overflow"
         _in_a_process_without_bf16_rows(f"t.{name}({kind!r}, {code_byte}, {scale_byte})")
         return
     rows, cols = 16, 512
@@ -292,11 +293,14 @@ def test_a_rounded_prefill_sums_the_largest_codes_without_overflow(kind, code_by
     x[1] = -1
     x[2, ::2] = -1  # pairs of opposite signs
     x[3, 256:] = -1
-    with streamed.prefilling():
-        got = layer(x).double()
     expected = x.double() @ weights.T  # +-1 rounds to +-127 / 127: exactly +-1 up to float32
     scale = x.double().abs() @ weights.abs().T  # an overflow would be off by 2^16 products
-    assert scale.min() > 0 and ((got - expected).abs() <= 1e-6 * scale).all()
+    assert scale.min() > 0
+    with streamed.prefilling():
+        prefill = layer(x)
+    singles = torch.cat([layer(x[i : i + 1]) for i in range(4)])  # decoding passes of width 1, then 4
+    for got in (prefill, singles, layer(x)):
+        assert ((got.double() - expected).abs() <= 1e-6 * scale).all()
 
 
 def _block_model(rounded: bool = False, v_kind: str = "Q4_K", fuse: bool = True):

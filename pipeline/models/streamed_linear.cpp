@@ -320,35 +320,38 @@ void linear(const float* x, int64_t T, int64_t K, const W* w, int64_t O, const f
 // chain above, a*q rounded as gguf's own dequantization rounds it. Either way a row's chain does
 // not depend on the pass, so the path is row-invariant.
 //
-// Packed (by `pack_q4k` / `pack_q6k`) per block of rows, k slice and strip of 8 rows (4 pairs),
-// one super-block after another. A strip's super-block:
-//   Q4_K: 4 headers (float d[2]; uint8 sc[2][8]: 24 bytes, one per pair), then per sub-block of
-//         32 k the 4 pairs' 32 bytes, byte i the codes of a pair's two rows at k = i (row o low
-//         nibble, o+1 high), so that one widening of 8 bytes to 32-bit lanes, an `and` and a
-//         shift give both rows' 8 codes: 1120 bytes (4.375 bits a weight; the mins live apart,
-//         strip by strip, read by the epilogue only: see `strip_entry`).
-//   Q6_K: 4 headers (float d[2]; int8 sc[2][16]: 40 bytes), then the 6-bit codes u = q + 32 in
-//         two parts. Per chunk of 32 k, the 4 pairs' 32 bytes: byte i row o's u at k = i in
-//         bits 0-5, row o+1's top 2 bits in bits 6-7. Then per two chunks, the 4 pairs' 32
-//         bytes of row o+1's low 4 bits: 16 bytes a chunk, byte i its k = i low nibble and
-//         k = i + 16 high. 1696 bytes (6.6 bits a weight): one `and` gives row o's codes, four
-//         instructions row o+1's. Until 2026-11-29 the codes were whole int8s (2208 bytes): a
-//         third more to read, for a 1-token pass that mostly waits on memory.
-// A pass of one token row reads a strip as one stream with its 8 outputs' chains in flight
-// together (with 2, the core would mostly wait on their latency); wider passes read it again
-// from L1, a pair at a time. Wider passes decode a strip (5-24 token rows) or a group of rows
-// (more) once into float32 pairs in a per-thread scratch (Q4_K: the codes and the scales apart,
-// for `micro_scaled`; Q6_K: a*q, for `micro`) and run every tile over it: the same values in the
-// same chain, so a row's bits do not depend on which way its pass went. Prefills decode to bf16
-// instead (`decode_strip_bf16`), or on rounded rows to int8 codes 8 rows abreast
-// (`micro_q8_gemm`), in a chain of their own (prompt tokens are always prefilled).
+// Packed (by `pack_q4k` / `pack_q6k`) per block of rows, k slice and strip of 8 rows, one
+// super-block after another, the strip's 8 rows side by side so that one vector holds their
+// codes at 4 k (llama.cpp's repacked layout, the same idea): one `maddubs` against a token row's
+// 4 x8 then gives the 8 rows' partial sums, and a sub-block's add up in int16 before its scales
+// multiply them (`micro_q8_rows`). A strip's super-block:
+//   Q4_K: the rows' d (float[8]), their scales sc[j][r] (uint8, sub-block after sub-block), then
+//         per sub-block of 32 k four vectors, vector v's bytes 4r .. 4r + 4 row r's codes at
+//         k = 4v .. 4v + 4 of the sub-block in the low nibbles and at 16 + 4v .. in the high:
+//         1120 bytes (4.375 bits a weight; the mins live apart, strip by strip, read by the
+//         epilogue only: see `strip_entry`).
+//   Q6_K: the rows' d (float[8]), their int8 scales by pairs of sub-blocks (per pair i, row r's
+//         sc[2i] and sc[2i + 1] in bytes 2r, 2r + 1: what u's offset multiplies), the low 4 bits
+//         of the codes u = q + 32 as Q4_K's, then per chunk of 32 k two vectors of their top 2
+//         bits, one per nibble half, group v's at bits 2v of the same bytes (`Q6K::group`):
+//         1696 bytes (6.6 bits a weight).
+// Until 2026-12-02 a vector held two rows' 32 codes (a pair), and each sub-block of each row took
+// its own `madd` by its scale: twice the multiplies of a pass at 4 token rows, on AVX2 cores that
+// run them on one port. Decoding passes on rounded rows read the stream in registers at every
+// width (`micro_q8_direct`; from GEMM_DECODING_FROM rows the GEMM). On float rows, a pass of 1-4
+// token rows reads a pair's codes from the stream (`Q4K::sub`, `micro_pairs`); wider passes
+// decode a strip (5-24 token rows) or a group of rows (more) once into float32 pairs in a
+// per-thread scratch (Q4_K: the codes and the scales apart, for `micro_scaled`; Q6_K: a*q, for
+// `micro`) and run every tile over it: the same values in the same chain, so a row's bits do
+// not depend on which way its pass went. Prefills decode to bf16 instead (`decode_strip_bf16`),
+// or on rounded rows to int8 codes, a byte each (`micro_q8_gemm`), in a chain of their own
+// (prompt tokens are always prefilled).
 
 constexpr int64_t QK = 256, STRIP = 8;
 constexpr int64_t GGUF_Q4K = 144, GGUF_Q6K = 210;  // a super-block of one row, in the file
 constexpr int DIRECT_MAX = 4, STRIPWISE_MAX = 24;  // the paths through a block, by width (`linear_blocks`)
-constexpr int Q8_WIDE_TILE = 3;                    // token rows a tile of a wide pass on rounded rows
-constexpr int Q8_TILE_512 = 6;  // ... with AVX-512's 32 registers (`micro_q8_512`)
-static_assert(Q8_TILE_512 <= TILE && DIRECT_MAX <= TILE && Q8_WIDE_TILE <= TILE);
+constexpr int Q8_TILE = 4;                         // token rows a tile on rounded rows (2 or 3 vectors each)
+static_assert(DIRECT_MAX <= TILE && Q8_TILE <= TILE);
 constexpr int64_t SCRATCH_BYTES = 256 * 1024, ACC_BYTES = 128 * 1024;  // L2: 512 KB
 
 float half_to_float(uint16_t h) {  // exact; for packing only
@@ -406,40 +409,48 @@ void q6k_fields(const uint8_t* blk, float& d, int8_t sc[16], int8_t q[256]) {
 // How each kind's stream turns into float weights: per super-block a pair's sub-block scales
 // a = d*sc, per sub-block what its groups share, per group of 8 k the pair's weights a*q.
 struct Q4K {
-    static constexpr int64_t bytes = 4 * 24 + 8 * 128;  // a strip's super-block
-    static constexpr int SUBS = 8, GROUPS = 4;          // sub-blocks of 32 k, groups of 8 k in each
-    static constexpr bool FACTORED = true;              // the scale once per sub-block (see `micro_pairs`)
+    static constexpr int64_t D = 0, SCALES = 32, CODES = 96;  // where a strip's super-block's parts begin
+    static constexpr int64_t bytes = CODES + 8 * 128;           // a strip's super-block
+    static constexpr int SUBS = 8, GROUPS = 4;                  // sub-blocks of 32 k, groups of 8 k in each
+    static constexpr bool FACTORED = true;                      // the scale once per sub-block (see `micro_pairs`)
     static void pack(const uint8_t* const rows[8], uint8_t* dst) {  // one strip's super-block
-        for (int p = 0; p < 4; ++p) {
-            float d[2] = {0, 0}, dmin;
-            uint8_t sc[2][8] = {}, m[8], q[2][256] = {};
-            for (int r = 0; r < 2; ++r)
-                if (rows[2 * p + r]) q4k_fields(rows[2 * p + r], d[r], dmin, sc[r], m, q[r]);
-            std::memcpy(dst + 24 * p, d, 8);
-            std::memcpy(dst + 24 * p + 8, sc, 16);
-            for (int j = 0; j < 8; ++j)
-                for (int b = 0; b < 32; ++b) {
-                    const int k = 32 * j + b;
-                    dst[96 + 128 * j + 32 * p + b] = static_cast<uint8_t>(q[0][k] | q[1][k] << 4);
-                }
+        std::memset(dst, 0, bytes);
+        for (int r = 0; r < 8; ++r) {
+            if (!rows[r]) continue;
+            float d, dmin;
+            uint8_t sc[8], m[8], q[256];
+            q4k_fields(rows[r], d, dmin, sc, m, q);
+            std::memcpy(dst + D + 4 * r, &d, 4);
+            for (int j = 0; j < 8; ++j) {
+                dst[SCALES + 8 * j + r] = sc[j];
+                for (int b = 0; b < 16; ++b)  // k = 32j + b in the low nibble, 32j + 16 + b in the high
+                    dst[CODES + 128 * j + 32 * (b / 4) + 4 * r + b % 4] =
+                        static_cast<uint8_t>(q[32 * j + b] | q[32 * j + 16 + b] << 4);
+            }
         }
     }
     static inline void scales(const uint8_t* sb, int p, float* a0, float* a1) {
-        const uint8_t* h = sb + 24 * p;
         for (int r = 0; r < 2; ++r) {
-            const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 8 + 8 * r));
-            _mm256_store_ps(r ? a1 : a0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)),
-                                                       _mm256_broadcast_ss(reinterpret_cast<const float*>(h) + r)));
+            alignas(8) uint8_t sc[8];
+            for (int j = 0; j < 8; ++j) sc[j] = sb[SCALES + 8 * j + 2 * p + r];
+            _mm256_store_ps(r ? a1 : a0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))),
+                                                       _mm256_broadcast_ss(reinterpret_cast<const float*>(sb + D) + 2 * p + r)));
         }
     }
     struct Sub {
-        const uint8_t* q;  // a pair's 32 bytes of the sub-block
+        const uint8_t* q;  // the sub-block's codes, at the pair's first row (8 bytes a group of 4 k)
     };
-    static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + 96 + 128 * j + 32 * p}; }
-    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // widened: 8 bytes to 8 lanes
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + 8 * g)));
-        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-        w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    static inline Sub sub(const uint8_t* sb, int p, int j) { return {sb + CODES + 128 * j + 8 * p}; }
+    // group g's 8 k are groups of 4 k 2g and 2g + 1: vectors 2g % 4 and the next, the low nibbles
+    // for g < 2, the high ones after; a vector's bytes 8p .. 8p + 8 hold the pair's rows' 4 codes
+    static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // widened to 8 lanes a row
+        const int v = 2 * g % 4;
+        const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + 32 * v));
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u.q + 32 * (v + 1)));
+        __m128i both = _mm_unpacklo_epi32(a, b);  // row o's 8 codes, then row o+1's
+        both = _mm_and_si128(g < 2 ? both : _mm_srli_epi16(both, 4), _mm_set1_epi8(15));
+        w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
+        w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(both, both)));
     }
     static inline void weights(const Sub& u, int g, __m256 a0, __m256 a1, __m256& w0, __m256& w1) {
         codes(u, g, w0, w1);
@@ -448,49 +459,60 @@ struct Q4K {
     }
 };
 struct Q6K {
-    static constexpr int64_t LOW = 4 * 40, HIGH = LOW + 8 * 128;  // where the codes' two parts begin
-    static constexpr int64_t bytes = HIGH + 4 * 128;
+    static constexpr int64_t D = 0, SCALES = 32, LOW = 160, HIGH = LOW + 8 * 128;  // where the parts begin
+    static constexpr int64_t bytes = HIGH + 8 * 64;
     static constexpr int SUBS = 16, GROUPS = 2;  // sub-blocks of 16 k
     static constexpr bool FACTORED = false;      // each weight a*q, then one fma per weight
     static void pack(const uint8_t* const rows[8], uint8_t* dst) {
         std::memset(dst, 0, bytes);
-        for (int p = 0; p < 4; ++p) {
-            float d[2] = {0, 0};
-            int8_t sc[2][16] = {}, q[2][256] = {};
-            for (int r = 0; r < 2; ++r)
-                if (rows[2 * p + r]) q6k_fields(rows[2 * p + r], d[r], sc[r], q[r]);
-            std::memcpy(dst + 40 * p, d, 8);
-            std::memcpy(dst + 40 * p + 8, sc, 32);
+        for (int r = 0; r < 8; ++r) {
+            if (!rows[r]) continue;
+            float d;
+            int8_t sc[16], q[256];
+            q6k_fields(rows[r], d, sc, q);
+            std::memcpy(dst + D + 4 * r, &d, 4);
+            for (int j = 0; j < 16; ++j) dst[SCALES + 16 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(sc[j]);
             for (int c = 0; c < 8; ++c)
-                for (int i = 0; i < 32; ++i) {
-                    const int u0 = q[0][32 * c + i] + 32, u1 = q[1][32 * c + i] + 32;
-                    dst[LOW + 128 * c + 32 * p + i] = static_cast<uint8_t>(u0 | (u1 >> 4) << 6);
-                    dst[HIGH + 128 * (c / 2) + 32 * p + 16 * (c % 2) + i % 16] |= static_cast<uint8_t>((u1 & 15) << (4 * (i / 16)));
+                for (int b = 0; b < 32; ++b) {  // k = 32c + b: group (b / 4) % 4 of half b / 16
+                    const int u = q[32 * c + b] + 32, h = b / 16, v = b % 16 / 4, at = 4 * r + b % 4;
+                    dst[LOW + 128 * c + 32 * v + at] |= static_cast<uint8_t>((u & 15) << (4 * h));
+                    dst[HIGH + 64 * c + 32 * h + at] |= static_cast<uint8_t>((u >> 4) << (2 * v));
                 }
         }
     }
     static inline void scales(const uint8_t* sb, int p, float* a0, float* a1) {
-        const uint8_t* h = sb + 40 * p;
         for (int r = 0; r < 2; ++r) {
             float* a = r ? a1 : a0;
-            const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(h) + r);
-            const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8 + 16 * r));
-            _mm256_store_ps(a, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d));
-            _mm256_store_ps(a + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc))), d));
+            alignas(16) int8_t sc[16];
+            for (int j = 0; j < 16; ++j) sc[j] = static_cast<int8_t>(sb[SCALES + 16 * (j / 2) + 2 * (2 * p + r) + j % 2]);
+            const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(sb + D) + 2 * p + r);
+            const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(sc));
+            _mm256_store_ps(a, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d));
+            _mm256_store_ps(a + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), d));
         }
     }
     struct Sub {
         __m128i q0, q1;  // the sub-block's 16 codes q = u - 32 of either row, as int8
     };
     static inline Sub sub(const uint8_t* sb, int p, int j) {  // decoded once, for its two groups
-        const int c = j / 2;
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + LOW + 128 * c + 32 * p + 16 * (j % 2)));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + HIGH + 128 * (c / 2) + 32 * p + 16 * (c % 2)));
-        const __m128i nibble = _mm_set1_epi8(15), bias = _mm_set1_epi8(32);
-        const __m128i u0 = _mm_and_si128(a, _mm_set1_epi8(63));
-        const __m128i u1 = _mm_or_si128(_mm_and_si128(j % 2 ? _mm_srli_epi16(b, 4) : b, nibble),
-                                        _mm_and_si128(_mm_srli_epi16(a, 2), _mm_set1_epi8(0x30)));
-        return {_mm_sub_epi8(u0, bias), _mm_sub_epi8(u1, bias)};
+        const int c = j / 2, h = j % 2;
+        const uint8_t* low = sb + LOW + 128 * c + 8 * p;
+        auto two = [&](int v) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(low + 32 * v)); };
+        // groups 0-3 of the half: rows o and o+1's 4 bytes each, row o's 16 first
+        const __m128i t01 = _mm_unpacklo_epi32(two(0), two(1)), t23 = _mm_unpacklo_epi32(two(2), two(3));
+        __m128i l0 = _mm_unpacklo_epi64(t01, t23), l1 = _mm_unpackhi_epi64(t01, t23);
+        const __m128i nibble = _mm_set1_epi8(15);
+        l0 = _mm_and_si128(h ? _mm_srli_epi16(l0, 4) : l0, nibble);
+        l1 = _mm_and_si128(h ? _mm_srli_epi16(l1, 4) : l1, nibble);
+        // the high 2 bits of group v at bits 2v of the row's 4 bytes: each group's copy shifted
+        const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + HIGH + 64 * c + 32 * h + 8 * p));
+        const __m128i by_group = _mm_setr_epi32(0, 2, 4, 6), two_bits = _mm_set1_epi8(3);
+        auto high = [&](int row) {
+            const __m128i v = _mm_srlv_epi32(_mm_shuffle_epi32(hi, row ? 0x55 : 0x00), by_group);
+            return _mm_slli_epi16(_mm_and_si128(v, two_bits), 4);
+        };
+        const __m128i bias = _mm_set1_epi8(32);
+        return {_mm_sub_epi8(_mm_or_si128(l0, high(0)), bias), _mm_sub_epi8(_mm_or_si128(l1, high(1)), bias)};
     }
     static inline void codes(const Sub& u, int g, __m256& w0, __m256& w1) {  // group g's 8, widened
         w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(g ? _mm_unpackhi_epi64(u.q0, u.q0) : u.q0));
@@ -500,6 +522,14 @@ struct Q6K {
         codes(u, g, w0, w1);
         w0 = _mm256_mul_ps(w0, a0);
         w1 = _mm256_mul_ps(w1, a1);
+    }
+    // the 8 rows' codes u (0..63) of group v (4 k) of half h of a chunk, from its vectors
+    static inline __m256i group(__m256i low, __m256i high, int v, int h) {
+        const __m256i nibble = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+        const __m256i l = _mm256_and_si256(h ? _mm256_srli_epi16(low, 4) : low, nibble);
+        const __m256i t = v == 0 ? _mm256_slli_epi16(high, 4) : v == 1 ? _mm256_slli_epi16(high, 2)
+                        : v == 2 ? high : _mm256_srli_epi16(high, 2);
+        return _mm256_or_si256(l, _mm256_and_si256(t, top));
     }
 };
 
@@ -930,303 +960,136 @@ inline void prefetch_ahead(const uint8_t* w) {
     for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * BYTES + l), _MM_HINT_T0);
 }
 
-// Each of v[0 .. count)'s 8 lanes added up (count <= 8; the rest count as zeros), in lane i for
-// v[i]: exact int32 sums, by a transposed tree (one vector for 8 totals).
-inline __m256i lane_totals(const __m256i* v, int count) {
-    __m256i a[8];
-    for (int i = 0; i < 8; ++i) a[i] = i < count ? v[i] : _mm256_setzero_si256();
-    auto halves = [&](int r) {  // [v_r's lanes j + (j + 4) | v_r+1's]
-        return _mm256_add_epi32(_mm256_permute2x128_si256(a[r], a[r + 1], 0x20),
-                                _mm256_permute2x128_si256(a[r], a[r + 1], 0x31));
-    };
-    // [v0, v2 | v1, v3] in pairs, then [v0, v2, v4, v6 | v1, v3, v5, v7] whole
-    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(halves(0), halves(2)), _mm256_hadd_epi32(halves(4), halves(6)));
-    return _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-// The accumulators of a decoding kernel's tile on rounded rows: one float per slot (row of a pair
-// and token row, slot (2p + r) * N + n, as `sum`), 8 slots a vector, kept in memory (`acc`) between
-// k slices.
-inline __m256i first_lanes(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
-template <int SLOTS>
-inline void load_slots(const float* acc, bool first, __m256* c) {
-    for (int g = 0; g < (SLOTS + 7) / 8; ++g)
-        c[g] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(acc + 8 * g, first_lanes(SLOTS - 8 * g));
-}
-template <int SLOTS>
-inline void store_slots(const __m256* c, float* acc) {
-    for (int g = 0; g < (SLOTS + 7) / 8; ++g) _mm256_maskstore_ps(acc + 8 * g, first_lanes(SLOTS - 8 * g), c[g]);
-}
-
-// The one float step of a super-block for both kinds and every kernel on rounded rows, decoding
-// passes and the wide GEMM alike (`micro_q8_gemm`): the exact integer sum of the super-block, then
-// acc = fma(d * dx, sum, acc), for each row of each pair (d, the rows' two float scales, at
-// `header` bytes a pair from the super-block's start) and token row (dx, its rounding scale,
-// K / 256 floats a token row). A slot's 8 lanes of `sum` are added up first (`lane_totals`).
-template <int N, int P>
-inline void super_block_step(const uint8_t* w, int header, int p0, const float* dx, int64_t K, const __m256i* sum,
-                             __m256* c) {
-    constexpr int SLOTS = 2 * P * N;
-    for (int g = 0; g < (SLOTS + 7) / 8; ++g) {
-        alignas(32) float scale[8] = {};
-        for (int l = 0; l < 8 && 8 * g + l < SLOTS; ++l) {
-            const int row = (8 * g + l) / N, n = (8 * g + l) % N;
-            scale[l] = reinterpret_cast<const float*>(w + header * (p0 + row / 2))[row % 2] * dx[n * (K / QK)];
-        }
-        const __m256i total = lane_totals(sum + 8 * g, std::min(8, SLOTS - 8 * g));
-        c[g] = _mm256_fmadd_ps(_mm256_load_ps(scale), _mm256_cvtepi32_ps(total), c[g]);
+// Q6_K's partner sums for u's offset (`micro_q8_q6k_rows`, `micro_q8_gemm`): each token row's
+// sums of x8 over every 16 k, exact in int16 (at most 16 * 127); the caller frees them.
+inline int16_t* sums_of_16(const int8_t* x8, int64_t T, int64_t K) {
+    int16_t* xs16 = static_cast<int16_t*>(std::aligned_alloc(32, (T * (K / 16) * 2 + 31) / 32 * 32));
+    for (int64_t i = 0; i < T * (K / 16); ++i) {
+        int sum = 0;
+        for (int k = 0; k < 16; ++k) sum += x8[16 * i + k];
+        xs16[i] = static_cast<int16_t>(sum);
     }
+    return xs16;
 }
 
-// P pairs of a Q4_K strip's slice (from pair p0) against N rounded token rows (`quantize_q8`):
-// one float a row of a pair and token row, acc[(2p + r) * N + n] (`load_slots`).
-template <int N, int P>
-inline void micro_q8(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                     float* acc, bool first) {
-    __m256 c[(2 * P * N + 7) / 8];
-    load_slots<2 * P * N>(acc, first, c);
+// A Q4_K strip's slice against N rounded token rows (`quantize_q8`), the strip's 8 rows a lane:
+// acc[8n + r] for token row n and row r. A vector of the stream holds the 8 rows' codes at 4 k
+// (low nibbles) and at 4 k 16 further (high), so that one `maddubs` against the token row's 4
+// x8 broadcast gives the 8 rows' partial sums, and a sub-block's 8 `maddubs` add up in int16
+// (|sum| <= 8 * 2 * 15 * 127 < 2^15) before one `madd` by the rows' 8 scales. Per 256 weights a
+// token row that is 8 `maddubs` and one `madd`, where a pair of rows a vector took 8 and 8 (the
+// multiplies are what AVX2 cores run on one port): from L2, a 1-token product 1.5x faster on
+// the AVX2-only EPYC. The sum of a super-block is the same integer either way, and its float
+// step acc = fma(d * dx, sum, acc) the same (`super_block_step`), so the bits are too.
+template <int N>
+inline void micro_q8_rows(const uint8_t* w, const int8_t* x8, const float* dx, int64_t K, int64_t len, float* acc,
+                          bool first) {
+    __m256 c[N];
+    for (int n = 0; n < N; ++n) c[n] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + 8 * n);
     const __m256i low = _mm256_set1_epi8(15);
-    for (int64_t s = 0, sb = 0; s < len; s += QK, w += Q4K::bytes, ++sb) {
-        __m256i scale[2 * P];  // each row's 8 sub-block scales as int16, in both 128-bit lanes
-        for (int p = 0; p < P; ++p)
-            for (int r = 0; r < 2; ++r) {
-                const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24 * (p0 + p) + 8 + 8 * r));
-                scale[2 * p + r] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc));
-            }
-        __m256i sum[2 * P * N];
-        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm256_setzero_si256();
-        if (p0 == 0) prefetch_ahead<Q4K::bytes>(w);
-        for (int j = 0; j < 8; ++j) {
-            const __m256i pick = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | (2 * j + 1) << 8));
-            __m256i xv[N];
-            for (int n = 0; n < N; ++n)
-                xv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + n * K + s + 32 * j));
-            for (int p = 0; p < P; ++p) {
-                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 96 + 128 * j + 32 * (p0 + p)));
-                const __m256i c0 = _mm256_and_si256(q, low), c1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                const __m256i s0 = _mm256_shuffle_epi8(scale[2 * p], pick), s1 = _mm256_shuffle_epi8(scale[2 * p + 1], pick);
-                for (int n = 0; n < N; ++n) {
-                    __m256i& t0 = sum[(2 * p) * N + n];
-                    __m256i& t1 = sum[(2 * p + 1) * N + n];
-                    t0 = _mm256_add_epi32(t0, _mm256_madd_epi16(_mm256_maddubs_epi16(c0, xv[n]), s0));
-                    t1 = _mm256_add_epi32(t1, _mm256_madd_epi16(_mm256_maddubs_epi16(c1, xv[n]), s1));
-                }
-            }
-        }
-        super_block_step<N, P>(w, 24, p0, dx + s / QK, K, sum, c);
-    }
-    store_slots<2 * P * N>(c, acc);
-}
-
-// The same for Q6_K (codes q = u - 32, u in 0..63, a scale per 16 k): per chunk of 32 k a row's
-// 6-bit codes u from their two parts (see the layout), u times x8 (`maddubs`), less 32 times x8
-// (the same pairs' sums of x8, once per token row and chunk for every pair), so that each int16
-// is (q_a * x_a + q_b * x_b) exactly; times the two sub-blocks' scales in the low and high
-// halves (`madd`), summed in int32 over the super-block.
-template <int N, int P>
-inline void micro_q8_q6k(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                         float* acc, bool first) {
-    __m256 c[(2 * P * N + 7) / 8];
-    load_slots<2 * P * N>(acc, first, c);
-    const __m256i nibble = _mm256_set1_epi8(15), thirty_two = _mm256_set1_epi8(32), six_bits = _mm256_set1_epi8(63);
-    const __m256i top = _mm256_set1_epi8(0x30), halves = _mm256_setr_epi64x(0, 0, 4, 4);
-    for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
-        __m256i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in both lanes
-        for (int p = 0; p < P; ++p)
-            for (int r = 0; r < 2; ++r) {
-                const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 40 * (p0 + p) + 8 + 16 * r));
-                low[2 * p + r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc));
-                high[2 * p + r] = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
-            }
-        __m256i sum[2 * P * N];
-        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm256_setzero_si256();
-        if (p0 == 0) prefetch_ahead<Q6K::bytes>(w);
-        for (int ch = 0; ch < 8; ++ch) {
-            // sub-block 2ch's scale in the low 128 bits, 2ch + 1's in the high
-            const int a = (2 * ch) % 8, b = a + 1;
-            const __m256i pick = _mm256_setr_epi8(2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
-                                                  2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1, 2 * a, 2 * a + 1,
-                                                  2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1,
-                                                  2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1, 2 * b, 2 * b + 1);
-            __m256i xv[N], x32[N];
-            for (int n = 0; n < N; ++n) {
-                xv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x8 + n * K + s + 32 * ch));
-                x32[n] = _mm256_maddubs_epi16(thirty_two, xv[n]);
-            }
-            for (int p = 0; p < P; ++p) {
-                const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::LOW + 128 * ch + 32 * (p0 + p)));
-                // row o+1's low 4 bits: the chunk's 16 bytes in both halves, the high one shifted
-                const __m256i b = _mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                                                        w + Q6K::HIGH + 128 * (ch / 2) + 32 * (p0 + p) + 16 * (ch % 2)))),
-                                                    halves);
-                const __m256i u[2] = {_mm256_and_si256(a, six_bits),  // the pair's two rows' codes u
-                                      _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_srli_epi16(a, 2), top))};
-                for (int r = 0; r < 2; ++r) {
-                    const __m256i scale = _mm256_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
-                    for (int n = 0; n < N; ++n) {
-                        const __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(u[r], xv[n]), x32[n]);
-                        __m256i& t = sum[(2 * p + r) * N + n];
-                        t = _mm256_add_epi32(t, _mm256_madd_epi16(prod, scale));
-                    }
-                }
-            }
-        }
-        super_block_step<N, P>(w, 40, p0, dx + s / QK, K, sum, c);
-    }
-    store_slots<2 * P * N>(c, acc);
-}
-
-// The same two kernels on CPUs with AVX-512 (BW and VNNI): each instruction takes two chunks of
-// 32 k (the low half of a register the first, the high half the next) where the ones above take
-// one, and at the end of a super-block the two halves' int32 sums are added lane to lane. The
-// scales' products go into the sums in one instruction (`dpwssd`, where AVX2 takes `madd` and
-// an `add`: a wide pass is bound by these instructions, and 8 token rows ran 8% faster). A lane
-// then holds the same integer as above (integer sums, exact, in any order), so the one float
-// step and the outputs are bitwise those of `micro_q8` / `micro_q8_q6k`.
-#define AVX512BW __attribute__((target("avx512f,avx512dq,avx512bw,avx512vnni")))
-// `shuffle_epi8` control picking int16 element e[i] in 128-bit lane i
-AVX512BW inline __m512i pick_512(int e0, int e1, int e2, int e3) {
-    auto lane = [](int e) { return _mm_set1_epi16(static_cast<int16_t>((2 * e) | (2 * e + 1) << 8)); };
-    const __m512i lo = _mm512_inserti32x4(_mm512_castsi128_si512(lane(e0)), lane(e1), 1);
-    return _mm512_inserti32x4(_mm512_inserti32x4(lo, lane(e2), 2), lane(e3), 3);
-}
-AVX512BW inline __m512i two_chunks(const uint8_t* first, const uint8_t* second) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second)), 1);
-}
-AVX512BW inline __m256i fold(__m512i v) {
-    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
-
-template <int N, int P>
-AVX512BW void micro_q8_512(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                           float* acc, bool first) {
-    __m256 c[(2 * P * N + 7) / 8];
-    load_slots<2 * P * N>(acc, first, c);
-    const __m512i low = _mm512_set1_epi8(15);
     for (int64_t s = 0; s < len; s += QK, w += Q4K::bytes) {
-        __m512i scale[2 * P];  // each row's 8 sub-block scales as int16, in every 128-bit lane
-        for (int p = 0; p < P; ++p)
-            for (int r = 0; r < 2; ++r) {
-                const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 24 * (p0 + p) + 8 + 8 * r));
-                scale[2 * p + r] = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sc));
-            }
-        __m512i sum[2 * P * N];
-        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm512_setzero_si512();
-        if (p0 == 0) prefetch_ahead<Q4K::bytes>(w);
-        for (int j = 0; j < 8; j += 2) {
-            const __m512i pick = pick_512(j, j, j + 1, j + 1);
-            __m512i xv[N];
-            for (int n = 0; n < N; ++n) xv[n] = _mm512_loadu_si512(x8 + n * K + s + 32 * j);
-            for (int p = 0; p < P; ++p) {
-                const __m512i q = two_chunks(w + 96 + 128 * j + 32 * (p0 + p), w + 96 + 128 * (j + 1) + 32 * (p0 + p));
-                const __m512i c0 = _mm512_and_si512(q, low), c1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
-                const __m512i s0 = _mm512_shuffle_epi8(scale[2 * p], pick), s1 = _mm512_shuffle_epi8(scale[2 * p + 1], pick);
+        __m256i sum[N];
+        for (int n = 0; n < N; ++n) sum[n] = _mm256_setzero_si256();
+        prefetch_ahead<Q4K::bytes>(w);
+        for (int j = 0; j < 8; ++j) {
+            __m256i part[N];
+            for (int n = 0; n < N; ++n) part[n] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; ++v) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q4K::CODES + 128 * j + 32 * v));
+                const __m256i q0 = _mm256_and_si256(q, low), q1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
                 for (int n = 0; n < N; ++n) {
-                    __m512i& t0 = sum[(2 * p) * N + n];
-                    __m512i& t1 = sum[(2 * p + 1) * N + n];
-                    t0 = _mm512_dpwssd_epi32(t0, _mm512_maddubs_epi16(c0, xv[n]), s0);
-                    t1 = _mm512_dpwssd_epi32(t1, _mm512_maddubs_epi16(c1, xv[n]), s1);
+                    int32_t x0, x1;  // the token row's 4 x8 at either nibble's k
+                    std::memcpy(&x0, x8 + n * K + s + 32 * j + 4 * v, 4);
+                    std::memcpy(&x1, x8 + n * K + s + 32 * j + 16 + 4 * v, 4);
+                    part[n] = _mm256_add_epi16(part[n], _mm256_maddubs_epi16(q0, _mm256_set1_epi32(x0)));
+                    part[n] = _mm256_add_epi16(part[n], _mm256_maddubs_epi16(q1, _mm256_set1_epi32(x1)));
                 }
             }
+            // the rows' scales of sub-block j as int16, row r's in lanes 2r and 2r + 1
+            const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + Q4K::SCALES + 8 * j)));
+            const __m256i paired = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+            for (int n = 0; n < N; ++n) sum[n] = _mm256_add_epi32(sum[n], _mm256_madd_epi16(part[n], paired));
         }
-        __m256i folded[2 * P * N];
-        for (int i = 0; i < 2 * P * N; ++i) folded[i] = fold(sum[i]);
-        super_block_step<N, P>(w, 24, p0, dx + s / QK, K, folded, c);
+        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + Q4K::D));
+        for (int n = 0; n < N; ++n)
+            c[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])), _mm256_cvtepi32_ps(sum[n]), c[n]);
     }
-    store_slots<2 * P * N>(c, acc);
+    for (int n = 0; n < N; ++n) _mm256_store_ps(acc + 8 * n, c[n]);
 }
 
-template <int N, int P>
-AVX512BW void micro_q8_q6k_512(const uint8_t* w, int p0, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                               float* acc, bool first) {
-    __m256 c[(2 * P * N + 7) / 8];
-    load_slots<2 * P * N>(acc, first, c);
-    const __m512i nibble = _mm512_set1_epi8(15), thirty_two = _mm512_set1_epi8(32), six_bits = _mm512_set1_epi8(63);
-    const __m512i top = _mm512_set1_epi8(0x30), halves = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+// The same for Q6_K (codes q = u - 32, u in 0..63, a scale per 16 k): a chunk of 32 k is four
+// vectors of the 8 rows' low 4 bits at 4 k (low nibbles) and 4 k 16 further (high), and two of
+// their top 2 bits, each group's at bits 2v (`Q6K::group`). A sub-block's 4 `maddubs` of u
+// against x8 add up two at a time in int16 (2 * 2 * 63 * 127 < 2^15), times the rows' scales
+// (`madd`); u's offset comes off once a sub-block pair: 32 * (sc_2i * xs_2i + sc_2i+1 * xs_2i+1)
+// (xs16: the token row's sums of x8 over each 16 k), the scales paired as the stream holds them.
+// The same integer a super-block as before, so the same float step and bits.
+template <int N>
+inline void micro_q8_q6k_rows(const uint8_t* w, const int8_t* x8, const float* dx, const int16_t* xs16, int64_t K,
+                              int64_t len, float* acc, bool first) {
+    __m256 c[N];
+    for (int n = 0; n < N; ++n) c[n] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + 8 * n);
+    // a sub-block pair's scales (row r's two in lanes 2r, 2r + 1) to sub-block 2i's or 2i + 1's in both
+    const __m256i even = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9,
+                                          8, 9, 12, 13, 12, 13);
+    const __m256i odd = _mm256_add_epi8(even, _mm256_set1_epi8(2));
     for (int64_t s = 0; s < len; s += QK, w += Q6K::bytes) {
-        __m512i low[2 * P], high[2 * P];  // each row's scales 0-7 and 8-15 as int16, in every lane
-        for (int p = 0; p < P; ++p)
-            for (int r = 0; r < 2; ++r) {
-                const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 40 * (p0 + p) + 8 + 16 * r));
-                low[2 * p + r] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(sc));
-                high[2 * p + r] = _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_unpackhi_epi64(sc, sc)));
-            }
-        __m512i sum[2 * P * N];
-        for (int i = 0; i < 2 * P * N; ++i) sum[i] = _mm512_setzero_si512();
-        if (p0 == 0) prefetch_ahead<Q6K::bytes>(w);
-        for (int ch = 0; ch < 8; ch += 2) {
-            // chunk ch's two sub-blocks in 128-bit lanes 0 and 1, chunk ch + 1's in lanes 2 and 3
-            const int a = (2 * ch) % 8, b = (2 * ch + 2) % 8;
-            const __m512i pick = pick_512(a, a + 1, b, b + 1);
-            __m512i xv[N], x32[N];
+        __m256i sum[N];
+        for (int n = 0; n < N; ++n) sum[n] = _mm256_setzero_si256();
+        prefetch_ahead<Q6K::bytes>(w);
+        for (int ch = 0; ch < 8; ++ch) {
+            const __m256i paired = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + Q6K::SCALES + 16 * ch)));
             for (int n = 0; n < N; ++n) {
-                xv[n] = _mm512_loadu_si512(x8 + n * K + s + 32 * ch);
-                x32[n] = _mm512_maddubs_epi16(thirty_two, xv[n]);
+                int32_t two;  // the token row's sums of x8 over sub-blocks 2ch and 2ch + 1
+                std::memcpy(&two, xs16 + n * (K / 16) + s / 16 + 2 * ch, 4);
+                sum[n] = _mm256_sub_epi32(sum[n], _mm256_slli_epi32(_mm256_madd_epi16(paired, _mm256_set1_epi32(two)), 5));
             }
-            for (int p = 0; p < P; ++p) {
-                const uint8_t* at = w + Q6K::LOW + 32 * (p0 + p);
-                const __m512i a = two_chunks(at + 128 * ch, at + 128 * (ch + 1));
-                // row o+1's low 4 bits: each chunk's 16 bytes in two 128-bit lanes, the second shifted
-                const __m512i both = _mm512_broadcast_i64x4(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 128 * (ch / 2) + 32 * (p0 + p))));
-                const __m512i b = _mm512_srlv_epi64(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(1, 1, 0, 0)), halves);
-                // the pair's two rows' codes u; 0xEA: (x & y) | z
-                const __m512i u[2] = {_mm512_and_si512(a, six_bits),
-                                      _mm512_ternarylogic_epi32(b, nibble, _mm512_and_si512(_mm512_srli_epi16(a, 2), top), 0xEA)};
-                for (int r = 0; r < 2; ++r) {
-                    const __m512i scale = _mm512_shuffle_epi8(ch < 4 ? low[2 * p + r] : high[2 * p + r], pick);
-                    for (int n = 0; n < N; ++n) {
-                        const __m512i prod = _mm512_sub_epi16(_mm512_maddubs_epi16(u[r], xv[n]), x32[n]);
-                        __m512i& t = sum[(2 * p + r) * N + n];
-                        t = _mm512_dpwssd_epi32(t, prod, scale);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 64 * ch + 32 * h));
+                const __m256i sc = _mm256_shuffle_epi8(paired, h ? odd : even);
+                for (int half = 0; half < 2; ++half) {  // groups summed in int16, two at a time
+                    __m256i part[N];
+                    for (int n = 0; n < N; ++n) part[n] = _mm256_setzero_si256();
+                    for (int v = 2 * half; v < 2 * half + 2; ++v) {
+                        const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::LOW + 128 * ch + 32 * v));
+                        const __m256i u = Q6K::group(low, high, v, h);
+                        for (int n = 0; n < N; ++n) {
+                            int32_t four;
+                            std::memcpy(&four, x8 + n * K + s + 32 * ch + 16 * h + 4 * v, 4);
+                            part[n] = _mm256_add_epi16(part[n], _mm256_maddubs_epi16(u, _mm256_set1_epi32(four)));
+                        }
                     }
+                    for (int n = 0; n < N; ++n) sum[n] = _mm256_add_epi32(sum[n], _mm256_madd_epi16(part[n], sc));
                 }
             }
         }
-        __m256i folded[2 * P * N];
-        for (int i = 0; i < 2 * P * N; ++i) folded[i] = fold(sum[i]);
-        super_block_step<N, P>(w, 40, p0, dx + s / QK, K, folded, c);
+        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + Q6K::D));
+        for (int n = 0; n < N; ++n)
+            c[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])), _mm256_cvtepi32_ps(sum[n]), c[n]);
     }
-    store_slots<2 * P * N>(c, acc);
+    for (int n = 0; n < N; ++n) _mm256_store_ps(acc + 8 * n, c[n]);
 }
 
-// Does this CPU run `micro_q8_512`? (PIPELINE_KERNEL_AVX512=0 says no, as for `wide_fma`.)
-bool wide_int8() {
-    static const bool yes = wide_fma() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-    return yes;
-}
-
-// A tile of n token rows through kernel(N, P, p, acc): the strip's 4 pairs, P at a time (all 4
-// for 1 row, 2 for 2 rows, one for more, as the registers allow), N from 1 to MAX (more: MAX);
-// their slots (`load_slots`) row after row of the strip, token after token.
-template <int N, int MAX, typename Kernel>
-inline void by_tile_width(int n, Kernel kernel, float* acc) {
-    if constexpr (N < MAX) {
-        if (n > N) return by_tile_width<N + 1, MAX>(n, kernel, acc);
-    }
-    constexpr int P = N == 1 ? 4 : N == 2 ? 2 : 1;
-    for (int p = 0; p < 4; p += P)
-        kernel(std::integral_constant<int, N>{}, std::integral_constant<int, P>{}, p, acc + 2 * p * N);
-}
-
-// A strip's slice against a tile of n rounded token rows (1 to DIRECT_MAX; with AVX-512, to
-// Q8_TILE_512), as `micro_direct`.
+// A strip's slice against a tile of n rounded token rows (1 to Q8_TILE), a token row's 8 outputs a
+// vector (`acc + 8 * token`).
 template <typename B>
-inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const float* dx, int64_t K, int64_t len,
-                            float* acc, bool first) {
-#define Q8_KERNEL(name) [&](auto N, auto P, int p, float* a) { name<decltype(N)::value, decltype(P)::value>(w, p, x8, dx, K, len, a, first); }
-    if (wide_int8()) {  // the same sums, two chunks an instruction
-        if constexpr (B::FACTORED)
-            by_tile_width<1, Q8_TILE_512>(n, Q8_KERNEL(micro_q8_512), acc);
-        else
-            by_tile_width<1, Q8_TILE_512>(n, Q8_KERNEL(micro_q8_q6k_512), acc);
-    } else if constexpr (B::FACTORED) {
-        by_tile_width<1, DIRECT_MAX>(n, Q8_KERNEL(micro_q8), acc);
+inline void micro_q8_direct(int n, const uint8_t* w, const int8_t* x8, const float* dx, const int16_t* xs16, int64_t K,
+                            int64_t len, float* acc, bool first) {
+    if constexpr (B::FACTORED) {
+        switch (n) {
+            case 1: return micro_q8_rows<1>(w, x8, dx, K, len, acc, first);
+            case 2: return micro_q8_rows<2>(w, x8, dx, K, len, acc, first);
+            case 3: return micro_q8_rows<3>(w, x8, dx, K, len, acc, first);
+            default: return micro_q8_rows<Q8_TILE>(w, x8, dx, K, len, acc, first);
+        }
     } else {
-        by_tile_width<1, DIRECT_MAX>(n, Q8_KERNEL(micro_q8_q6k), acc);
+        switch (n) {
+            case 1: return micro_q8_q6k_rows<1>(w, x8, dx, xs16, K, len, acc, first);
+            case 2: return micro_q8_q6k_rows<2>(w, x8, dx, xs16, K, len, acc, first);
+            case 3: return micro_q8_q6k_rows<3>(w, x8, dx, xs16, K, len, acc, first);
+            default: return micro_q8_q6k_rows<Q8_TILE>(w, x8, dx, xs16, K, len, acc, first);
+        }
     }
-#undef Q8_KERNEL
 }
 
 // Three ways through a block of rows, by the width of the pass (the same chain each way):
@@ -1274,14 +1137,12 @@ inline void store_strip(__m256 s, int64_t o, int64_t O, const float* bias, float
 
 // The epilogue of a decoding pass on rounded rows, a strip's 8 rows at once (the row-at-a-time
 // `finish` was 14% of a 1-token pass on one core): rows o..o+8 (those below O) for token rows
-// t..t+n from their slots (row r's token i at acc[r * n + i]), less the mins' term where there
-// is one, plus the bias: `micro_q8_gemm`'s epilogue, lane for lane.
+// t..t+n from their vectors (`micro_q8_direct`), less the mins' term where there is one, plus
+// the bias: `micro_q8_gemm`'s epilogue, lane for lane.
 inline void finish_strip(const float* acc, int n, int64_t o, int64_t t, int64_t O, const __m256* term,
                          const float* bias, float* y) {
     for (int i = 0; i < n; ++i) {
-        alignas(32) float rows[STRIP];
-        for (int r = 0; r < STRIP; ++r) rows[r] = acc[r * n + i];
-        __m256 s = _mm256_load_ps(rows);
+        __m256 s = _mm256_load_ps(acc + 8 * i);
         if (term) s = _mm256_sub_ps(s, term[i]);
         store_strip(s, o, O, bias, y + (t + i) * O + o);
     }
@@ -1320,62 +1181,40 @@ struct Q8Gemm {
     static constexpr int64_t D = CODES + SCALES + PAIRED, bytes = D + 32;
 };
 
-// Rows' 8 vectors of 8 32-bit lanes to lanes' 8 vectors of 8 rows: out[g] lane r = in[r] lane g.
-inline void transpose_8x8_epi32(const __m256i in[8], __m256i out[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; ++i) {
-        t[2 * i] = _mm256_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; ++h)  // rows 4h .. 4h + 4: lanes (0, 4), (1, 5), (2, 6), (3, 7)
-        for (int i = 0; i < 2; ++i) {
-            u[4 * h + 2 * i] = _mm256_unpacklo_epi64(t[4 * h + i], t[4 * h + 2 + i]);
-            u[4 * h + 2 * i + 1] = _mm256_unpackhi_epi64(t[4 * h + i], t[4 * h + 2 + i]);
-        }
-    for (int g = 0; g < 4; ++g) {
-        out[g] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
-        out[g + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
-    }
-}
-
-// A strip's slice of `len` k into `dst` (`Q8Gemm<B>::bytes` a super-block).
+// A strip's slice of `len` k into `dst` (`Q8Gemm<B>::bytes` a super-block): the stream's own
+// groups (`micro_q8_rows`, `micro_q8_q6k_rows`), each code a byte, and the scales as int16.
 template <typename B>
 inline void decode_strip_q8(const uint8_t* w, int64_t len, uint8_t* dst) {
     using L = Q8Gemm<B>;
-    constexpr int header = B::FACTORED ? 24 : 40, scale_bytes = B::SUBS;  // a pair's, and a row's scales
+    const __m256i low = _mm256_set1_epi8(15);
     for (int64_t s = 0; s < len; s += QK, w += B::bytes, dst += L::bytes) {
         int16_t* scales = reinterpret_cast<int16_t*>(dst + L::CODES);
-        int16_t* paired = reinterpret_cast<int16_t*>(dst + L::CODES + L::SCALES);
-        for (int p = 0; p < 4; ++p) {
-            std::memcpy(dst + L::D + 8 * p, w + header * p, 8);
-            for (int r = 0; r < 2; ++r) {
-                const int o = 2 * p + r;
-                const uint8_t* sc = w + header * p + 8 + scale_bytes * r;
-                for (int j = 0; j < B::SUBS; ++j) {
-                    const int16_t v = B::FACTORED ? sc[j] : static_cast<int8_t>(sc[j]);
-                    scales[16 * j + 2 * o] = scales[16 * j + 2 * o + 1] = v;
-                    if constexpr (!B::FACTORED) paired[16 * (j / 2) + 2 * o + j % 2] = v;
-                }
-            }
-        }
-        for (int c = 0; c < 8; ++c) {
-            __m256i rows[8], groups[8];
-            for (int p = 0; p < 4; ++p) {
+        std::memcpy(dst + L::D, w + B::D, 32);
+        for (int c = 0; c < 8; ++c)
+            for (int v = 0; v < 4; ++v) {
+                __m256i* at = reinterpret_cast<__m256i*>(dst + 256 * c + 32 * v);
                 if constexpr (B::FACTORED) {
-                    const __m256i low = _mm256_set1_epi8(15);
-                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 96 + 128 * c + 32 * p));
-                    rows[2 * p] = _mm256_and_si256(q, low);
-                    rows[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q4K::CODES + 128 * c + 32 * v));
+                    _mm256_store_si256(at, _mm256_and_si256(q, low));
+                    _mm256_store_si256(at + 4, _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
                 } else {
-                    const typename B::Sub a = B::sub(w, p, 2 * c), b = B::sub(w, p, 2 * c + 1);
-                    const __m256i offset = _mm256_set1_epi8(32);
-                    rows[2 * p] = _mm256_add_epi8(_mm256_set_m128i(b.q0, a.q0), offset);
-                    rows[2 * p + 1] = _mm256_add_epi8(_mm256_set_m128i(b.q1, a.q1), offset);
+                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::LOW + 128 * c + 32 * v));
+                    for (int h = 0; h < 2; ++h) {
+                        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 64 * c + 32 * h));
+                        _mm256_store_si256(at + 4 * h, Q6K::group(q, high, v, h));
+                    }
                 }
             }
-            transpose_8x8_epi32(rows, groups);
-            for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 256 * c + 32 * g), groups[g]);
-        }
+        for (int j = 0; j < B::SUBS; ++j)  // row r's scale in lanes 2r and 2r + 1
+            for (int r = 0; r < 8; ++r) {
+                const int16_t v = B::FACTORED ? w[Q4K::SCALES + 8 * j + r]
+                                              : static_cast<int8_t>(w[Q6K::SCALES + 16 * (j / 2) + 2 * r + j % 2]);
+                scales[16 * j + 2 * r] = scales[16 * j + 2 * r + 1] = v;
+            }
+        if constexpr (!B::FACTORED)  // the pairs of sub-blocks' scales, as the stream holds them
+            for (int i = 0; i < 8; ++i)
+                _mm256_store_si256(reinterpret_cast<__m256i*>(dst + L::CODES + L::SCALES + 32 * i),
+                                   _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + Q6K::SCALES + 16 * i))));
     }
 }
 
@@ -1464,12 +1303,11 @@ inline void micro_q8_gemm_n(int n, const uint8_t* w, const int8_t* x8, const flo
 
 // Do passes on rounded rows take `micro_q8_gemm` here (PIPELINE_KERNEL_Q8GEMM=0 says never: the
 // float32 chain over the bf16 rounding for prefills, as before, to compare)? Prefills, where they
-// do not take bf16 rows (`dot_bf16`); decoding passes of GEMM_DECODING_FROM token rows or more
-// where the decoding kernels are AVX2's (`wide_int8`). Either way the same chain, so the same
-// bits, as the decoding kernels'. Whole 1.5B passes in AVX2 code (2 threads): 12 token rows
-// 189 against 215 ms, 16 rows 210 against 261, 32 rows 331 against 526; 8 rows 161 against
-// 143, where decoding the blocks into the layout costs more than it saves. The AVX-512 decoding
-// kernels stay ahead at every width measured (32 rows: 302 against 326 ms).
+// do not take bf16 rows (`dot_bf16`); decoding passes of GEMM_DECODING_FROM token rows or more.
+// Either way the same chain, so the same bits, as the decoding kernels'. Whole 1.5B passes
+// (2 threads, AVX2-only EPYC, 2026-12-02): 12 token rows 413 against 421 ms in tiles of 4
+// (`micro_q8_direct`), 16 rows 387 against 390: a draw, so the line stays where the pair
+// layout's kernels put it (12 rows 189 against 215 ms on an AVX-512 EPYC in AVX2 code).
 constexpr int64_t GEMM_DECODING_FROM = 12;
 bool gemm_on() {
     static const bool yes = [] {
@@ -1479,7 +1317,7 @@ bool gemm_on() {
     return yes;
 }
 bool gemm_q8() { return gemm_on() && !dot_bf16(); }
-bool gemm_decoding(int64_t T) { return gemm_on() && !wide_int8() && T >= GEMM_DECODING_FROM; }
+bool gemm_decoding(int64_t T) { return gemm_on() && T >= GEMM_DECODING_FROM; }
 
 // A pass on rounded rows by `micro_q8_gemm` (see above): every block's strips decoded over a
 // range of k into L2, every tile of token rows run over them, the tiles' accumulators (one vector
@@ -1493,15 +1331,7 @@ void linear_q8_gemm(const float* x, int64_t T, int64_t K, const uint8_t* w, int6
     float* dx = static_cast<float*>(std::aligned_alloc(32, (T * per_row * 4 + 31) / 32 * 32));
     int16_t* xs = static_cast<int16_t*>(std::aligned_alloc(32, (T * (K / 32) * 2 + 31) / 32 * 32));
     quantize_q8(x, T, K, x8, dx, xs, threads);
-    int16_t* xs16 = nullptr;  // Q6_K: sums of x8 over each 16 k
-    if constexpr (!B::FACTORED) {
-        xs16 = static_cast<int16_t*>(std::aligned_alloc(32, (T * (K / 16) * 2 + 31) / 32 * 32));
-        for (int64_t i = 0; i < T * (K / 16); ++i) {
-            int sum = 0;
-            for (int k = 0; k < 16; ++k) sum += x8[16 * i + k];
-            xs16[i] = static_cast<int16_t>(sum);
-        }
-    }
+    int16_t* xs16 = B::FACTORED ? nullptr : sums_of_16(x8, T, K);  // Q6_K: u's offset
     const int64_t strips = RB / STRIP;
     // whole slices of k, their decoded strips within SCRATCH_BYTES
     const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (strips * L::bytes) * QK / KB * KB);
@@ -1575,10 +1405,12 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     int16_t* xs = dmin && q8 ? static_cast<int16_t*>(std::aligned_alloc(32, (T * (K / 32) * 2 + 31) / 32 * 32)) : nullptr;
     int8_t* x8 = nullptr;
     float* dx = nullptr;
+    int16_t* xs16 = nullptr;  // Q6_K: u's offset
     if (q8) {
         x8 = static_cast<int8_t*>(std::aligned_alloc(32, (T * K + 31) / 32 * 32));
         dx = static_cast<float*>(std::aligned_alloc(32, (T * (K / QK) * 4 + 31) / 32 * 32));
         quantize_q8(x, T, K, x8, dx, xs, threads);
+        if constexpr (!B::FACTORED) xs16 = sums_of_16(x8, T, K);
     } else if (sums) {
         sub_block_sums(x, T, K, sums, threads);
     }
@@ -1588,7 +1420,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     const int path = q8 ? DIRECT : prefill ? GROUPED : T <= DIRECT_MAX ? DIRECT : T <= STRIPWISE_MAX ? STRIPWISE : GROUPED;
     const int64_t unit = prefill ? 2 : 4;  // bytes of a decoded weight on the grouped path
     // a wide pass on rounded activations in tiles of 3 (2 pairs' accumulators of 4 spill registers)
-    const int64_t tile_max = path != DIRECT ? TILE : q8 && T > DIRECT_MAX ? (wide_int8() ? Q8_TILE_512 : Q8_WIDE_TILE) : DIRECT_MAX;
+    const int64_t tile_max = path != DIRECT ? TILE : q8 ? Q8_TILE : DIRECT_MAX;
     const int64_t tiles = (T + tile_max - 1) / tile_max;
     // the k values of a block's rows decoded into L2 at a time on the grouped path: whole slices
     const int64_t range = std::max<int64_t>(KB, SCRATCH_BYTES / (RB * unit) / KB * KB);
@@ -1663,7 +1495,8 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
                         for (int64_t i = 0; i < rows; i += STRIP)
                             if (x8)
                                 micro_q8_direct<B>(n, slice(wb, rows, k0, len, i), x8 + t * K + k0, dx + t * (K / QK) + k0 / QK,
-                                                K, len, reinterpret_cast<float*>(acc + i * n), k0 == 0);
+                                                   xs16 ? xs16 + t * (K / 16) + k0 / 16 : nullptr, K, len,
+                                                   reinterpret_cast<float*>(acc + i * n), k0 == 0);
                             else
                                 micro_direct<B>(n, slice(wb, rows, k0, len, i), x + t * K + k0, K, len, acc + i * n,
                                                 k0 == 0);
@@ -1758,6 +1591,7 @@ void linear_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     std::free(xs);
     std::free(x8);
     std::free(dx);
+    std::free(xs16);
     std::free(x16);
 }
 
