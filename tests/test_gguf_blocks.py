@@ -341,6 +341,7 @@ def _block_model(rounded: bool = False, v_kind: str = "Q4_K", fuse: bool = True)
     q6k = 3 if v_kind == "Q4_K" else 5
     assert used == {"Q4_K": 15 - q6k, "Q6_K": q6k}  # every Linear, fused or not
     streamed.stream_linears(model)
+    streamed.stream_layer_steps(model)  # as the loader does
     return invariant.make_batch_invariant(model)
 
 

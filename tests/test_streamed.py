@@ -4,6 +4,7 @@ the width of the pass or the rows beside it (widths 1-16, batches 1-8)."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -89,6 +90,30 @@ def test_the_loader_streams_float32_cpu_targets_and_makes_them_invariant(streame
     assert not any(isinstance(m, nn.Linear) for m in loaded.target.modules())
     assert isinstance(loaded.target.get_output_embeddings(), streamed.StreamedLinear)
     assert loaded.target.config._attn_implementation == invariant.NAME
+    layer = loaded.target.model.layers[0]  # the layers' small steps are the kernel's too
+    assert all(isinstance(m.forward, partial) for m in (layer.input_layernorm, loaded.target.model.norm))
+
+
+def test_the_kernels_norm_and_activation_are_torchs_and_a_rows_bits_depend_on_that_row_alone():
+    """RMSNorm and silu(gate) * up by the kernel: within float32 rounding of the float64 result,
+    and each row the same bits alone and beside others (at every width a pass may have)."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(9, 1536) * 3, torch.randn(1536)
+    norm = streamed.rms_norm(x, weight, 1e-6)
+    x64 = x.double()
+    expected = weight.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(norm.double(), expected, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(9, 2 * 8960) * 4
+    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, 0.0, 1e-30, 30.0, 90.0, 200.0])  # exp's ends
+    act = streamed.silu_mul(*gate_up.split(8960, dim=-1))  # a fused product's halves, in place
+    assert torch.equal(streamed.silu_mul(*(t.contiguous() for t in gate_up.split(8960, dim=-1))), act)
+    g, u = gate_up.double().split(8960, dim=-1)
+    torch.testing.assert_close(act.double(), g * torch.sigmoid(g) * u, rtol=1e-5, atol=1e-6)
+    for width in (1, 2, 4, 8):
+        for start in (0, 9 - width):
+            rows = slice(start, start + width)
+            assert torch.equal(streamed.rms_norm(x[rows], weight, 1e-6), norm[rows])
+            assert torch.equal(streamed.silu_mul(*gate_up[rows].split(8960, dim=-1)), act[rows])
 
 
 def test_the_kernels_attention_is_softmax_attention_and_a_querys_bits_depend_on_its_keys_alone():

@@ -434,6 +434,7 @@ def load_draft(
     if streamed_linears:  # int8 (unless asked not to) in the streamed kernel, not torch's
         int8 = draft_int8 is not False
         streamed.stream_linears(model, output_layer=False, int8=int8)
+        streamed.stream_layer_steps(model)
         return model, int8
     return model, _quantize(model, dtype, device, draft_int8)
 
@@ -574,6 +575,7 @@ def _apply_target_kernels(
         )
     if kernels.streamed_linears:
         streamed.stream_linears(model)  # the Linear layers the blocks did not replace
+        streamed.stream_layer_steps(model)
     if kernels.batch_invariant:
         invariant.make_batch_invariant(model)
         if device == "cpu" and not kernels.streamed_linears and not invariant.linear_is_row_invariant(dtype):

@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from pathlib import Path
 
 import torch
@@ -144,6 +144,8 @@ def library() -> ctypes.CDLL | None:
     # real queries per row, out, threads
     lib.attend_f32.argtypes = [_POINTER, *[_INT] * 4, _POINTER, _POINTER, *[_INT] * 6, _POINTER, _INT, _INT,
                                ctypes.c_float, _POINTER, _POINTER, ctypes.c_int]  # fmt: skip
+    lib.rms_norm_f32.argtypes = [_POINTER, _INT, _INT, _POINTER, ctypes.c_float, _POINTER]
+    lib.silu_mul_f32.argtypes = [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER]
     return lib
 
 
@@ -178,6 +180,98 @@ def attention(
         rows.data_ptr() if rows is not None else None, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+# The decoder layers' small steps the kernel takes in one call each (`stream_layer_steps`): norms
+# and MLPs of these classes, whose forwards are y = w * x / sqrt(mean(x^2) + eps) and
+# down(silu(gate(x)) * up(x)) (transformers' code, read for each).
+RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
+SILU_MLPS = ("Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """An RMSNorm by the kernel (float32, last dimension a multiple of 8): each row one fixed chain."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    library().rms_norm_f32(x.data_ptr(), x.numel() // width, width, weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up by the kernel, one call where torch takes a silu and a multiply; gate and
+    up [..., I] float32, rows of either the same number of floats apart (the halves of a fused
+    gate/up product, or two products)."""
+    shape, width = gate.shape, gate.shape[-1]
+    gate, up = (t.reshape(-1, width) for t in (gate, up))
+    if gate.stride(0) != up.stride(0) or gate.stride(1) != 1 or up.stride(1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    out = gate.new_empty(gate.shape)
+    library().silu_mul_f32(gate.data_ptr(), up.data_ptr(), gate.stride(0), len(gate), width, out.data_ptr())
+    return out.view(shape)
+
+
+def stream_layer_steps(model: nn.Module) -> int:
+    """Give `model`'s RMSNorms and (fused gate/up) SiLU MLPs the kernel's one-call steps, in
+    place; returns how many. Why: a 1-token pass of the 1.5B target is ~2,000 small torch ops,
+    a few µs of dispatch each (docs/cpu-kernels.md); a norm is 8 of them, an MLP's activation 3.
+    Each step computes a row from that row alone, so a token's bits still do not depend on the
+    pass; they are float32 as torch's, not its bits (its reductions and `expf` round in their
+    own order), so call it on every pass path of a model or on none."""
+    if library() is None:
+        return 0
+    changed = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in RMS_NORMS and _norm_fits(module):
+            module.forward = partial(_norm_forward, module)
+            changed += 1
+        elif name in SILU_MLPS and _mlp_fits(module):
+            module.forward = partial(_mlp_forward, module)
+            changed += 1
+    return changed
+
+
+def _norm_fits(norm: nn.Module) -> bool:
+    weight = getattr(norm, "weight", None)
+    return (
+        isinstance(getattr(norm, "variance_epsilon", None), float)
+        and weight is not None
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.dim() == 1
+        and weight.numel() % 8 == 0
+    )
+
+
+def _outside(x: torch.Tensor) -> bool:
+    """Is `x` not the kernel's (float32 on the CPU), or the pass compiled (its own fusions)?"""
+    return x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling()
+
+
+def _norm_forward(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if _outside(x):
+        return type(norm).forward(norm, x)
+    return rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+
+
+def _mlp_fits(mlp: nn.Module) -> bool:
+    config = getattr(mlp, "config", None)
+    return getattr(config, "hidden_act", None) == "silu" and all(
+        hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
+def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)); a fused gate/up product (`fusion.share`) once, its halves
+    read in place, so that fused and separate projections give the same bits."""
+    if _outside(x):
+        return type(mlp).forward(mlp, x)
+    if hasattr(mlp, "gate_up_proj"):
+        gate, up = mlp.gate_up_proj(x).split(mlp.gate_proj.out_features, dim=-1)
+    else:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    return mlp.down_proj(silu_mul(gate, up))
 
 
 class StreamedLinear(nn.Module):
