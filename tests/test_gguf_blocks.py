@@ -461,8 +461,8 @@ def _every_path_outputs() -> list[torch.Tensor]:
     not {"avx512f", "avx512dq", "avx512bw"} <= streamed._cpu_flags(), reason="the CPU has no AVX-512 kernels"
 )
 def test_the_avx512_kernels_give_the_avx2_kernels_bits(tmp_path):
-    """Where the CPU has AVX-512, wide passes, prefills and int8 activations run 16-lane kernels
-    (`micro_512`, `micro_q8_512`); every output is bitwise what the AVX2 kernels give, computed
+    """Where the CPU has AVX-512, wide passes and prefills on float rows run 16-lane kernels
+    (`micro_512`); every output is bitwise what the AVX2 kernels give, computed
     in a process that has them switched off (PIPELINE_KERNEL_AVX512=0). Prefills on bf16 rows
     (AVX512_BF16) have numbers of their own, so both processes run with those off."""
     import os

@@ -960,6 +960,17 @@ inline void prefetch_ahead(const uint8_t* w) {
     for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * BYTES + l), _MM_HINT_T0);
 }
 
+// The one float step of a super-block, every kernel on rounded rows alike (decoding passes and
+// the GEMM): acc[n] = fma(d * dx, sum, acc[n]) for N token rows, d the strip's 8 rows' factors
+// (floats at `d`), dx each token row's rounding scale (K / 256 floats a token row), sum the
+// super-block's exact integer a row a lane.
+template <int N>
+inline void super_block_step(const uint8_t* d, const float* dx, int64_t K, const __m256i* sum, __m256* acc) {
+    const __m256 rows = _mm256_loadu_ps(reinterpret_cast<const float*>(d));
+    for (int n = 0; n < N; ++n)
+        acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(rows, _mm256_set1_ps(dx[n * (K / QK)])), _mm256_cvtepi32_ps(sum[n]), acc[n]);
+}
+
 // Q6_K's partner sums for u's offset (`micro_q8_q6k_rows`, `micro_q8_gemm`): each token row's
 // sums of x8 over every 16 k, exact in int16 (at most 16 * 127); the caller frees them.
 inline int16_t* sums_of_16(const int8_t* x8, int64_t T, int64_t K) {
@@ -1010,9 +1021,7 @@ inline void micro_q8_rows(const uint8_t* w, const int8_t* x8, const float* dx, i
             const __m256i paired = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
             for (int n = 0; n < N; ++n) sum[n] = _mm256_add_epi32(sum[n], _mm256_madd_epi16(part[n], paired));
         }
-        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + Q4K::D));
-        for (int n = 0; n < N; ++n)
-            c[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])), _mm256_cvtepi32_ps(sum[n]), c[n]);
+        super_block_step<N>(w + Q4K::D, dx + s / QK, K, sum, c);
     }
     for (int n = 0; n < N; ++n) _mm256_store_ps(acc + 8 * n, c[n]);
 }
@@ -1063,9 +1072,7 @@ inline void micro_q8_q6k_rows(const uint8_t* w, const int8_t* x8, const float* d
                 }
             }
         }
-        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(w + Q6K::D));
-        for (int n = 0; n < N; ++n)
-            c[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])), _mm256_cvtepi32_ps(sum[n]), c[n]);
+        super_block_step<N>(w + Q6K::D, dx + s / QK, K, sum, c);
     }
     for (int n = 0; n < N; ++n) _mm256_store_ps(acc + 8 * n, c[n]);
 }
@@ -1150,25 +1157,25 @@ inline void finish_strip(const float* acc, int n, int64_t o, int64_t t, int64_t 
 
 // ---------------------------------------------------------------------------------------------
 // Prefills on rounded rows (`linear_q4k(..., prefill, q8)`) where prefills have no bf16 dot
-// products (`dot_bf16`: AVX2 CPUs), and wide decoding passes. A prefill is bound by arithmetic, and there the decoding
-// kernel's int8 chain makes about 10.7 products an instruction (per 32 k of a row: a `maddubs`,
-// a `madd` by the sub-block's scale, an `add`), the float32 chain over the bf16 rounding 8.
-// llama.cpp's AVX2 GEMM for Q4_K makes more by laying 8 rows' codes 4 k at a time in one vector:
-// one `maddubs` against the token row's 4 x8 broadcast gives 8 rows' partial sums, and the 8
-// `maddubs` of a sub-block add up in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15) before one `madd`
-// by the 8 rows' scales: 16 products an instruction. Q6_K's codes u = q + 32 (0..63) allow two
-// `maddubs` in int16, and take 32 * sum sc * x8 off per super-block, in integers. Here a block's
-// strips are decoded once per prefill into that layout (`decode_strip_q8`), and every tile of
-// token rows runs over it (`micro_q8_gemm`). Q4_K layers of 256 token rows in AVX2 code, 2
-// threads: 250-280 G products a second against about 100 on the float32 chain; Q6_K 196 G.
+// products (`dot_bf16`: AVX2 CPUs), and wide decoding passes. A prefill is bound by arithmetic.
+// llama.cpp's AVX2 GEMM for Q4_K lays 8 rows' codes 4 k at a time in one vector: one `maddubs`
+// against the token row's 4 x8 broadcast gives 8 rows' partial sums, and the 8 `maddubs` of a
+// sub-block add up in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15) before one `madd` by the 8 rows'
+// scales: 16 products an instruction. Q6_K's codes u = q + 32 (0..63) allow two `maddubs` in
+// int16, and take 32 * sum sc * x8 off per super-block, in integers. The stream has held that
+// layout since 2026-12-02 (the decoding kernels read it in registers); here a block's strips are
+// decoded once per prefill into whole bytes (`decode_strip_q8`: the nibbles apart, the scales
+// as int16), and every tile of token rows runs over them (`micro_q8_gemm`). Q4_K layers of 256
+// token rows in AVX2 code, 2 threads: 250-280 G products a second against about 100 on the
+// float32 chain; Q6_K 196 G.
 //
 // The chain of an output (row-invariant: integer sums are exact in any order, and the float
 // steps depend on the row's own x8, dx and weights): per super-block the integer sum of
 // sc_j * q * x8 over its 256 k, then acc = fma(d * dx, sum, acc) super-block after super-block;
 // the Q4_K mins' term as a decoding pass takes it (`strip_mins_q8`); y = acc - term (+ bias).
-// That is the decoding kernels' chain too (`super_block_step` adds up their lanes' integer sums
-// first), so a prompt token prefilled here has the bits it would have in a decoding pass, and
-// wide decoding passes take this kernel where it is faster (`gemm_decoding`).
+// That is the decoding kernels' chain too (the same `super_block_step`), so a prompt token
+// prefilled here has the bits it would have in a decoding pass, and wide decoding passes take
+// this kernel where it is faster (`gemm_decoding`).
 
 // A strip's super-block decoded (`decode_strip_q8`): per chunk c of 32 k and group g of 4 k in
 // it, 32 bytes holding row r's codes at k = 32c + 4g .. + 4 in bytes 4r .. 4r + 4 (Q4_K: q;
@@ -1253,10 +1260,7 @@ inline void end_super_block(const uint8_t* w, const float* dx, const int16_t* xs
             }
             sum[n] = _mm256_sub_epi32(sum[n], _mm256_slli_epi32(offset, 5));
         }
-    const __m256 d = _mm256_load_ps(reinterpret_cast<const float*>(w + L::D));
-    for (int n = 0; n < N; ++n)
-        acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[n * (K / QK) + s / QK])), _mm256_cvtepi32_ps(sum[n]),
-                                 acc[n]);
+    super_block_step<N>(w + L::D, dx + s / QK, K, sum, acc);
 }
 
 // A decoded strip's `len` k against N rounded token rows (x8 from the slice's first k, K a row;
