@@ -212,12 +212,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def stream_layer_steps(model: nn.Module) -> int:
-    """Give `model`'s RMSNorms and (fused gate/up) SiLU MLPs the kernel's one-call steps, in
-    place; returns how many. Why: a 1-token pass of the 1.5B target is ~2,000 small torch ops,
-    a few µs of dispatch each (docs/cpu-kernels.md); a norm is 8 of them, an MLP's activation 3.
-    Each step computes a row from that row alone, so a token's bits still do not depend on the
-    pass; they are float32 as torch's, not its bits (its reductions and `expf` round in their
-    own order), so call it on every pass path of a model or on none."""
+    """Give `model`'s RMSNorms and SiLU MLPs the kernel's one-call steps, in place; returns how
+    many. Why: outside its products a CPU pass is mostly small torch ops, each paying its
+    dispatch (docs/cpu-kernels.md); a norm is 8 of them, an MLP's activation 3. Each step
+    computes a row from that row alone, so a token's bits still do not depend on the pass; they
+    are float32 as torch's, not its bits (its reductions and `expf` round in their own order),
+    so call it on every pass path of a model or on none."""
     if library() is None:
         return 0
     changed = 0
