@@ -983,6 +983,15 @@ inline int16_t* sums_of_16(const int8_t* x8, int64_t T, int64_t K) {
     return xs16;
 }
 
+// Q6_K's offset for a pair of sub-blocks (2i, 2i + 1): its codes are u - 32, so a super-block's
+// integer sum of u * x8 comes down by 32 * (sc_2i * xs_2i + sc_2i+1 * xs_2i+1), the rows' two
+// scales paired (row r's in lanes 2r, 2r + 1) against the token row's two sums of 16 (`xs`).
+inline __m256i q6k_offset(__m256i paired, const int16_t* xs) {
+    int32_t two;
+    std::memcpy(&two, xs, 4);
+    return _mm256_slli_epi32(_mm256_madd_epi16(paired, _mm256_set1_epi32(two)), 5);
+}
+
 // A Q4_K strip's slice against N rounded token rows (`quantize_q8`), the strip's 8 rows a lane:
 // acc[8n + r] for token row n and row r. A vector of the stream holds the 8 rows' codes at 4 k
 // (low nibbles) and at 4 k 16 further (high), so that one `maddubs` against the token row's 4
@@ -1048,11 +1057,8 @@ inline void micro_q8_q6k_rows(const uint8_t* w, const int8_t* x8, const float* d
         prefetch_ahead<Q6K::bytes>(w);
         for (int ch = 0; ch < 8; ++ch) {
             const __m256i paired = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + Q6K::SCALES + 16 * ch)));
-            for (int n = 0; n < N; ++n) {
-                int32_t two;  // the token row's sums of x8 over sub-blocks 2ch and 2ch + 1
-                std::memcpy(&two, xs16 + n * (K / 16) + s / 16 + 2 * ch, 4);
-                sum[n] = _mm256_sub_epi32(sum[n], _mm256_slli_epi32(_mm256_madd_epi16(paired, _mm256_set1_epi32(two)), 5));
-            }
+            for (int n = 0; n < N; ++n)
+                sum[n] = _mm256_sub_epi32(sum[n], q6k_offset(paired, xs16 + n * (K / 16) + s / 16 + 2 * ch));
             for (int h = 0; h < 2; ++h) {
                 const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + Q6K::HIGH + 64 * ch + 32 * h));
                 const __m256i sc = _mm256_shuffle_epi8(paired, h ? odd : even);
@@ -1241,24 +1247,16 @@ inline void group_sums(const uint8_t* w, const int8_t* x8, int64_t K, int c, int
     }
 }
 
-// The end of a decoded super-block for N token rows, either kernel: Q6_K's sums less 32 * sum
-// sc * xs16 (u's offset: the pairs' two scales against the token row's two sums of 16, `madd`),
-// then acc = fma(d * dx, sum, acc).
+// The end of a decoded super-block for N token rows, either kernel: Q6_K's sums less u's offset
+// (`q6k_offset`), then acc = fma(d * dx, sum, acc).
 template <typename B, int N>
 inline void end_super_block(const uint8_t* w, const float* dx, const int16_t* xs16, int64_t K, int64_t s, __m256i* sum,
                             __m256* acc) {
     using L = Q8Gemm<B>;
     if constexpr (!B::FACTORED)
-        for (int n = 0; n < N; ++n) {
-            const int16_t* xs = xs16 + n * (K / 16) + s / 16;
-            __m256i offset = _mm256_setzero_si256();
-            for (int i = 0; i < 8; ++i) {
-                int32_t two;
-                std::memcpy(&two, xs + 2 * i, 4);
-                const __m256i paired = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + L::CODES + L::SCALES + 32 * i));
-                offset = _mm256_add_epi32(offset, _mm256_madd_epi16(paired, _mm256_set1_epi32(two)));
-            }
-            sum[n] = _mm256_sub_epi32(sum[n], _mm256_slli_epi32(offset, 5));
+        for (int i = 0; i < 8; ++i) {
+            const __m256i paired = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + L::CODES + L::SCALES + 32 * i));
+            for (int n = 0; n < N; ++n) sum[n] = _mm256_sub_epi32(sum[n], q6k_offset(paired, xs16 + n * (K / 16) + s / 16 + 2 * i));
         }
     super_block_step<N>(w + L::D, dx + s / QK, K, sum, acc);
 }
