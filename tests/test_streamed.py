@@ -107,6 +107,7 @@ def test_the_kernels_norm_and_activation_are_torchs_and_a_rows_bits_depend_on_th
     gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, 0.0, 1e-30, 30.0, 90.0, 200.0])  # exp's ends
     act = streamed.silu_mul(*gate_up.split(8960, dim=-1))  # a fused product's halves, in place
     assert torch.equal(streamed.silu_mul(*(t.contiguous() for t in gate_up.split(8960, dim=-1))), act)
+    assert torch.equal(streamed.silu_mul(gate_up), act)  # the fused output as it is
     g, u = gate_up.double().split(8960, dim=-1)
     torch.testing.assert_close(act.double(), g * torch.sigmoid(g) * u, rtol=1e-5, atol=1e-6)
     for width in (1, 2, 4, 8):
@@ -114,6 +115,7 @@ def test_the_kernels_norm_and_activation_are_torchs_and_a_rows_bits_depend_on_th
             rows = slice(start, start + width)
             assert torch.equal(streamed.rms_norm(x[rows], weight, 1e-6), norm[rows])
             assert torch.equal(streamed.silu_mul(*gate_up[rows].split(8960, dim=-1)), act[rows])
+            assert torch.equal(streamed.silu_mul(gate_up[rows]), act[rows])
 
 
 def test_the_kernels_attention_is_softmax_attention_and_a_querys_bits_depend_on_its_keys_alone():
@@ -145,6 +147,50 @@ def test_the_kernels_attention_is_softmax_attention_and_a_querys_bits_depend_on_
     # a ragged pass: a row's queries past its length come out zero, the others unchanged
     ragged = streamed.attention(q, k, v, mask, dim**-0.5, queries=(5, 2, 4))
     assert torch.equal(ragged[1, :2], got[1, :2]) and not ragged[1, 2:].any()
+
+
+@pytest.mark.parametrize("dim", [128, 20])
+def test_the_kernels_rotary_embeddings_are_transformers_bit_for_bit(dim):
+    """q and k read in place from one fused projection's output, several rows and tokens, heads
+    of 128 (the vector loop) and of 20 (its scalar tail): transformers' bits, its layout."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    batch, tokens, heads, kv_heads = 3, 5, 6, 2
+    qkv = torch.randn(batch, tokens, (heads + 2 * kv_heads) * dim) * 4
+    q, k = qkv[..., : heads * dim], qkv[..., heads * dim : (heads + kv_heads) * dim]
+    angles = torch.randn(batch, tokens, dim // 2) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    got_q, got_k = streamed.rotary(q, k, cos, sin, dim)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    expected_q, expected_k = apply_rotary_pos_emb(
+        q.reshape(batch, tokens, heads, dim).transpose(1, 2),
+        k.reshape(batch, tokens, kv_heads, dim).transpose(1, 2),
+        cos,
+        sin,
+    )
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+
+
+def test_attention_with_the_kernels_rotary_embeddings_gives_the_modules_own_logits(streamed_target):
+    """The loader gives the attention modules the kernel's rotary embeddings; a model's logits
+    over a ragged batch are bitwise those of the modules' own forward (Llama here; Qwen2, with
+    its biases and fused projections, in test_gguf_blocks)."""
+    model = streamed_target.target
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert all(isinstance(a.forward, partial) for a in attentions)
+    ids = torch.randint(3, 300, (3, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded row
+    with torch.no_grad():
+        lean = model(input_ids=ids, attention_mask=mask).logits
+        own = [a.__dict__.pop("forward") for a in attentions]
+        try:
+            expected = model(input_ids=ids, attention_mask=mask).logits
+        finally:
+            for a, forward in zip(attentions, own):
+                a.forward = forward
+    assert torch.equal(lean, expected)
 
 
 def test_a_float32_targets_cache_keeps_float32_for_the_kernels_attention(streamed_target):

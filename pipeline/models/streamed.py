@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.models import packing
 
@@ -146,6 +147,8 @@ def library() -> ctypes.CDLL | None:
                                ctypes.c_float, _POINTER, _POINTER, ctypes.c_int]  # fmt: skip
     lib.rms_norm_f32.argtypes = [_POINTER, _INT, _INT, _POINTER, ctypes.c_float, _POINTER]
     lib.silu_mul_f32.argtypes = [_POINTER, _POINTER, _INT, _INT, _INT, _POINTER]
+    # q, k, B, T, heads, kv heads, head dim, q's and k's floats a token, cos, sin, q out, k out
+    lib.rotary_f32.argtypes = [_POINTER, _POINTER, *[_INT] * 7, *[_POINTER] * 4]
     return lib
 
 
@@ -184,9 +187,12 @@ def attention(
 
 # The decoder layers' small steps the kernel takes in one call each (`stream_layer_steps`): norms
 # and MLPs of these classes, whose forwards are y = w * x / sqrt(mean(x^2) + eps) and
-# down(silu(gate(x)) * up(x)) (transformers' code, read for each).
+# down(silu(gate(x)) * up(x)), and the rotary embeddings of these attention classes, whose
+# forwards are o(attention(rotary(q(x)), rotary(k(x)), v(x))) with the keys and values through
+# the cache (transformers' code, read for each).
 RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
 SILU_MLPS = ("Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP")
+ROTARY_ATTENTIONS = ("Qwen2Attention", "LlamaAttention")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -198,10 +204,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up by the kernel, one call where torch takes a silu and a multiply; gate and
     up [..., I] float32, rows of either the same number of floats apart (the halves of a fused
-    gate/up product, or two products)."""
+    gate/up product, or two products). `up` None: `gate` is a fused product's output [..., 2I],
+    contiguous, its halves read in place (a split and its views cost more than the call)."""
+    if up is None:
+        width = gate.shape[-1] // 2
+        fused = gate if gate.is_contiguous() else gate.contiguous()
+        out = fused.new_empty(*fused.shape[:-1], width)
+        start, rows = fused.data_ptr(), out.numel() // width
+        library().silu_mul_f32(start, start + 4 * width, 2 * width, rows, width, out.data_ptr())
+        return out
     shape, width = gate.shape, gate.shape[-1]
     gate, up = (t.reshape(-1, width) for t in (gate, up))
     if gate.stride(0) != up.stride(0) or gate.stride(1) != 1 or up.stride(1) != 1:
@@ -211,13 +225,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out.view(shape)
 
 
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k [B, T, heads * dim] (a fused projection's parts are fine) rotated by cos and sin
+    [B, T, dim] as `transformers`' `apply_rotary_pos_emb` rotates them, bit for bit, in one
+    kernel call where torch takes 14 ops; returned as [B, heads, T, dim], contiguous."""
+    batch, tokens = q.shape[:2]
+    heads, kv_heads = q.shape[-1] // dim, k.shape[-1] // dim
+    cos, sin = (t.expand(batch, tokens, dim).contiguous() for t in (cos, sin))
+    q_out = q.new_empty(batch, heads, tokens, dim)
+    k_out = k.new_empty(batch, kv_heads, tokens, dim)
+    library().rotary_f32(
+        q.data_ptr(), k.data_ptr(), batch, tokens, heads, kv_heads, dim, q.stride(1), k.stride(1),
+        cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+    )  # fmt: skip
+    return q_out, k_out
+
+
 def stream_layer_steps(model: nn.Module) -> int:
     """Give `model`'s RMSNorms and SiLU MLPs the kernel's one-call steps, in place; returns how
     many. Why: outside its products a CPU pass is mostly small torch ops, each paying its
-    dispatch (docs/cpu-kernels.md); a norm is 8 of them, an MLP's activation 3. Each step
-    computes a row from that row alone, so a token's bits still do not depend on the pass; they
-    are float32 as torch's, not its bits (its reductions and `expf` round in their own order),
-    so call it on every pass path of a model or on none."""
+    dispatch (docs/cpu-kernels.md); a norm is 8 of them, an MLP's activation 3, the rotary
+    embeddings of q and k 14. Each step computes a row from that row alone, so a token's bits
+    still do not depend on the pass; norms and activations are float32 as torch's, not its bits
+    (its reductions and `expf` round in their own order), so call it on every pass path of a
+    model or on none. The rotary embeddings are torch's bits."""
     if library() is None:
         return 0
     changed = 0
@@ -228,6 +261,9 @@ def stream_layer_steps(model: nn.Module) -> int:
             changed += 1
         elif name in SILU_MLPS and _mlp_fits(module):
             module.forward = partial(_mlp_forward, module)
+            changed += 1
+        elif name in ROTARY_ATTENTIONS and _attention_fits(module):
+            module.forward = partial(_attention_forward, module)
             changed += 1
     return changed
 
@@ -268,10 +304,54 @@ def _mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _outside(x):
         return type(mlp).forward(mlp, x)
     if hasattr(mlp, "gate_up_proj"):
-        gate, up = mlp.gate_up_proj(x).split(mlp.gate_proj.out_features, dim=-1)
-    else:
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-    return mlp.down_proj(silu_mul(gate, up))
+        return mlp.down_proj(silu_mul(mlp.gate_up_proj(x)))
+    return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
+def _attention_fits(attention: nn.Module) -> bool:
+    dim = getattr(attention, "head_dim", None)
+    parts = ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling", "config")
+    return (
+        isinstance(dim, int)
+        and dim % 2 == 0
+        and all(hasattr(attention, n) for n in parts)
+        and not hasattr(attention, "q_norm")
+    )
+
+
+def _attention_forward(
+    attention: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs
+):
+    """The attention module's own forward with q's and k's rotary embeddings in one kernel call
+    (`rotary`), which lays out their heads too: the projections, the cache, the attention
+    function the config names and the output projection are the module's."""
+    interface = ALL_ATTENTION_FUNCTIONS.get(attention.config._attn_implementation)
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    if (
+        _outside(hidden_states)
+        or interface is None
+        or attention.training
+        or cos is None
+        or cos.dtype != torch.float32
+        or cos.shape[-1] != attention.head_dim
+    ):
+        forward = type(attention).forward
+        return forward(attention, hidden_states, position_embeddings, attention_mask, **kwargs)
+    # `transformers` renamed the cache argument (`batched_lm._cache_keyword`)
+    cache = kwargs.pop("cache", None) if "cache" in kwargs else kwargs.pop("past_key_values", None)
+    batch, tokens = hidden_states.shape[:2]
+    dim = attention.head_dim
+    q = attention.q_proj(hidden_states)
+    k = attention.k_proj(hidden_states)
+    v = attention.v_proj(hidden_states).view(batch, tokens, -1, dim).transpose(1, 2)
+    q, k = rotary(q, k, cos, sin, dim)
+    if cache is not None:
+        k, v = cache.update(k, v, attention.layer_idx, kwargs=kwargs)
+    if hasattr(attention, "sliding_window"):  # Qwen2's, None but on its sliding layers
+        kwargs["sliding_window"] = attention.sliding_window
+    scaling = attention.scaling
+    out, weights = interface(attention, q, k, v, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+    return attention.o_proj(out.reshape(batch, tokens, -1).contiguous()), weights
 
 
 class StreamedLinear(nn.Module):

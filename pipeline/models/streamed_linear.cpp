@@ -1717,6 +1717,38 @@ void attend(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, const fl
     }
 }
 
+// Rotary position embeddings as `transformers`' `apply_rotary_pos_emb` takes them, bit for bit:
+// out = x * cos + rotate_half(x) * sin, both products rounded, then their sum (no fused
+// multiply-add: the library is built with -ffp-contract=off), rotate_half(x) = (-x2, x1) for a
+// head's halves x1, x2. x [B, T, H heads of D floats], `row` floats from one token to the next
+// (a fused projection's part is fine); cos and sin [B, T, D] contiguous; out [B, H, T, D]
+// contiguous, the layout the cache and `attend` take.
+void rotary(const float* x, int64_t B, int64_t T, int64_t H, int64_t D, int64_t row, const float* cos,
+            const float* sin, float* out) {
+    const int64_t half = D / 2;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+        const float* c = cos + bt * D;
+        const float* s = sin + bt * D;
+        for (int64_t h = 0; h < H; ++h) {
+            const float* xh = x + bt * row + h * D;
+            float* o = out + ((bt / T * H + h) * T + bt % T) * D;
+            int64_t d = 0;
+            for (; d + 8 <= half; d += 8) {
+                const __m256 x1 = _mm256_loadu_ps(xh + d), x2 = _mm256_loadu_ps(xh + half + d);
+                _mm256_storeu_ps(o + d, _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + d)),
+                                                      _mm256_mul_ps(_mm256_xor_ps(x2, sign), _mm256_loadu_ps(s + d))));
+                _mm256_storeu_ps(o + half + d, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + d)),
+                                                             _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + d))));
+            }
+            for (; d < half; ++d) {
+                o[d] = xh[d] * c[d] + -xh[half + d] * s[d];
+                o[half + d] = xh[half + d] * c[half + d] + xh[d] * s[half + d];
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The small steps of a float32 decoder layer, one call each where torch takes several ops (a
 // 1-token pass of the 1.5B target made about 2,000, a few µs of dispatch each): RMSNorm, and
@@ -1818,6 +1850,11 @@ void attend_f32(const float* q, int64_t B, int64_t H, int64_t Q, int64_t D, cons
                 int64_t kb, int64_t kh, int64_t vb, int64_t vh, int64_t klen, const float* mask, int64_t mb, int64_t mq,
                 float scale, const int64_t* queries, float* out, int threads) {
     attend(q, B, H, Q, D, k, v, Hkv, kb, kh, vb, vh, klen, mask, mb, mq, scale, queries, out, threads);
+}
+void rotary_f32(const float* q, const float* k, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_row,
+                int64_t k_row, const float* cos, const float* sin, float* q_out, float* k_out) {
+    rotary(q, B, T, H, D, q_row, cos, sin, q_out);
+    rotary(k, B, T, Hkv, D, k_row, cos, sin, k_out);
 }
 void linear_i8(const float* x, int64_t T, int64_t K, const int8_t* w, int64_t O, const float* scale, const float* bias,
                float* y, int64_t RB, int64_t KB, int threads) {
