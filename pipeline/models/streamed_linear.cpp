@@ -954,10 +954,14 @@ void quantize_q8(const float* x, int64_t T, int64_t K, int8_t* x8, float* dx, in
 
 // The strip's super-block two ahead into L1: with a third of the float path's arithmetic the
 // stream, not the core, sets the pace, and the hardware's prefetcher alone left about 15% of
-// it on the table (one core, one 8960 x 1536 layer from memory: 7.2 against 8.3 GB/s).
+// it on the table (one core, one 8960 x 1536 layer from memory: 7.2 against 8.3 GB/s). Marked
+// non-temporal: a pass reads each block once, and the stream's lines then do not push out of
+// the caches what the rest of the pass reads between the products (activations, keys and
+// values, the interpreter's and torch's own state). Whole 1-token passes 0.89x the time of
+// the same prefetch into every level (AVX2-only EPYC, Zen 2, paired; docs/cpu-kernels.md).
 template <int64_t BYTES>
 inline void prefetch_ahead(const uint8_t* w) {
-    for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * BYTES + l), _MM_HINT_T0);
+    for (int64_t l = 0; l < BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 2 * BYTES + l), _MM_HINT_NTA);
 }
 
 // The one float step of a super-block, every kernel on rounded rows alike (decoding passes and
