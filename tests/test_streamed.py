@@ -170,6 +170,9 @@ def test_the_kernels_rotary_embeddings_are_transformers_bit_for_bit(dim):
         sin,
     )
     assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    # rows that are not one stride apart (a transposed input) are copied, not misread
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(streamed.rotary(q_t, k, cos, sin, dim)[0], expected_q)
 
 
 def test_attention_with_the_kernels_rotary_embeddings_gives_the_modules_own_logits(streamed_target):

@@ -233,6 +233,9 @@ def rotary(
     kernel call where torch takes 14 ops; returned as [B, heads, T, dim], contiguous."""
     batch, tokens = q.shape[:2]
     heads, kv_heads = q.shape[-1] // dim, k.shape[-1] // dim
+    # the kernel steps from token to token (across rows too) by one stride
+    evenly = lambda t: t.stride(-1) == 1 and t.stride(0) == tokens * t.stride(1)  # noqa: E731
+    q, k = (t if evenly(t) else t.contiguous() for t in (q, k))
     cos, sin = (t.expand(batch, tokens, dim).contiguous() for t in (cos, sin))
     q_out = q.new_empty(batch, heads, tokens, dim)
     k_out = k.new_empty(batch, kv_heads, tokens, dim)
