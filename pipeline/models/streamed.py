@@ -328,11 +328,12 @@ def _attention_forward(
     """The attention module's own forward with q's and k's rotary embeddings in one kernel call
     (`rotary`), which lays out their heads too: the projections, the cache, the attention
     function the config names and the output projection are the module's."""
-    interface = ALL_ATTENTION_FUNCTIONS.get(attention.config._attn_implementation)
+    # outside the kernel (a compiled pass too), the module's forward untouched
+    implementation = attention.config._attn_implementation
+    interface = None if _outside(hidden_states) else ALL_ATTENTION_FUNCTIONS.get(implementation)
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     if (
-        _outside(hidden_states)
-        or interface is None
+        interface is None
         or attention.training
         or cos is None
         or cos.dtype != torch.float32
