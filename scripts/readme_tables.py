@@ -111,7 +111,7 @@ def render_table(table: Table, root: Path = ROOT) -> str:
 # The sentence on llama.cpp: one `pipeline bench --llama-cpp` report per kind of machine, its
 # rows at batch 1.
 LLAMA_CPP_REPORTS = (
-    "2026-12-02-llama-cpp-avx2-float32-gguf-blocks-non-temporal-licenses.json",
+    "2026-12-02-llama-cpp-avx2-float32-gguf-blocks-non-temporal-rerun-licenses.json",
     "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-one-chain-licenses.json",
 )
 TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}
