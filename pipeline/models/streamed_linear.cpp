@@ -1176,8 +1176,9 @@ inline void finish_strip(const float* acc, int n, int64_t o, int64_t t, int64_t 
 // layout since 2026-12-02 (the decoding kernels read it in registers); here a block's strips are
 // decoded once per prefill into whole bytes (`decode_strip_q8`: the nibbles apart, the scales
 // as int16), and every tile of token rows runs over them (`micro_q8_gemm`). Q4_K layers of 256
-// token rows in AVX2 code, 2 threads: 250-280 G products a second against about 100 on the
-// float32 chain; Q6_K 196 G.
+// token rows in AVX2 code, 2 threads, on the AVX-512 EPYC (Zen 4): 250-280 G products a second
+// against about 100 on the float32 chain; Q6_K 196 G. On the AVX2-only EPYC (Zen 2), a 300-token
+// prefill's Q4_K products made 100-105 G, its Q6_K ones 73 G (docs/cpu-kernels.md).
 //
 // The chain of an output (row-invariant: integer sums are exact in any order, and the float
 // steps depend on the row's own x8, dx and weights): per super-block the integer sum of
