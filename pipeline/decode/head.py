@@ -575,7 +575,10 @@ def documents(
 @torch.no_grad()
 def _choices(target: PreTrainedModel, features: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     layer = target.get_output_embeddings()
-    dtype = layer.weight.dtype  # the target's own (bfloat16 when its features were computed so)
+    # the target's own (bfloat16 when its features were computed so); a kernel's layer
+    # (`StreamedLinear`, `BlockLinear`) holds no `weight` and reads float32 rows
+    weight = getattr(layer, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
     parts = [layer(features[i : i + chunk].to(dtype)).argmax(-1) for i in range(0, len(features), chunk)]
     return torch.cat(parts)
 

@@ -47,6 +47,33 @@ class HeadSettings:
     chained_steps: int | None = None  # None: head.CHAINED_STEPS
 
 
+def feature_target(target_ref, models) -> tuple[torch.nn.Module, torch.dtype, str]:
+    """The target that computes a head's training features, its dtype and weights ("dense" or
+    "gguf-blocks"), for a run whose spec's `models` are `models`.
+
+    It only computes features (the head starts from a copy of its last layer, in float32 as it
+    trains): in bfloat16 dense weights where the CPU has bf16 products (several times float32's
+    speed), else through the job's own kernels (its GGUF blocks where it keeps them: about half
+    a float32 dense prefill's time, and the features a job drafts from). A head's inputs need
+    not be any pass's bits: the target checks every draft."""
+    from pipeline.models.loading import load_model, load_pair, resolve_dtype
+
+    remote = models.trust_remote_code
+    dtype = resolve_dtype("auto", "cpu")
+    if dtype == torch.bfloat16:
+        return load_model(target_ref, dtype=dtype, device="cpu", trust_remote_code=remote), dtype, "dense"
+    loaded = load_pair(
+        target_ref,
+        None,
+        device="cpu",
+        trust_remote_code=remote,
+        weights=models.weights,
+        block_activations=models.block_activations,
+        batch=1,
+    )
+    return loaded.target, loaded.dtype, loaded.weights
+
+
 def distill_head(
     run_url: str,
     out: str,
@@ -60,7 +87,7 @@ def distill_head(
     from pipeline.decode.head import CHAINED_STEPS, DraftHead, documents, replay, train
     from pipeline.job.worker import model_refs
     from pipeline.machine import cpu_info, git_state
-    from pipeline.models.loading import load_model, load_tokenizer, resolve_dtype
+    from pipeline.models.loading import load_tokenizer
 
     commit, dirty = git_state()
     directory = Path(out)
@@ -70,13 +97,7 @@ def distill_head(
     target_ref, _ = model_refs(run.spec)
     models = run.spec.models
     tokenizer = load_tokenizer(target_ref, trust_remote_code=models.trust_remote_code)
-    # dense weights: the head starts from a copy of the target's last layer (in float32, as
-    # it trains). The target itself only computes features, in bfloat16 where the CPU has bf16
-    # products (several times float32's speed): a head's inputs need not be the serving path's
-    # bits, the target checks every draft
-    remote = models.trust_remote_code
-    dtype = resolve_dtype("auto", "cpu")
-    target = load_model(target_ref, dtype=dtype, device="cpu", trust_remote_code=remote)
+    target, dtype, features_path = feature_target(target_ref, models)
     examples = build_examples(run, tokenizer, end_of_turn(tokenizer, target))
     train_ids, held_ids = split_holdout([e.id for e in examples], settings.holdout)
     held = set(held_ids)
@@ -131,6 +152,7 @@ def distill_head(
             "held_out": held_ids,
             "features_seconds": round(features_seconds, 1),
             "features_dtype": str(dtype).removeprefix("torch."),
+            "features_weights": features_path,
             "prompt_positions": settings.prompts,
         },
         "head": {
@@ -186,7 +208,9 @@ def write_head_report(path: str, result: dict) -> str:
         "",
         f"`{result['command']}` at commit {(m['git_commit'] or '?')[:7]}{dirty}; {m['cpu_model']}, "
         f"AVX2 {m['avx2']}, AVX-512 BF16 {m['avx512_bf16']}, {m['threads']} threads; the target's "
-        f"features in {result['data'].get('features_dtype', 'float32')}, the head trained in float32.",
+        f"features in {result['data'].get('features_dtype', 'float32')}"
+        + (" on its GGUF blocks" if result["data"].get("features_weights") == "gguf-blocks" else "")
+        + ", the head trained in float32.",
         "",
         f"- data: {result['data']['train']} documents to train on "
         f"({result['data']['train_completion_tokens']} completion tokens), "
