@@ -75,6 +75,36 @@ def test_training_on_the_targets_outputs_raises_held_out_acceptance(trained):
     assert after.tau > before.tau
 
 
+def test_the_replay_counts_what_drafting_each_round_in_full_would(trained):
+    """`replay` stops a round's drafts at its first miss: its figures are those of drafting γ
+    every round and comparing them all with the target's tokens after."""
+    head, held, _ = trained
+    for gamma in (1, 4):
+        full = ChainFigures(by_position=[0] * gamma)
+        for doc in held[:12]:
+            seq, accepted = doc.prompt + doc.completion, len(doc.prompt) + 1
+            chain = HeadChain(head)
+            chain.feed(doc.features, seq[:accepted])
+            while accepted < len(seq):
+                drafts = chain.draft(min(gamma, len(seq) - accepted))
+                hits = next(
+                    (k for k, (d, t) in enumerate(zip(drafts, seq[accepted:])) if d != t), len(drafts)
+                )
+                produced = min(hits + 1, len(seq) - accepted)
+                full.rounds, full.drafted, full.accepted = (
+                    full.rounds + 1,
+                    full.drafted + len(drafts),
+                    full.accepted + hits,
+                )
+                full.tokens += produced
+                for k in range(hits):
+                    full.by_position[k] += 1
+                accepted += produced
+                chain.feed(doc.features[chain.fed :], seq[:accepted])
+        assert _figures(head, held[:12], gamma).to_dict() == full.to_dict(), gamma
+        assert full.accepted > 0  # the trained head's drafts are taken now and then
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_greedy_with_the_head_is_the_targets_output(case, trained, batch_size, packed):
