@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import random
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -552,28 +553,35 @@ def test_a_rerun_goes_on_from_the_most_trained_head_and_other_jobs_as_they_are(t
     assert _with_learned_head(plain, out, shown) is plain
 
 
+@pytest.mark.parametrize("choices", [False, True])
 @pytest.mark.parametrize("k", [2, 3, 4])
-def test_a_chained_training_step_sees_what_the_chain_sees_when_it_drafts(tiny_models, k):
+def test_a_chained_training_step_sees_what_the_chain_sees_when_it_drafts(tiny_models, k, choices):
     """Training-time test: step k at pair i in training (`_teacher_forced`) is the chain's k-th
     draft step at inference, given true drafts before it: true pairs up to i-k+1, then the
-    head's own g fed back one pair at a time."""
-    from pipeline.decode.head import HeadCache, _teacher_forced
+    head's own g fed back one pair at a time. With the prompts' positions learned too
+    (`choices`), step 1 runs at every pair and the chained steps at the completion's alone."""
+    from pipeline.decode.head import HeadCache, _choices, _teacher_forced
 
     target, _, tokenizer = tiny_models
     torch.manual_seed(k)
     head = DraftHead.from_target(target).eval()
     (doc,) = _docs(target, tokenizer, 1, seed=k)
+    if choices:
+        doc = replace(doc, choices=_choices(target, doc.features))
     with torch.no_grad():
-        chained, _, first = _teacher_forced(head, doc, steps=k)
+        chained, _, first, starts = _teacher_forced(head, doc, steps=k)
         seq = doc.prompt + doc.completion
-        for i in (k - 1, first + 3, len(seq) - 3):  # the last pair learned: its label x_{i+2} ends seq
+        completion = len(doc.prompt) - 1  # the first pair whose label is a completion token
+        assert first == (0 if choices else completion) and starts[0] == first
+        assert starts[1:] == [completion - k + m if choices else completion for m in range(2, k + 1)]
+        for i in (k - 1, completion, completion + 3, len(seq) - 3):  # the last: its label ends seq
             cache, start = HeadCache(), i - k + 1  # true pairs 0 .. i-k+1
             ids = torch.tensor([seq[1 : start + 2]])
             g = head(doc.features[None, : start + 1], ids, torch.arange(start + 1)[None], cache)[0, -1]
             for at in range(start + 1, i + 1):  # the chain's steps 2 .. k, true tokens drafted
                 g = head(g[None, None], torch.tensor([[seq[at + 1]]]), torch.tensor([[at]]), cache)[0, -1]
-            if i >= first:
-                torch.testing.assert_close(chained[k - 1][i - first], g, rtol=1e-4, atol=1e-5)
+            if i >= starts[k - 1]:
+                torch.testing.assert_close(chained[k - 1][i - starts[k - 1]], g, rtol=1e-4, atol=1e-5)
 
 
 def test_a_document_too_short_for_a_chained_step_teaches_the_steps_it_has(tiny_models):

@@ -589,43 +589,59 @@ def _choices(target: PreTrainedModel, features: torch.Tensor, chunk: int = 64) -
 
 def _teacher_forced(
     head: DraftHead, doc: Document, steps: int = 1
-) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+) -> tuple[list[torch.Tensor], torch.Tensor, int, list[int]]:
     """g_i from (f_i, x_{i+1}) at the pairs `head_loss` learns, their labels (the completion's
-    x_{i+2}, or with the target's `choices`, its choice after every position i+1), and the
-    first such pair's i.
+    x_{i+2}, or with the target's `choices`, its choice after every position i+1), the first
+    such pair's i, and the first pair of each step's g.
 
-    With `steps` k > 1, also the head's k-th chained step at every pair (training-time test, as
-    EAGLE-3 trains): step k at pair i reads the head's own step k-1 output at i-1 in place of
-    f_i, beside the true token x_{i+1}, and attends as a chain does after k-1 drafts: to the
-    true pairs up to i-k+1 and to the chained pairs i-k+2 .. i of steps 2 .. k
-    (`_unrolled_mask`). Its label is the same x_{i+2}: a k-th draft counts only where the drafts
-    before it were the true tokens. Pairs i < k-1 have no such chain (label ignored).
-    One g per step, [pairs learned, H]."""
+    With `steps` k > 1, also the head's k-th chained step (training-time test, as EAGLE-3
+    trains): step k at pair i reads the head's own step k-1 output at i-1 in place of f_i,
+    beside the true token x_{i+1}, and attends as a chain does after k-1 drafts: to the true
+    pairs up to i-k+1 and to the chained pairs i-k+2 .. i of steps 2 .. k (`_unrolled_mask`).
+    Its label is the same x_{i+2}: a k-th draft counts only where the drafts before it were the
+    true tokens. Pairs i < k-1 have no such chain (label ignored). A job drafts only in its
+    outputs, so the chained steps run at the completion's pairs (step k from k-`steps` pairs
+    before its first, where the later steps read it), not the prompt's: with the prompts'
+    positions learned too (`choices`), a document of 350 prompt and 128 completion tokens
+    costs half the products it cost when every step ran everywhere.
+    One g per step, [pairs learned from that step's first on, H]."""
     seq = doc.prompt + doc.completion
     n = len(seq) - 1  # pairs i = 0 .. n-1
-    ids = torch.tensor([seq[1:]], device=head.device)
-    positions = torch.arange(n, device=head.device)[None]
-    cache = HeadCache() if steps > 1 else None
-    chained = [head(doc.features[None, :n].to(head.device), ids, positions, cache)[0]]  # [n, H]
-    for k in range(2, steps + 1):
-        fed = torch.cat([chained[-1][:1] * 0, chained[-1][:-1]])  # step k-1's g at i-1
-        mask = _unrolled_mask(n, k, head.device)
-        chained.append(head(fed[None], ids, positions, cache, mask=mask)[0])
+    completion = max(len(doc.prompt) - 1, 0)  # pair i predicts x_{i+2}: the completion's from here
     if doc.choices is not None:
         first, labels = 0, doc.choices[1:].to(head.device)
     else:
-        first = max(len(doc.prompt) - 1, 0)  # pair i predicts x_{i+2}: the completion's from here
-        labels = torch.tensor(seq[first + 2 :], device=head.device)
-    return [g[first : first + len(labels)] for g in chained], labels, first
+        first, labels = completion, torch.tensor(seq[completion + 2 :], device=head.device)
+    end = first + len(labels)
+    # the pairs each step computes from: all for step 1 (the true pairs every chain attends to)
+    begins = [0] + [min(max(completion - steps + k, 0), n) for k in range(2, steps + 1)]
+    ids = torch.tensor([seq[1:]], device=head.device)
+    positions = torch.arange(n, device=head.device)[None]
+    cache = HeadCache() if steps > 1 else None
+    computed = [head(doc.features[None, :n].to(head.device), ids, positions, cache)[0]]  # [n, H]
+    for k in range(2, steps + 1):
+        begin, before = begins[k - 1], begins[k - 2]
+        if begin >= n:  # no completion to chain over (a document of its prompt alone)
+            break
+        back = torch.arange(begin - 1, n - 1, device=head.device) - before  # step k-1's g at i-1
+        fed = computed[-1][back.clamp(min=0)] * (back >= 0)[:, None]
+        mask = _unrolled_mask(n, k, head.device, begins)
+        computed.append(head(fed[None], ids[:, begin:], positions[:, begin:], cache, mask=mask)[0])
+    starts = [max(b, first) for b in begins]
+    return [g[s - b : end - b] for g, s, b in zip(computed, starts, begins)], labels, first, starts
 
 
-def _unrolled_mask(n: int, k: int, device) -> torch.Tensor:
-    """Which keys step k's query at pair i sees, over the keys of steps 1 .. k (n pairs each,
-    in that order in the cache): step 1's at pairs <= i-k+1, and step m's (2 <= m <= k) at
-    pair i-k+m alone, as a chain at pair i that drafted k-1 tokens past the true ones holds."""
-    pairs = torch.arange(n, device=device)
-    blocks = [pairs[None, :] <= pairs[:, None] - k + 1]
-    blocks += [pairs[None, :] == pairs[:, None] - k + m for m in range(2, k + 1)]
+def _unrolled_mask(n: int, k: int, device, begins: Sequence[int] | None = None) -> torch.Tensor:
+    """Which keys step k's query at pair i (i from `begins[k-1]` on) sees, over the keys of steps
+    1 .. k in the cache (step m's at pairs `begins[m-1]` .. n-1, in that order): step 1's at
+    pairs <= i-k+1, and step m's (2 <= m <= k) at pair i-k+m alone, as a chain at pair i that
+    drafted k-1 tokens past the true ones holds. `begins` None: every step at every pair."""
+    begins = list(begins) if begins is not None else [0] * k
+    queries = torch.arange(begins[k - 1], n, device=device)[:, None]
+    blocks = [torch.arange(n, device=device)[None, :] <= queries - k + 1]
+    blocks += [
+        torch.arange(begins[m - 1], n, device=device)[None, :] == queries - k + m for m in range(2, k + 1)
+    ]
     return torch.cat(blocks, dim=1)
 
 
@@ -636,7 +652,7 @@ def first_draft_hits(head: DraftHead, doc: Document) -> tuple[int, int]:
     sees exactly this (the chain holds the accepted pairs' true features), so it is the head's
     first-position acceptance over every position rather than at the rounds' starts, in one
     pass over the document instead of a replay."""
-    (predicted,), labels, _ = _teacher_forced(head, replace(doc, choices=None))
+    (predicted,), labels, _, _ = _teacher_forced(head, replace(doc, choices=None))
     drafted = head.vocab_rows[head.logits(predicted).argmax(-1)]
     return int((drafted == labels).sum()), len(labels)
 
@@ -645,19 +661,20 @@ def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: in
     """Teacher forcing over one document (`_teacher_forced`, `steps` chained steps): each
     step's cross-entropy of each pair's label, and smooth L1 of its g_i against f_{i+1}.
     None where the document has no pair to learn (a completion of a token or two)."""
-    chained, labels, first = _teacher_forced(head, doc, steps)
+    chained, labels, first, starts = _teacher_forced(head, doc, steps)
     index = _label_index(head, labels)
     target = doc.features[first + 1 : first + 1 + len(labels)].to(head.device, torch.float32)
-    pairs = torch.arange(first, first + len(index), device=index.device)
     loss = 0.0
-    for k, predicted in enumerate(chained, start=1):
-        at = torch.where(pairs >= k - 1, index, -100)  # step k has no chain before pair k-1
+    for k, (predicted, start) in enumerate(zip(chained, starts), start=1):
+        pairs = torch.arange(start, start + len(predicted), device=index.device)
+        # step k has no chain before pair k-1
+        at = torch.where(pairs >= k - 1, index[start - first :], -100)
         if not bool((at != -100).any()):  # a short document: nothing for this step to learn
             continue
         loss = loss + F.cross_entropy(head.logits(predicted), at, ignore_index=-100)
         if regression:
-            chain = max(k - 1 - first, 0)
-            loss = loss + regression * F.smooth_l1_loss(predicted[chain:], target[chain:])
+            chain = max(k - 1 - start, 0)
+            loss = loss + regression * F.smooth_l1_loss(predicted[chain:], target[start - first :][chain:])
     return loss if isinstance(loss, torch.Tensor) else None
 
 
