@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import random
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,6 +169,38 @@ def test_auto_with_the_head_among_its_sources_decodes_the_targets_output(case, t
         outputs, batch = engine.generate(prompts[start : start + batch_size], MAX_NEW)
         assert [o.tokens for o in outputs] == refs[start : start + batch_size]
     assert sent  # the head offered drafts in some rounds
+
+
+def test_a_heads_catch_up_feeding_is_not_charged_to_the_round_that_pays_it(case, trained, monkeypatch):
+    """A prompt's pairs (or those kept over rounds that did not draft) go through the head's
+    layer at its next draft: a cost of following the row, which the drafting gate and the
+    head's own judgement must not read as that round's. Here each such feed takes 0.3 s
+    longer: no round the gate sees is charged it, and the head's drafts still go out."""
+    target, _, tokenizer, prompts, eos, refs = case
+    config = EngineConfig(drafter="auto", gamma_max=4, auto_sources=("prompt_lookup", "suffix", "head"))
+    engine = SpeculativeEngine(
+        target, None, eos_token_ids=eos, pad_token_id=0, config=config, head=trained[0]
+    )
+    real_flush = HeadChain.flush
+
+    def slow_flush(chain):
+        if chain.waiting and not chain.fresh:  # only pairs kept from before the last round
+            time.sleep(0.3)
+        real_flush(chain)
+
+    monkeypatch.setattr(HeadChain, "flush", slow_flush)
+    seen = []
+    real_observe = engine.gate.observe
+    engine.gate.observe = lambda rows, asked, tokens, seconds, drafted=0: (
+        seen.append((asked, seconds)),
+        real_observe(rows, asked, tokens, seconds, drafted),
+    )
+    for start in range(0, 6, 2):
+        outputs, _ = engine.generate(prompts[start : start + 2], MAX_NEW)
+        assert [o.tokens for o in outputs] == refs[start : start + 2]
+    assert engine.head.seconds > 0.3  # a catch-up feed was paid, and slowly
+    assert any(asked for asked, _ in seen) and max(seconds for _, seconds in seen) < 0.25, seen
+    assert engine.head._round_seconds < 0.25
 
 
 def test_features_kept_for_later_feed_the_chain_as_feeding_them_at_once(trained):

@@ -291,7 +291,9 @@ class SpeculativeEngine:
         produced = self._accept(batch, drafts, logits)
         if batch.head:
             batch.head.follow([r.seq for r in batch.active])
-        seconds = time.perf_counter() - began
+        # a head's catch-up feeding (a prompt's pairs) is a cost of following the rows, not
+        # of this round's drafting: rounds are compared by their rate (`HeadDrafter.take_catch_up`)
+        seconds = time.perf_counter() - began - (batch.head.take_catch_up() if batch.head else 0.0)
         self.costs.observe_round(produced, seconds)
         if drafting:
             self.gate.observe(rows, asked, produced, seconds, sum(map(len, drafts.tokens)))

@@ -386,20 +386,28 @@ class HeadChain:
         self._g: torch.Tensor | None = None  # g after the last of them
         # features of the pairs from `fed` on, kept until a draft needs them (`defer`)
         self._waiting: list[torch.Tensor] = []
+        self.fresh = 0  # of those, the pairs the last verify pass computed (`defer(fresh=True)`)
         self._seq: Sequence[int] = ()
         # with `record`: every feature the chain was given, pairs start .. known-1 (`document`)
         self.recorded: list[torch.Tensor] = []
 
     @property
+    def waiting(self) -> int:
+        """Pairs whose features are kept to feed (`defer`)."""
+        return sum(len(f) for f in self._waiting)
+
+    @property
     def known(self) -> int:
         """Pairs whose features the chain holds: fed, or kept to feed (`defer`)."""
-        return self.fed + sum(len(f) for f in self._waiting)
+        return self.fed + self.waiting
 
-    def defer(self, features: torch.Tensor, seq: Sequence[int]) -> None:
+    def defer(self, features: torch.Tensor, seq: Sequence[int], fresh: bool = False) -> None:
         """As `feed` (features[i] is the target's feature at position `known` + i), but kept
         until the next draft: a head that is not asked to draft costs nothing, and when it is,
-        the pairs go through its layer in one pass."""
+        the pairs go through its layer in one pass. `fresh`: the features of the round just
+        verified (those of a prompt, or kept over rounds that did not draft, are not)."""
         n = min(len(seq) - 1 - self.known, features.shape[0])
+        self.fresh = max(n, 0) if fresh else 0
         if n > 0:
             self._waiting.append(features[:n])
             if self.record:
@@ -421,7 +429,7 @@ class HeadChain:
     def flush(self) -> None:
         """Feed the pairs `defer` kept."""
         if self._waiting:
-            waiting, self._waiting = torch.cat(self._waiting), []
+            waiting, self._waiting, self.fresh = torch.cat(self._waiting), [], 0
             self.feed(waiting, self._seq)
 
     @torch.no_grad()
@@ -896,6 +904,9 @@ class HeadDrafter:
         self.lm = lm  # the target's runner (`BatchedLM`), whose passes leave their features
         self.chains: list[HeadChain | None] = []
         self.seconds = 0.0  # spent drafting and feeding, for the engine's stats
+        # of those, spent feeding the pairs of prompts and of rounds that did not draft, since
+        # the engine last took them (`take_catch_up`)
+        self.catch_up_seconds = 0.0
         self.step_seconds: float | None = None  # one step of every going row, lately
         self._proposed: list[tuple[int, list[int], list[float]]] = []  # per row: length, drafts, chances
         self.replace(head)
@@ -946,8 +957,18 @@ class HeadDrafter:
         for chain, seq, (start, features) in zip(self.chains, seqs, self.lm.features):
             if chain.known < start:  # features missing (a row the head was not following): restart
                 chain.restart(start)
-            chain.defer(features[chain.known - start :], seq)
+            chain.defer(features[chain.known - start :], seq, fresh=True)
         self.seconds += time.perf_counter() - began
+
+    def take_catch_up(self) -> float:
+        """Seconds spent feeding pairs kept from before the last round since the last call: a
+        prompt's (a one-off per row), or those of rounds the head did not draft in (resting,
+        or rounds that asked no drafter), fed at its next draft. A cost of having followed the
+        row at all, not of the round that pays it: the engine's gate and the head's own
+        judgement compare rounds by their rate, and one round charged a 300-token prompt's
+        feed turned `auto`'s drafting off for its copies too (docs/choosing-a-draft.md)."""
+        seconds, self.catch_up_seconds = self.catch_up_seconds, 0.0
+        return seconds
 
     def _judge(self, accepted: int) -> None:
         """After a round the head drafted in: did its accepted drafts, at what a token is worth
@@ -1002,9 +1023,15 @@ class HeadDrafter:
         began = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in self.chains]
         chances = [[] for _ in self.chains]  # per row: the confidences' product over drafts 1..k
+        catch_up = 0.0
         if gamma > 0:
+            waiting = sum(chain.waiting for chain in self.chains)
+            stale = waiting - sum(chain.fresh for chain in self.chains)
             for chain in self.chains:
                 chain.flush()
+            if stale > 0:  # the pairs' share of one pass through the head's layer
+                catch_up = (time.perf_counter() - began) * stale / waiting
+                self.catch_up_seconds += catch_up
         going = [gamma > 0 and chain.last is not None for chain in self.chains]
         while any(going):
             stepped = time.perf_counter()
@@ -1029,8 +1056,8 @@ class HeadDrafter:
         for chain in self.chains:
             chain.rollback()
         self._proposed = [(len(seq), d, c) for seq, d, c in zip(seqs, drafts, chances)]
-        self._round_seconds = time.perf_counter() - began
-        self.seconds += self._round_seconds
+        self.seconds += time.perf_counter() - began
+        self._round_seconds = time.perf_counter() - began - catch_up
         return Proposal(tokens=drafts, probs=[None] * len(drafts), depths=[0] * len(drafts))  # one kind
 
     def chances(self) -> list[list[float]]:
