@@ -610,8 +610,8 @@ def _teacher_forced(
     true tokens. Pairs i < k-1 have no such chain (label ignored). A job drafts only in its
     outputs, so the chained steps run at the completion's pairs (step k from k-`steps` pairs
     before its first, where the later steps read it), not the prompt's: with the prompts'
-    positions learned too (`choices`), a document of 350 prompt and 128 completion tokens
-    costs half the products it cost when every step ran everywhere.
+    positions learned too (`choices`), chaining there too cost most of a document's products
+    for drafts no job makes (docs/choosing-a-draft.md, measured).
     One g per step, [pairs learned from that step's first on, H]."""
     seq = doc.prompt + doc.completion
     n = len(seq) - 1  # pairs i = 0 .. n-1
@@ -965,8 +965,8 @@ class HeadDrafter:
         prompt's (a one-off per row), or those of rounds the head did not draft in (resting,
         or rounds that asked no drafter), fed at its next draft. A cost of having followed the
         row at all, not of the round that pays it: the engine's gate and the head's own
-        judgement compare rounds by their rate, and one round charged a 300-token prompt's
-        feed turned `auto`'s drafting off for its copies too (docs/choosing-a-draft.md)."""
+        judgement compare rounds by their rate, and one round charged a prompt's feed turned
+        `auto`'s drafting off for its copies too (docs/choosing-a-draft.md)."""
         seconds, self.catch_up_seconds = self.catch_up_seconds, 0.0
         return seconds
 

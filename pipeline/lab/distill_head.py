@@ -53,9 +53,9 @@ def feature_target(target_ref, models) -> tuple[torch.nn.Module, torch.dtype, st
 
     It only computes features (the head starts from a copy of its last layer, in float32 as it
     trains): in bfloat16 dense weights where the CPU has bf16 products (several times float32's
-    speed), else through the job's own kernels (its GGUF blocks where it keeps them: about half
-    a float32 dense prefill's time, and the features a job drafts from). A head's inputs need
-    not be any pass's bits: the target checks every draft."""
+    speed), else through the job's own kernels (its GGUF blocks where it keeps them: a cheaper
+    prefill than float32 dense weights, and the features a job drafts from). A head's inputs
+    need not be any pass's bits: the target checks every draft."""
     from pipeline.models.loading import load_model, load_pair, resolve_dtype
 
     remote = models.trust_remote_code
