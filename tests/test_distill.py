@@ -229,3 +229,32 @@ def test_distill_head_trains_a_head_on_the_run_and_writes_where_it_came_from(set
     chained = CliRunner().invoke(main, [*args, "--force", "--epochs", "1", "--json", "--chained-steps", "2"])
     assert chained.exit_code == 0, chained.output
     assert json.loads(chained.stdout)["training"]["chained_steps"] == 2
+
+
+def test_distill_head_learns_from_several_runs_of_one_target(setting, tiny_pair_dirs, tmp_path):
+    """A head needs more documents than one run holds: several runs of the same target are read
+    together (each prompt built with its own run's task), a run named twice counts once, and a
+    run of another target is a one-line error."""
+    # none of them the first run's, even cut to a prompt's length: theirs never repeat a sentence
+    other_docs = [" ".join((a, a, b, c)) for a, b, c in permutations(SENTENCES[:4], 3)]
+    second = make_run(tiny_pair_dirs, tmp_path / "second", other_docs)
+    base = ["--head", "--epochs", "1", "--gamma", "2", "--json"]
+    twice = CliRunner().invoke(main, ["distill", second, second, *base, "--out", str(tmp_path / "h1")])
+    assert twice.exit_code == 0, twice.output
+    alone = json.loads(twice.stdout)["data"]["documents"]  # a row that wrote nothing teaches nothing
+    assert 0 < alone <= len(other_docs)
+    both = CliRunner().invoke(main, ["distill", setting["run"], second, *base, "--out", str(tmp_path / "h2")])
+    assert both.exit_code == 0, both.output
+    record = json.loads(both.stdout)
+    # the second run's ids are the first's (doc0-0 ...), its documents are not: every one is kept
+    assert record["data"]["documents"] == len(DOCUMENTS) + alone
+    assert [r["url"] for r in record["source_runs"]] == [Storage(setting["run"]).url, Storage(second).url]
+    draft_dir = tiny_pair_dirs[1]
+    foreign = make_run((draft_dir, draft_dir), tmp_path / "foreign", other_docs[:4])
+    refused = CliRunner().invoke(
+        main, ["distill", setting["run"], foreign, *base, "--out", str(tmp_path / "h3")]
+    )
+    assert refused.exit_code == 2, refused.output
+    assert "every run must share the target" in refused.output and "Traceback" not in refused.output
+    model = CliRunner().invoke(main, ["distill", setting["run"], second, "--out", "x"])
+    assert model.exit_code == 2 and "only with --head" in model.output

@@ -270,7 +270,7 @@ def calibrate(batches, widths, **options):
 
 
 @click.command()
-@click.argument("run_output_url")
+@click.argument("run_output_urls", metavar="RUN_OUTPUT_URL...", nargs=-1, required=True)
 @click.option(
     "--pair",
     default="qwen2.5-coder",
@@ -366,7 +366,7 @@ def calibrate(batches, widths, **options):
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 @storage_option
 def distill(
-    run_output_url,
+    run_output_urls,
     pair,
     out_name,
     head,
@@ -390,7 +390,8 @@ def distill(
 
     With --head, a draft head on the target's own features is trained instead (drafter.kind
     head): written to the directory OUT with its distill.json, and its held-out acceptance
-    replayed before and after training.
+    replayed before and after training. A head learns from several runs of the same target at
+    once (name each): one night's documents are rarely enough to teach it a corpus.
 
     \b
     Example:
@@ -411,7 +412,7 @@ def distill(
         chosen |= {k: settings[k] for k in ("epochs", "lr") if settings[k] is not None}
         job = partial(
             distill_head,
-            run_output_url,
+            run_output_urls,
             out_name,
             HeadSettings(
                 **chosen, gamma=gamma, prompts=prompts, vocab=head_vocab, chained_steps=chained_steps
@@ -422,7 +423,12 @@ def distill(
         from pipeline.lab.distill import Settings, write_report
         from pipeline.lab.distill import distill as run_distill
 
-        job = partial(run_distill, run_output_url, pair, out_name, Settings(**settings, progress=progress))
+        if len(run_output_urls) > 1:
+            click.echo("pipeline distill: several runs are read only with --head; name one run", err=True)
+            sys.exit(EXIT_USAGE)
+        job = partial(
+            run_distill, run_output_urls[0], pair, out_name, Settings(**settings, progress=progress)
+        )
         write = write_report
     try:
         result = job(

@@ -15,16 +15,23 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from pipeline.lab.distill import DistillError, build_examples, end_of_turn, read_run, split_holdout
+from pipeline.lab.distill import (
+    DistillError,
+    build_examples,
+    end_of_turn,
+    read_run,
+    same_model,
+    split_holdout,
+)
 
-HEAD_DISTILL_FORMAT = 1
+HEAD_DISTILL_FORMAT = 2  # 2: source_runs, a list (several runs)
 
 
 @dataclass
@@ -75,7 +82,7 @@ def feature_target(target_ref, models) -> tuple[torch.nn.Module, torch.dtype, st
 
 
 def distill_head(
-    run_url: str,
+    run_urls: str | Sequence[str],
     out: str,
     settings: HeadSettings,
     *,
@@ -83,7 +90,9 @@ def distill_head(
     command: str = "",
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train a head for the run's target on the run, write it to `out`; return `distill.json`."""
+    """Train a head for the runs' target on the runs (one URL or several: a head needs more
+    documents than one night's job holds, docs/choosing-a-draft.md), write it to `out`; return
+    `distill.json`."""
     from pipeline.decode.head import CHAINED_STEPS, DraftHead, documents, replay, train
     from pipeline.job.worker import model_refs
     from pipeline.machine import cpu_info, git_state
@@ -93,13 +102,21 @@ def distill_head(
     directory = Path(out)
     if directory.exists() and any(directory.iterdir()) and not settings.force:
         raise DistillError(f"--out {out}: the directory is not empty (--force replaces it)")
-    run = read_run(run_url, storage_options)
+    runs = [read_run(url, storage_options) for url in ([run_urls] if isinstance(run_urls, str) else run_urls)]
+    run = runs[0]  # names the target, its weights and the replay's gamma
     target_ref, _ = model_refs(run.spec)
+    for other in runs[1:]:
+        if not same_model(other.target, target_ref):
+            raise DistillError(
+                f"{other.url} was decoded by {other.target.get('path')}, {run.url} by {target_ref.display}: "
+                "a head learns one target's features, so every run must share the target"
+            )
     models = run.spec.models
     tokenizer = load_tokenizer(target_ref, trust_remote_code=models.trust_remote_code)
     target, dtype, features_path = feature_target(target_ref, models)
-    examples = build_examples(run, tokenizer, end_of_turn(tokenizer, target))
-    train_ids, held_ids = split_holdout([e.id for e in examples], settings.holdout)
+    examples = _examples(runs, tokenizer, end_of_turn(tokenizer, target))
+    # by id, so that a document several runs decoded is held out (or learned) in all of them
+    train_ids, held_ids = split_holdout(sorted({e.id for e in examples}), settings.holdout)
     held = set(held_ids)
     began = time.perf_counter()
     pairs = [(e.prompt, e.completion) for e in examples]
@@ -108,7 +125,7 @@ def distill_head(
     train_docs = [d for d, e in zip(docs, examples) if e.id not in held]
     held_docs = [d for d, e in zip(docs, examples) if e.id in held]
     log(
-        f"{run.url}: {len(examples)} documents, {len(train_docs)} to train on "
+        f"{', '.join(r.url for r in runs)}: {len(examples)} documents, {len(train_docs)} to train on "
         f"({sum(len(d.completion) for d in train_docs)} completion tokens), {len(held_docs)} held out; "
         f"the target's features took {features_seconds:.1f} s"
     )
@@ -143,7 +160,7 @@ def distill_head(
         "format": HEAD_DISTILL_FORMAT,
         "command": command,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "source_run": {"url": run.url, "run_id": run.run_id, "job": run.job},
+        "source_runs": [{"url": r.url, "run_id": r.run_id, "job": r.job} for r in runs],
         "target": {"path": target_ref.path, "display": target_ref.display, "fingerprint": head.fingerprint},
         "data": {
             "documents": len(examples),
@@ -176,6 +193,19 @@ def distill_head(
     return result
 
 
+def _examples(runs, tokenizer, eot: int) -> list:
+    """Every run's examples, each prompt built with its own run's task; a document two runs
+    decoded into the same prompt and completion, once."""
+    seen, examples = set(), []
+    for run in runs:
+        for example in build_examples(run, tokenizer, eot):
+            key = (example.id, tuple(example.prompt), tuple(example.completion))
+            if key not in seen:
+                seen.add(key)
+                examples.append(example)
+    return examples
+
+
 def _replayed(replay, head, docs, gamma: int) -> dict:
     from pipeline.decode.head import ChainFigures
 
@@ -203,8 +233,8 @@ def write_head_report(path: str, result: dict) -> str:
         for name, fig in (("untrained", h["before"]), ("trained", h["after"]))
     ]
     lines = [
-        f"# A draft head for {result['target']['display']}, trained on {result['source_run']['job']} "
-        f"{result['source_run']['run_id']}",
+        f"# A draft head for {result['target']['display']}, trained on "
+        + ", ".join(f"{r['job']} {r['run_id']}" for r in result["source_runs"]),
         "",
         f"`{result['command']}` at commit {(m['git_commit'] or '?')[:7]}{dirty}; {m['cpu_model']}, "
         f"AVX2 {m['avx2']}, AVX-512 BF16 {m['avx512_bf16']}, {m['threads']} threads; the target's "
