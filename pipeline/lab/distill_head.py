@@ -82,7 +82,7 @@ def feature_target(target_ref, models) -> tuple[torch.nn.Module, torch.dtype, st
 
 
 def distill_head(
-    run_urls: str | Sequence[str],
+    run_urls: Sequence[str],
     out: str,
     settings: HeadSettings,
     *,
@@ -90,7 +90,7 @@ def distill_head(
     command: str = "",
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train a head for the runs' target on the runs (one URL or several: a head needs more
+    """Train a head for the runs' target on the runs (one or more: a head needs more
     documents than one night's job holds, docs/choosing-a-draft.md), write it to `out`; return
     `distill.json`."""
     from pipeline.decode.head import CHAINED_STEPS, DraftHead, documents, replay, train
@@ -102,7 +102,7 @@ def distill_head(
     directory = Path(out)
     if directory.exists() and any(directory.iterdir()) and not settings.force:
         raise DistillError(f"--out {out}: the directory is not empty (--force replaces it)")
-    runs = [read_run(url, storage_options) for url in ([run_urls] if isinstance(run_urls, str) else run_urls)]
+    runs = [read_run(url, storage_options) for url in run_urls]
     run = runs[0]  # names the target, its weights and the replay's gamma
     target_ref, _ = model_refs(run.spec)
     for other in runs[1:]:
