@@ -258,3 +258,37 @@ def test_distill_head_learns_from_several_runs_of_one_target(setting, tiny_pair_
     assert "every run must share the target" in refused.output and "Traceback" not in refused.output
     model = CliRunner().invoke(main, ["distill", setting["run"], second, "--out", "x"])
     assert model.exit_code == 2 and "only with --head" in model.output
+
+
+def test_distill_head_reads_back_the_features_it_kept(setting, tiny_pair_dirs, tmp_path):
+    """--features-cache: a document's features are computed once; a distill again over the same
+    run reads them all back and trains the same head, and a run added to it costs only its own."""
+    cache = tmp_path / "features"
+    base = ["--head", "--epochs", "1", "--gamma", "2", "--json", "--features-cache", str(cache)]
+    first = CliRunner().invoke(main, ["distill", setting["run"], *base, "--out", str(tmp_path / "h1")])
+    assert first.exit_code == 0, first.output
+    computed = json.loads(first.stdout)
+    documents = computed["data"]["documents"]
+    # one file a distinct document (the tiny run's prompts, cut short, repeat: read back at once)
+    distinct = len(list(cache.glob("*.pt")))
+    assert 0 < distinct <= documents and not list(cache.glob("*.part"))
+    assert computed["data"]["features_from_cache"] == documents - distinct
+    report = tmp_path / "again.md"
+    again = CliRunner().invoke(
+        main, ["distill", setting["run"], *base, "--out", str(tmp_path / "h2"), "--report", str(report)]
+    )
+    assert again.exit_code == 0, again.output
+    read = json.loads(again.stdout)
+    assert read["data"]["features_from_cache"] == documents
+    assert f"({documents} documents' features read from a cache)" in report.read_text()
+    # the same features, so the same training and the same held-out replay
+    assert read["training"]["loss"] == computed["training"]["loss"]
+    assert read["held_out"] == computed["held_out"]
+    # a sentence twice at the start: no prompt of the first run's, even cut short
+    other_docs = [" ".join((a, a, b)) for a, b in permutations(SENTENCES[:4], 2)]
+    second = make_run(tiny_pair_dirs, tmp_path / "second", other_docs)
+    both = CliRunner().invoke(main, ["distill", setting["run"], second, *base, "--out", str(tmp_path / "h3")])
+    assert both.exit_code == 0, both.output
+    data = json.loads(both.stdout)["data"]
+    added = len(list(cache.glob("*.pt"))) - distinct  # the second run's documents alone
+    assert added > 0 and data["features_from_cache"] == data["documents"] - added

@@ -576,12 +576,22 @@ def documents(
 ) -> list[Document]:
     """Each (prompt, completion) with the target's features: one forward pass per document;
     with `choices`, the target's greedy choice at every position too."""
-    docs = []
-    for p, c in pairs:
-        features = target_features(target, list(p) + list(c))
-        picked = _choices(target, features) if choices else None
-        docs.append(Document(list(p), list(c), features, picked))
-    return docs
+    return [document(target, p, c, choices) for p, c in pairs]
+
+
+def document(
+    target: PreTrainedModel,
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    choices: bool = False,
+    features: torch.Tensor | None = None,
+) -> Document:
+    """One `documents` entry; `features` given (kept from an earlier computation) spare the
+    target's pass, the choices, where asked, still read through its output layer."""
+    if features is None:
+        features = target_features(target, list(prompt) + list(completion))
+    picked = _choices(target, features) if choices else None
+    return Document(list(prompt), list(completion), features, picked)
 
 
 @torch.no_grad()

@@ -311,6 +311,15 @@ def calibrate(batches, widths, **options):
     "its own output, as it drafts (default 3; 1 learns the first draft alone).",
 )
 @click.option(
+    "--features-cache",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="With --head: keep each document's target features in DIR and read them back when a "
+    "later distill meets the same document with the same target (the target's pass over every "
+    "document is most of a distill's time: tonight's distill over every night's runs then "
+    "computes only tonight's).",
+)
+@click.option(
     "--gamma",
     type=click.IntRange(min=1),
     help="With --head: drafts per round when the held-out documents are replayed (default: the "
@@ -373,6 +382,7 @@ def distill(
     prompts,
     head_vocab,
     chained_steps,
+    features_cache,
     gamma,
     as_json,
     report_path,
@@ -415,7 +425,12 @@ def distill(
             run_output_urls,
             out_name,
             HeadSettings(
-                **chosen, gamma=gamma, prompts=prompts, vocab=head_vocab, chained_steps=chained_steps
+                **chosen,
+                gamma=gamma,
+                prompts=prompts,
+                vocab=head_vocab,
+                chained_steps=chained_steps,
+                features_cache=features_cache,
             ),
         )
         write = write_head_report

@@ -12,7 +12,9 @@ reached) are written to the output directory, which a job names as `drafter.head
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +54,8 @@ class HeadSettings:
     vocab: int | None = None
     # draft steps learned at every pair, chained on the head's own outputs (`head.head_loss`)
     chained_steps: int | None = None  # None: head.CHAINED_STEPS
+    # a directory keeping each document's features (`FeatureCache`); None: none kept
+    features_cache: str | None = None
 
 
 def feature_target(target_ref, models) -> tuple[torch.nn.Module, torch.dtype, str]:
@@ -120,7 +124,12 @@ def distill_head(
     held = set(held_ids)
     began = time.perf_counter()
     pairs = [(e.prompt, e.completion) for e in examples]
-    docs = documents(target, pairs, choices=settings.prompts)
+    if settings.features_cache:
+        cache = FeatureCache(settings.features_cache, target, dtype, features_path)
+        docs = [cache.document(p, c, settings.prompts) for p, c in pairs]
+        kept = cache.hits
+    else:
+        docs, kept = documents(target, pairs, choices=settings.prompts), 0
     features_seconds = time.perf_counter() - began
     train_docs = [d for d, e in zip(docs, examples) if e.id not in held]
     held_docs = [d for d, e in zip(docs, examples) if e.id in held]
@@ -128,14 +137,15 @@ def distill_head(
         f"{', '.join(r.url for r in runs)}: {len(examples)} documents, {len(train_docs)} to train on "
         f"({sum(len(d.completion) for d in train_docs)} completion tokens), {len(held_docs)} held out; "
         f"the target's features took {features_seconds:.1f} s"
+        + (f" ({kept} of {len(docs)} documents read from {settings.features_cache})" if kept else "")
     )
     # what the head can propose: the tokens the target wrote in the training completions (a
     # label outside them, at a prompt's position, is not learned), below `vocab` where asked
     seen = {t for d in train_docs for t in d.completion}
+    torch.manual_seed(settings.seed)  # before the head's start: the same command, the same head
     head = DraftHead.from_target(target, settings.vocab, sorted(seen))
     gamma = settings.gamma or max(run.spec.drafter.gamma_max, 1)
     before = _replayed(replay, head, held_docs, gamma)
-    torch.manual_seed(settings.seed)
     training = train(
         head,
         train_docs,
@@ -168,6 +178,7 @@ def distill_head(
             "train_completion_tokens": sum(len(d.completion) for d in train_docs),
             "held_out": held_ids,
             "features_seconds": round(features_seconds, 1),
+            "features_from_cache": kept,
             "features_dtype": str(dtype).removeprefix("torch."),
             "features_weights": features_path,
             "prompt_positions": settings.prompts,
@@ -191,6 +202,41 @@ def distill_head(
     (directory / "distill.json").write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote the head to {directory}")
     return result
+
+
+class FeatureCache:
+    """A directory keeping each document's target features, one file a document, so that a head
+    distilled again (other settings, or last night's runs with tonight's added) computes only
+    the documents it has not seen: the target's pass over every document is most of a distill's
+    time on a CPU, and the runs of a nightly job pile up.
+
+    A file's name is a digest of what its features depend on: the target (`target_fingerprint`),
+    the dtype and weights they were computed with, and the document's token ids. Features are
+    kept in the dtype they were computed in, so a document read back is the one computed."""
+
+    def __init__(self, directory: str, target, dtype: torch.dtype, weights: str):
+        from pipeline.decode.head import target_fingerprint
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.target, self.dtype = target, dtype
+        self.key = [target_fingerprint(target), str(dtype), weights]
+        self.hits = 0
+
+    def document(self, prompt: list[int], completion: list[int], choices: bool):
+        from pipeline.decode.head import document
+
+        name = hashlib.sha256(json.dumps([*self.key, prompt, completion]).encode()).hexdigest()[:40]
+        path = self.directory / f"{name}.pt"
+        if path.is_file():
+            features = torch.load(path, weights_only=True).float()
+            self.hits += 1
+            return document(self.target, prompt, completion, choices, features=features)
+        doc = document(self.target, prompt, completion, choices)
+        partial = path.with_suffix(f".{os.getpid()}.part")  # never a half-written file under the name
+        torch.save(doc.features.to(self.dtype), partial)
+        os.replace(partial, path)
+        return doc
 
 
 def _examples(runs, tokenizer, eot: int) -> list:
@@ -246,6 +292,11 @@ def write_head_report(path: str, result: dict) -> str:
         f"({result['data']['train_completion_tokens']} completion tokens), "
         f"{len(result['data']['held_out'])} held out; the target's features took "
         f"{result['data']['features_seconds']} s"
+        + (
+            f" ({result['data']['features_from_cache']} documents' features read from a cache)"
+            if result["data"].get("features_from_cache")
+            else ""
+        )
         + ("; learned at the prompts' positions too" if result["data"].get("prompt_positions") else ""),
         f"- head: {result['head']['parameters']:,} trained parameters ({result['head']['layer']}), "
         f"{result['head']['vocab_rows']:,} tokens it can propose",
