@@ -47,6 +47,9 @@ def make_run(tiny_pair_dirs, root, documents: list[str]) -> str:
     data = job_dict(tiny_pair_dirs, str(root / "in"), str(root / "out"), speedup_sample=0.01)
     data["input"]["keep_columns"] = []
     data["generation"]["max_new_tokens"] = 24
+    # whole documents: prompts cut to their first sentence would repeat, and a held-out prompt
+    # would be a trained one (`split_examples` then holds them out together)
+    data["task"]["max_input_tokens"] = 192
     spec = spec_from_dict(data).with_absolute_paths()
     began = time.time()
     processor = build_processor(spec)
@@ -90,21 +93,26 @@ def distilled(setting):
     return json.loads(result.stdout), report
 
 
-def test_distilling_raises_held_out_acceptance_losslessly(distilled):
+def test_distilling_evaluates_both_drafts_on_held_out_documents_losslessly(distilled):
+    """The old and the new draft on documents neither trained on, every output target-only's.
+
+    Whether the new draft is better there is what the evaluation measures, not what this test
+    can promise: on the tiny pair, with held-out prompts no training prompt repeats, it is not
+    (α 0.28 -> 0.23 at these settings). It rose by more than 0.1 only while prompts cut to a
+    sentence repeated and the split let held-out documents share them with trained ones, the
+    leak `split_examples` closes."""
     result, _ = distilled
     rows = {(r["drafter"], r["draft"]): r for r in result["evaluation"]["rows"]}
     assert set(rows) == {("none", "-")} | {
         (k, d) for k in ("draft_model", "auto") for d in ("before", "after")
     }
     before, after = rows[("draft_model", "before")], rows[("draft_model", "after")]
-    # the tiny draft is a perturbed copy of the target: its own outputs teach it back
-    assert after["alpha"] >= before["alpha"] + 0.1, (before["alpha"], after["alpha"])
     assert result["evaluation"]["alpha_gain"]["draft_model"] == pytest.approx(
         after["alpha"] - before["alpha"]
     )
-    assert after["tau"] > before["tau"]
     agreement = result["top1_agreement"]
-    assert agreement["after"] >= agreement["before"] + 0.1, agreement
+    assert 0 < agreement["before"] < 1 and 0 < agreement["after"] < 1
+    assert agreement["after"] != agreement["before"]  # the new draft is another model
     for row in result["evaluation"]["rows"]:
         assert row["identical"], row  # every configuration decodes what target-only does
         if row["drafter"] != "none":
@@ -269,7 +277,7 @@ def test_distill_head_reads_back_the_features_it_kept(setting, tiny_pair_dirs, t
     assert first.exit_code == 0, first.output
     computed = json.loads(first.stdout)
     documents = computed["data"]["documents"]
-    # one file a distinct document (the tiny run's prompts, cut short, repeat: read back at once)
+    # one file a distinct document (a document repeated within the runs is read back at once)
     distinct = len(list(cache.glob("*.pt")))
     assert 0 < distinct <= documents and not list(cache.glob("*.part"))
     assert computed["data"]["features_from_cache"] == documents - distinct
@@ -292,3 +300,19 @@ def test_distill_head_reads_back_the_features_it_kept(setting, tiny_pair_dirs, t
     data = json.loads(both.stdout)["data"]
     added = len(list(cache.glob("*.pt"))) - distinct  # the second run's documents alone
     assert added > 0 and data["features_from_cache"] == data["documents"] - added
+
+
+def test_a_text_under_two_ids_is_held_out_whole():
+    """Examples sharing a prompt (one text under two names) or an id (one document in two runs)
+    fall on one side of the split: else the evaluation reads a text trained on."""
+    from pipeline.lab.distill import Example, split_examples
+
+    examples = [Example(f"doc{i}", [i, i + 1], [7]) for i in range(40)]
+    examples += [Example(f"twin{i}", [i, i + 1], [7]) for i in range(40)]  # doc{i}'s text again
+    examples += [Example(f"doc{i}", [100 + i], [8]) for i in range(40)]  # doc{i} in a second run
+    train, held = split_examples(examples, 0.2)
+    assert held and len(train) + len(held) == len(examples)
+    trained = {e.id for e in train} | {tuple(e.prompt) for e in train}
+    assert not trained & ({e.id for e in held} | {tuple(e.prompt) for e in held})
+    assert len(held) % 3 == 0  # whole documents: each its text, its twin and its second run
+    assert split_examples(list(reversed(examples)), 0.2)[1] == sorted(held, key=examples.index)[::-1]

@@ -10,8 +10,9 @@ are a labelled data set of exactly what the target says about documents like tom
    replies stop). Outputs of runs made before that column have text only: their `generated` is
    tokenized again, with the end-of-turn token added where the row ended on EOS; a model need
    not have split its text the way its tokenizer does, so that is the second best.
-2. `split_holdout`: documents are held out by a hash of their id, so a rerun holds out the same
-   ones and the evaluation never sees a document the draft was trained on.
+2. `split_examples`: documents are held out by a hash of their id, so a rerun holds out the same
+   ones, and a text under two ids goes to one side, so the evaluation never sees a document
+   the draft was trained on.
 3. `fine_tune`: LoRA adapters on every linear layer (PEFT), merged into the weights at the end so
    the engine loads a plain model; or all weights (`full`). Cross-entropy on the completion
    tokens only, AdamW, a plain loop bounded by steps or epochs and by seconds. A KL term
@@ -222,6 +223,33 @@ def split_holdout(ids: list[str], share: float) -> tuple[list[str], list[str]]:
     order = sorted(ids, key=lambda i: hashlib.sha256(i.encode()).digest())
     held = min(max(1, round(share * len(ids))), len(ids) - 1)
     return sorted(order[held:]), sorted(order[:held])
+
+
+def split_examples(examples: list[Example], share: float) -> tuple[list[Example], list[Example]]:
+    """(train, held out): `split_holdout` over documents, where examples that share an id (one
+    document in several runs) or a prompt (one text under two ids: a license the OS ships under
+    two names, a document in two shards) are one document, named by the least of their ids, and
+    so fall on the same side. Else the evaluation reads a text the model learned by heart: three
+    of 22 held-out license sections did, their held-out figures those of training documents."""
+    parent = list(range(len(examples)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple, int] = {}
+    for i, example in enumerate(examples):
+        for key in (("id", example.id), ("prompt", *example.prompt)):
+            parent[root(i)] = root(first.setdefault(key, i))
+    name: dict[int, str] = {}
+    for i, example in enumerate(examples):
+        name[root(i)] = min(name.get(root(i), example.id), example.id)
+    _, held_names = split_holdout(sorted(set(name.values())), share)
+    held = set(held_names)
+    train = [e for i, e in enumerate(examples) if name[root(i)] not in held]
+    return train, [e for i, e in enumerate(examples) if name[root(i)] in held]
 
 
 def data_hash(examples: list[Example]) -> str:
@@ -673,14 +701,12 @@ def distill(
     source = _source(run_url, pair, out, settings, storage_options)
     tokenizer, draft, device = _training_draft(source, pair)
     examples = build_examples(source.run, tokenizer, end_of_turn(tokenizer, draft))
-    train_ids, holdout_ids = split_holdout([e.id for e in examples], settings.holdout)
-    held = set(holdout_ids)
-    train = [e for e in examples if e.id not in held]
+    train, held_examples = split_examples(examples, settings.holdout)
+    train_ids, holdout_ids = sorted(e.id for e in train), sorted(e.id for e in held_examples)
     log(
         f"{source.run.url}: {len(examples)} documents, {len(train)} to train on "
         f"({sum(len(e.completion) for e in train)} completion tokens), {len(holdout_ids)} held out"
     )
-    held_examples = [e for e in examples if e.id in held]
     tuned, training, agreement = _train(draft, tokenizer, train, held_examples, settings, device, log)
     staged = staging_dir(out)
     tuned.save_pretrained(staged / "draft")

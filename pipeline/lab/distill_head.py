@@ -30,7 +30,7 @@ from pipeline.lab.distill import (
     end_of_turn,
     read_run,
     same_model,
-    split_holdout,
+    split_examples,
 )
 
 HEAD_DISTILL_FORMAT = 2  # 2: source_runs, a list (several runs)
@@ -119,9 +119,9 @@ def distill_head(
     tokenizer = load_tokenizer(target_ref, trust_remote_code=models.trust_remote_code)
     target, dtype, features_path = feature_target(target_ref, models)
     examples = _examples(runs, tokenizer, end_of_turn(tokenizer, target))
-    # by id, so that a document several runs decoded is held out (or learned) in all of them
-    train_ids, held_ids = split_holdout(sorted({e.id for e in examples}), settings.holdout)
-    held = set(held_ids)
+    # a document several runs decoded, or a text under two ids, is held out (or learned) whole
+    held = {id(e) for e in split_examples(examples, settings.holdout)[1]}
+    held_ids = sorted({e.id for e in examples if id(e) in held})
     began = time.perf_counter()
     pairs = [(e.prompt, e.completion) for e in examples]
     if settings.features_cache:
@@ -131,8 +131,8 @@ def distill_head(
     else:
         docs, kept = documents(target, pairs, choices=settings.prompts), 0
     features_seconds = time.perf_counter() - began
-    train_docs = [d for d, e in zip(docs, examples) if e.id not in held]
-    held_docs = [d for d, e in zip(docs, examples) if e.id in held]
+    train_docs = [d for d, e in zip(docs, examples) if id(e) not in held]
+    held_docs = [d for d, e in zip(docs, examples) if id(e) in held]
     log(
         f"{', '.join(r.url for r in runs)}: {len(examples)} documents, {len(train_docs)} to train on "
         f"({sum(len(d.completion) for d in train_docs)} completion tokens), {len(held_docs)} held out; "
