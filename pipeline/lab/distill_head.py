@@ -120,10 +120,10 @@ def distill_head(
     target, dtype, features_path = feature_target(target_ref, models)
     examples = _examples(runs, tokenizer, end_of_turn(tokenizer, target))
     # a document several runs decoded, or a text under two ids, is held out (or learned) whole
-    held = {id(e) for e in split_examples(examples, settings.holdout)[1]}
-    held_ids = sorted({e.id for e in examples if id(e) in held})
+    trained, held = split_examples(examples, settings.holdout)
+    held_ids = sorted({e.id for e in held})
     began = time.perf_counter()
-    pairs = [(e.prompt, e.completion) for e in examples]
+    pairs = [(e.prompt, e.completion) for e in trained + held]
     if settings.features_cache:
         cache = FeatureCache(settings.features_cache, target, dtype, features_path)
         docs = [cache.document(p, c, settings.prompts) for p, c in pairs]
@@ -131,8 +131,7 @@ def distill_head(
     else:
         docs, kept = documents(target, pairs, choices=settings.prompts), 0
     features_seconds = time.perf_counter() - began
-    train_docs = [d for d, e in zip(docs, examples) if id(e) not in held]
-    held_docs = [d for d, e in zip(docs, examples) if id(e) in held]
+    train_docs, held_docs = docs[: len(trained)], docs[len(trained) :]
     log(
         f"{', '.join(r.url for r in runs)}: {len(examples)} documents, {len(train_docs)} to train on "
         f"({sum(len(d.completion) for d in train_docs)} completion tokens), {len(held_docs)} held out; "
