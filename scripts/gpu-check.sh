@@ -5,6 +5,7 @@
 #   scripts/gpu-check.sh OUT calibrate PAIR [opts] pipeline calibrate, report OUT/[DATE-]calibrate-[MACHINE-]PAIR.md
 #   scripts/gpu-check.sh OUT bench PAIR [opts]     pipeline bench, report OUT/[DATE-]bench-[MACHINE-]PAIR.md
 #   scripts/gpu-check.sh OUT job                   pipeline run on a GPU actor through a local Ray
+#   scripts/gpu-check.sh OUT smol                  SmolLM2-135M (real text): bench at batch 1 and 64
 # (`all` sets DATE and MACHINE, so its reports carry docs/benchmarks' names: DATE-tool-MACHINE-rest)
 # Runs from a source tree (python3 -m pipeline.cli), so a copied checkout needs no install.
 set -uo pipefail
@@ -18,7 +19,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # .gpu-carry/site (`gpu_models.py prepare`), put first on the path where anything is missing;
 # the reports' names as docs/benchmarks has them (2026-11-28-calibrate-h200-bf16-...); then
 # random-weight Qwen2.5-Coder-shaped models from the carried configs (scripts/gpu_models.py).
-prepare() {
+setup() {
     res=$out/reports
     mkdir -p "$res"
     [ -d .gpu-carry/site ] && { python3 -c "import pydantic_core, tenacity, click, yaml, fsspec, xdist" 2>/dev/null ||
@@ -26,11 +27,22 @@ prepare() {
     DATE=$(date +%F)
     MACHINE=$(python3 -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else 'cpu'; print(next((g for g in ('h200', 'h100', 'a100', 'l4') if g in n), n.split()[-1]))")-bf16
     export DATE MACHINE
-    python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
     export PIPELINE_CONFIG_DIR=/tmp/gpu/config PIPELINE_HOME=/tmp/gpu/home
+}
+prepare() {
+    setup
+    python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
     pair=qwen2.5-coder-shaped-random
 }
 pack() { tar czf "$out/reports.tgz" -C "$res" .; }
+# one step of `all` or `smol`: this script again under a time limit, its report under OUT/reports
+step() {
+    local limit=$1
+    shift
+    echo "== $* ($(date +%T))"
+    timeout "$limit" "$0" "$res" "$@"
+    pack
+}
 case $what in
 tests)
     PIPELINE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -o addopts= "$@" \
@@ -69,13 +81,6 @@ import shutil
 print("compilers", {c: shutil.which(c) for c in ("gcc", "cc", "nvcc")}, "cpus", __import__("os").cpu_count())
 EOF
     xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-    step() {
-        local limit=$1
-        shift
-        echo "== $* ($(date +%T))"
-        timeout "$limit" "$0" "$res" "$@"
-        pack
-    }
     [ -z "${SKIP_TESTS:-}" ] && echo "== static path and fusion tests ($(date +%T))" &&
     PIPELINE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts= $xdist \
         tests/test_static_lm.py tests/test_fusion.py 2>&1 | tee "$res/tests-static.log" | tail -15
@@ -126,6 +131,23 @@ job)
     echo "== done ($(date +%T))"
     pack
     ;;
+smol)
+    # SmolLM2-135M with real weights (issue 37's SmolLM2 lines): license translations at batch 1,
+    # ours beside Hugging Face's prompt lookup (k=3), then at batch 64 with 4 documents a slot.
+    # Its GGUF travels in two parts (`gpu_models.py prepare`): part-0 beside the `all` call's
+    # carry, part-1 in this one's, on a machine still warm from it (or both here on a fresh one).
+    setup
+    echo "== SmolLM2-135M from its parts ($(date +%T))"
+    python3 scripts/gpu_models.py smol /tmp/gpu 2>&1 | tee "$res/smol.log" | tail -3
+    [ -f /tmp/gpu/models/smollm2/model.safetensors ] || { pack; exit 1; }
+    NAME=smollm2-licenses-batch1 step 200 bench smollm2 --tasks translate --corpus licenses --docs 4 --batches 1 \
+        --max-new-tokens 128 --runs 3 --drafters prompt_lookup,suffix,auto --hf-lookup-tokens 3
+    docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
+    NAME=smollm2-licenses-batch64 step 200 bench smollm2 --tasks translate --corpus licenses --docs "$docs" --batches 64 \
+        --max-new-tokens 64 --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
+    echo "== done ($(date +%T))"
+    pack
+    ;;
 probe)
     # Where a round's time goes (scripts/gpu_profile.py: the engine's split, cProfile, PyTorch's
     # profiler) at batch 1 and 64, and the batch-1 bench with captured passes that are not
@@ -144,7 +166,7 @@ probe)
     pack
     ;;
 *)
-    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all|job|probe [options]" >&2
+    echo "usage: $0 OUT tests|calibrate PAIR|bench PAIR|all|job|smol|probe [options]" >&2
     exit 2
     ;;
 esac

@@ -19,7 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from tiny_models import build_tiny_pair, build_tokenizer, tiny_config
-from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.models import install as inst
 from pipeline.models import pairs
@@ -662,3 +662,35 @@ def test_an_install_without_blocks_is_redone_and_gguf_blocks_says_what_is_missin
     assert len(calls) > before and (path / "target" / "blocks.safetensors").is_file()
     with pytest.raises(ModelError, match="float32 activations"):
         load_pair(target, None, device="cpu", dtype="bf16", weights="gguf-blocks")
+
+
+def test_the_gpu_checks_small_model_travels_in_two_checked_parts_and_converts(tmp_path):
+    """SmolLM2's GGUF is over a device call's 64 MiB, so scripts/gpu_models.py packs it in two
+    parts carried by two calls (docs/gpu.md): unpacked, it must be the same file, converted a
+    model the pipeline loads under the pair `smollm2`; a missing or altered part is named."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_models", REPO / "scripts" / "gpu_models.py")
+    gpu_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_models)
+    gguf = tmp_path / "tiny.gguf"
+    original = write_tiny_gguf(gguf, seed=3)
+    parts = tmp_path / "carry"
+    manifest = gpu_models.pack_gguf(gguf, parts, first=4096)
+    assert (parts / "part-0").stat().st_size == 4096 and (parts / "part-1").stat().st_size > 0
+    assert manifest["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+
+    there = tmp_path / "gpu"
+    gpu_models.smol(there, parts)
+    config = (there / "config" / "models.yaml").read_text()
+    assert f"smollm2:\n    target: {there / 'models' / 'smollm2'}" in config
+    loaded = AutoModelForCausalLM.from_pretrained(there / "models" / "smollm2", dtype=torch.float32)
+    for name, value in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+    (parts / "part-1").write_bytes(b"not it")
+    with pytest.raises(SystemExit, match="part-1: not the part"):
+        gpu_models.unpack_gguf(parts, tmp_path / "again")
+    (parts / "part-1").unlink()
+    with pytest.raises(SystemExit, match="part-1 not here: carry it"):
+        gpu_models.unpack_gguf(parts, tmp_path / "again")
