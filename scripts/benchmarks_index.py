@@ -127,10 +127,15 @@ def calibrate_headline(data: dict) -> str:
 
 
 def distill_headline(data: dict) -> str:
-    """`pipeline distill`: the draft model's α and speedup before and after, on held-out documents."""
+    """`pipeline distill`: the draft model's α and speedup before and after, on held-out documents;
+    its top-1 agreement where the engine never let it draft (no α to read)."""
     rows = {r["draft"]: r for r in data["evaluation"]["rows"] if r["drafter"] == "draft_model"}
     before, after = rows["before"], rows["after"]
-    alpha = f"α {before['alpha']:.2f} → {after['alpha']:.2f}"
+    if before["alpha"] is None or after["alpha"] is None:
+        top1 = data["top1_agreement"]
+        alpha = f"top-1 {top1['before']:.2f} → {top1['after']:.2f} (never drafted)"
+    else:
+        alpha = f"α {before['alpha']:.2f} → {after['alpha']:.2f}"
     speedup = f"{before['speedup']:.2f}× → {after['speedup']:.2f}×"
     return f"{data['source_pair']} → {data['pair']}: draft_model {alpha}, {speedup}"
 
