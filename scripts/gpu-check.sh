@@ -55,14 +55,14 @@ calibrate)
     shift
     name=${DATE:+$DATE-}calibrate-${MACHINE:+$MACHINE-}${NAME:-$pair}
     python3 -m pipeline.cli calibrate --pair "$pair" --report "$out/$name.md" "$@" 2>&1 |
-        grep -v "^Loading weights" | tee "$out/$name.log"
+        grep --line-buffered -v "^Loading weights" | tee "$out/$name.log"
     ;;
 bench)
     pair=$1
     shift
     name=${DATE:+$DATE-}bench-${MACHINE:+$MACHINE-}${NAME:-$pair}
     python3 -m pipeline.cli bench --pair "$pair" --report "$out/$name.md" "$@" 2>&1 |
-        grep -v "^Loading weights" | tee "$out/$name.log"
+        grep --line-buffered -v "^Loading weights" | tee "$out/$name.log"
     ;;
 all)
     # The whole check in one call (docs/gpu.md), each step under its own time limit, the most
@@ -127,7 +127,7 @@ job)
     echo "== pipeline run on a GPU actor ($(date +%T))"
     timeout 240 python3 scripts/tiny_job.py /tmp/gpu-job --shards 2 --rows 4 --max-new-tokens 32 \
         --drafter prompt_lookup --models /tmp/gpu/models/qwen-target,/tmp/gpu/models/qwen-draft --gpus 1 \
-        --report "$res/$name.json" 2>&1 | grep -v "^Loading weights" | tee "$res/job.log" | tail -40
+        --report "$res/$name.json" 2>&1 | grep --line-buffered -v "^Loading weights" | tee "$res/job.log" | tail -40
     echo "== done ($(date +%T))"
     pack
     ;;
@@ -156,7 +156,7 @@ probe)
     for batch in 1 64; do
         echo "== profile, target-only, batch $batch ($(date +%T))"
         timeout 150 python3 scripts/gpu_profile.py $pair "$res" --batch $batch --docs $((batch == 1 ? 2 : 128)) \
-            --new 64 2>&1 | grep -v "^Loading weights" | tee -a "$res/profile.log"
+            --new 64 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
         pack
     done
     echo "== bench batch 1, captured passes not compiled ($(date +%T))"
