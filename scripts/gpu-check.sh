@@ -135,7 +135,7 @@ smol)
     # SmolLM2-135M with real weights (issue 37's SmolLM2 lines): license translations at batch 1,
     # ours beside Hugging Face's prompt lookup (k=3), then at batch 64 with 4 documents a slot.
     # Its GGUF travels in two parts (`gpu_models.py prepare`): part-0 beside the `all` call's
-    # carry, part-1 in this one's, on a machine still warm from it (or both here on a fresh one).
+    # carry, part-1 in this one's, on a machine still warm from it (no one call carries both).
     setup
     echo "== SmolLM2-135M from its parts ($(date +%T))"
     python3 scripts/gpu_models.py smol /tmp/gpu 2>&1 | tee "$res/smol.log" | tail -3
