@@ -55,8 +55,8 @@ SITE = Path(".gpu-carry/site")
 PACKAGES = ("pydantic", "click", "pyyaml", "tenacity", "fsspec", "pytest-xdist", "gguf")
 PLATFORM = ("--python-version", "3.12", "--platform", "manylinux2014_x86_64")
 PLATFORM += ("--platform", "manylinux_2_17_x86_64")
-# the machine's own typing_extensions and pytest (with pygments) serve torch and the tests, its
-# numpy and tqdm gguf (which imports requests only to download)
+# the machine's own typing_extensions and pytest (with pygments) serve torch and the tests, and
+# its numpy and tqdm serve gguf (which imports requests only to download)
 KEEP_THEIRS = ("typing_extensions", "pytest-", "pygments", "pluggy", "iniconfig", "packaging")
 KEEP_THEIRS += ("numpy", "tqdm")
 KEEP_THEIRS += ("requests", "urllib3", "idna", "charset_normalizer", "certifi")
@@ -125,14 +125,6 @@ SMOL_FIRST = 32 << 20
 SMOL_PAIR = "smollm2"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as data:
-        for block in iter(lambda: data.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch_smollm2() -> None:
     import subprocess
     import tempfile
@@ -156,6 +148,8 @@ def pack_gguf(gguf: Path, into: Path, first: int = SMOL_FIRST) -> dict:
     of the file's and the parts' sha256, which `unpack_gguf` checks."""
     import lzma
 
+    from pipeline.models.install import file_sha256
+
     data = lzma.compress(gguf.read_bytes(), preset=6)
     parts = [data[:first], data[first:]]
     shutil.rmtree(into, ignore_errors=True)
@@ -165,7 +159,7 @@ def pack_gguf(gguf: Path, into: Path, first: int = SMOL_FIRST) -> dict:
     manifest = {
         "gguf": gguf.name,
         "bytes": gguf.stat().st_size,
-        "sha256": _sha256(gguf),
+        "sha256": file_sha256(gguf),
         "parts": [hashlib.sha256(part).hexdigest() for part in parts],
     }
     (into / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -177,6 +171,8 @@ def unpack_gguf(parts: Path, out: Path) -> Path:
     missing or is not the one packed (a call that did not carry it, a cold machine)."""
     import lzma
 
+    from pipeline.models.install import file_sha256
+
     manifest = json.loads((parts / "manifest.json").read_text())
     missing = [f"part-{k}" for k in range(len(manifest["parts"])) if not (parts / f"part-{k}").exists()]
     if missing:
@@ -184,16 +180,15 @@ def unpack_gguf(parts: Path, out: Path) -> Path:
             f"{parts}: {', '.join(missing)} not here: carry it in this call (a warm machine keeps "
             "the parts earlier calls carried; a fresh one needs them all again)"
         )
-    data = b""
+    data = []
     for k, want in enumerate(manifest["parts"]):
-        part = (parts / f"part-{k}").read_bytes()
-        if hashlib.sha256(part).hexdigest() != want:
+        data.append((parts / f"part-{k}").read_bytes())
+        if hashlib.sha256(data[-1]).hexdigest() != want:
             sys.exit(f"{parts}/part-{k}: not the part `prepare` packed (its sha256 differs)")
-        data += part
     gguf = out / manifest["gguf"]
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    gguf.write_bytes(lzma.decompress(data))
-    if _sha256(gguf) != manifest["sha256"]:
+    gguf.write_bytes(lzma.decompress(b"".join(data)))
+    if file_sha256(gguf) != manifest["sha256"]:
         sys.exit(f"{gguf}: unpacked, but its sha256 is not the packed file's")
     return gguf
 

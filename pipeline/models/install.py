@@ -477,7 +477,7 @@ def staging_dir(name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(CHUNK):
@@ -500,7 +500,7 @@ def install_local_pair(
             weights = sorted((staged / "draft").glob("*.safetensors"))
             if not weights:
                 raise InstallError(f"no draft weights in {staged / 'draft'}")
-            digest = hashlib.sha256("".join(_sha256(w) for w in weights).encode()).hexdigest()
+            digest = hashlib.sha256("".join(file_sha256(w) for w in weights).encode()).hexdigest()
             record = {
                 "format": LOCAL_PAIR_FORMAT,
                 "name": name,
