@@ -316,3 +316,22 @@ def test_a_text_under_two_ids_is_held_out_whole():
     assert not trained & ({e.id for e in held} | {tuple(e.prompt) for e in held})
     assert len(held) % 3 == 0  # whole documents: each its text, its twin and its second run
     assert split_examples(list(reversed(examples)), 0.2)[1] == sorted(held, key=examples.index)[::-1]
+
+
+def test_a_text_and_its_next_version_are_held_out_whole():
+    """Two completions mostly alike (the target's outputs for a text and its version a word
+    apart) are one document; a preamble every completion shares does not make them alike."""
+    from pipeline.lab.distill import Example, near_twins, split_examples
+
+    preamble = list(range(1, 13))
+    texts = [preamble + list(range(1000 * i, 1000 * i + 40)) for i in range(1, 41)]
+    versions = [t[:30] + [7] + t[31:] for t in texts[:10]]  # one token changed mid-text
+    examples = [Example(f"doc{i}", [i], t) for i, t in enumerate(texts)]
+    examples += [Example(f"version{i}", [100 + i], t) for i, t in enumerate(versions)]
+    assert sorted(near_twins([e.completion for e in examples])) == [(40 + i, i) for i in range(10)]
+    assert near_twins([preamble + [i] * 3 for i in range(20)]) == []  # a shared preamble alone
+    train, held = split_examples(examples, 0.2)
+    assert len(held) == 8 + sum(e.id.startswith("doc") and int(e.id[3:]) < 10 for e in held)
+    held_ids = {e.id for e in held}
+    for i in range(10):
+        assert (f"doc{i}" in held_ids) == (f"version{i}" in held_ids)

@@ -11,8 +11,8 @@ are a labelled data set of exactly what the target says about documents like tom
    tokenized again, with the end-of-turn token added where the row ended on EOS; a model need
    not have split its text the way its tokenizer does, so that is the second best.
 2. `split_examples`: documents are held out by a hash of their id, so a rerun holds out the same
-   ones, and a text under two ids goes to one side, so the evaluation never sees a document
-   the draft was trained on.
+   ones, and a text under two ids, or two versions of a text, go to one side, so the evaluation
+   never sees a document the draft was trained on.
 3. `fine_tune`: LoRA adapters on every linear layer (PEFT), merged into the weights at the end so
    the engine loads a plain model; or all weights (`full`). Cross-entropy on the completion
    tokens only, AdamW, a plain loop bounded by steps or epochs and by seconds. A KL term
@@ -227,8 +227,9 @@ def split_holdout(ids: list[str], share: float) -> tuple[list[str], list[str]]:
 
 def split_examples(examples: list[Example], share: float) -> tuple[list[Example], list[Example]]:
     """(train, held out): `split_holdout` over documents, where examples that share an id (one
-    document in several runs) or a prompt (one text under two ids: a license the OS ships under
-    two names, a document in two shards) are one document, named by the least of their ids, and
+    document in several runs), a prompt (one text under two ids: a license the OS ships under
+    two names, a document in two shards) or most of a completion (`near_twins`: a text and its
+    next version, a word or a line apart) are one document, named by the least of their ids, and
     so fall on the same side. Else the evaluation reads a text the model learned by heart: three
     of 22 held-out license sections did, their held-out figures those of training documents."""
     parent = list(range(len(examples)))
@@ -243,6 +244,8 @@ def split_examples(examples: list[Example], share: float) -> tuple[list[Example]
     for i, example in enumerate(examples):
         for key in (("id", example.id), ("prompt", *example.prompt)):
             parent[root(i)] = root(first.setdefault(key, i))
+    for i, j in near_twins([e.completion for e in examples]):
+        parent[root(i)] = root(j)
     name: dict[int, str] = {}
     for i, example in enumerate(examples):
         name[root(i)] = min(name.get(root(i), example.id), example.id)
@@ -250,6 +253,42 @@ def split_examples(examples: list[Example], share: float) -> tuple[list[Example]
     held = set(held_names)
     train = [e for i, e in enumerate(examples) if name[root(i)] not in held]
     return train, [e for i, e in enumerate(examples) if name[root(i)] in held]
+
+
+TWIN_SHINGLE = 8  # tokens in a run that two completions share
+TWIN_SHARE = 0.3  # of the shorter completion's runs, shared: the same text (distinct ones: < 0.05)
+TWIN_RUNS = 8  # fewer runs than this (a completion of a dozen tokens) say nothing
+
+
+def near_twins(completions: list[list[int]]) -> list[tuple[int, int]]:
+    """Pairs (i, j) of completions sharing at least `TWIN_SHARE` of the shorter one's
+    `TWIN_SHINGLE`-token runs: the target's outputs for two versions of one text (a license's
+    1.2 and 1.3 differ in a few words), which a held-out figure must not split. Runs found in
+    over half the completions (a preamble every output starts with, a small model's one repeated
+    token) are not evidence and are left out. An index from run to completions keeps it near
+    linear in the corpus."""
+    runs = [{tuple(c[k : k + TWIN_SHINGLE]) for k in range(len(c) - TWIN_SHINGLE + 1)} for c in completions]
+    index: dict[tuple, list[int]] = {}
+    for i, own in enumerate(runs):
+        for run in own:
+            index.setdefault(run, []).append(i)
+    common = {run for run, holders in index.items() if 2 * len(holders) > len(completions)}
+    kept = [own - common for own in runs]
+    pairs = []
+    for i, own in enumerate(kept):
+        if len(own) < TWIN_RUNS:
+            continue
+        shared: dict[int, int] = {}
+        for run in own:
+            for j in index[run]:
+                if j < i:
+                    shared[j] = shared.get(j, 0) + 1
+        pairs += [
+            (i, j)
+            for j, count in shared.items()
+            if len(kept[j]) >= TWIN_RUNS and count >= TWIN_SHARE * min(len(own), len(kept[j]))
+        ]
+    return pairs
 
 
 def data_hash(examples: list[Example]) -> str:
