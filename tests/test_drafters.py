@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from pipeline.decode.drafters import DraftModelDrafter
+from pipeline.decode.drafters import DraftModelDrafter, PromptLookupDrafter
 from pipeline.decode.sampling import SamplingParams
 
 
@@ -39,3 +41,29 @@ def test_a_guess_at_the_drafts_chain_saves_passes_and_changes_no_draft(case):
     later = seq + chain.tokens[0][:4]
     expected = plain.propose([later], 4, greedy, generator).tokens
     assert guessed.propose([later], 4, greedy, generator).tokens == expected
+
+
+def test_prompt_lookup_copies_after_the_most_recent_occurrence_of_the_longest_ngram():
+    """Against the rule read literally, on texts that grow between proposals as rows do."""
+
+    def literal(seq, gamma, ngram_max, ngram_min):
+        for n in range(min(ngram_max, len(seq)), ngram_min - 1, -1):
+            ends = [e for e in range(n, len(seq)) if seq[e - n : e] == seq[-n:]]
+            if ends:
+                return (seq[ends[-1] : ends[-1] + gamma] if gamma else []), n
+        return [], 0
+
+    rng = random.Random(0)
+    greedy, generator = SamplingParams(), torch.Generator()
+    for _ in range(200):
+        vocab = rng.choice([2, 4, 30])
+        rows = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in range(3)]
+        drafter = PromptLookupDrafter(ngram_max=rng.choice([1, 4]), ngram_min=rng.choice([1, 2]))
+        drafter.start([list(r) for r in rows])
+        for _ in range(5):
+            for row in rows:
+                row += [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+            gamma = rng.randint(0, 6)
+            proposal = drafter.propose(rows, gamma, greedy, generator)
+            expected = [literal(r, gamma, drafter.ngram_max, drafter.ngram_min) for r in rows]
+            assert list(zip(proposal.tokens, proposal.depths)) == expected, rows

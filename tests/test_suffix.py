@@ -9,8 +9,10 @@ import pytest
 import torch
 from tiny_models import build_tokenizer
 
+from pipeline.decode.drafters import RowText
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.suffix import (
+    BACKLOG_TOKENS,
     CORPUS_BLOCKS,
     Continuation,
     Reflow,
@@ -19,6 +21,7 @@ from pipeline.decode.suffix import (
     SuffixDrafter,
     continuations,
     depth_class,
+    own_continuations,
 )
 
 
@@ -124,6 +127,30 @@ def test_a_lookup_walks_the_match_not_the_corpus():
         assert steps <= 2 * 16 + 1
 
 
+def test_a_rows_own_text_is_scanned_into_the_continuations_its_automaton_gives():
+    """The row's text is scanned, not built into an automaton (the module's docstring says
+    why): the same continuations, scores and match depths, ties broken alike."""
+    rng = random.Random(0)
+    for _ in range(1500):
+        vocab = rng.choice([3, 5, 20])
+        reflowed = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        text = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        automaton = SuffixAutomaton()
+        if reflowed:
+            automaton.add(reflowed)
+            automaton.begin()
+        for token in text:
+            automaton.extend(token)
+        row = RowText(reflowed)
+        row.feed(text[: len(text) // 2])
+        row.feed(text)  # fed as a row grows
+        for min_match in (1, 2):
+            found = continuations(automaton, automaton.last, len(text), 6, min_match)
+            scanned = own_continuations(row, 6, min_match)
+            # matches deeper than MAX_DEPTH are one class (depth_class), not told apart
+            assert [c for c in scanned if c.depth < 32] == [c for c in found if c.depth < 32]
+
+
 def test_the_drafter_proposes_from_the_rows_own_text_and_from_earlier_outputs():
     drafter = SuffixDrafter(max_tokens=1 << 12, min_match=2)
     greedy, generator = SamplingParams(), torch.Generator()
@@ -147,8 +174,9 @@ def test_the_drafter_proposes_from_the_rows_own_text_and_from_earlier_outputs():
 
 def test_a_drafter_never_asked_builds_nothing_and_catches_up_when_asked():
     """Rounds that do not ask for drafts (the engine's gate) cost the drafter nothing: a row's
-    automaton waits for its first proposal, finished outputs for the corpus's next use, and
-    the proposals are then those of a drafter that built everything at once."""
+    reflowed prompt waits for its first proposal, finished outputs for the corpus's next use
+    (the newest BACKLOG_TOKENS of them), and the proposals are then those of a drafter that
+    built everything at once."""
     reflowed = []
     drafter = SuffixDrafter(max_tokens=1 << 12, min_match=2, reflow=lambda p: reflowed.append(p) or p)
     greedy, generator = SamplingParams(), torch.Generator()
@@ -159,15 +187,18 @@ def test_a_drafter_never_asked_builds_nothing_and_catches_up_when_asked():
     assert reflowed == [] and drafter._corpus.tokens == 0  # nothing built yet
     assert drafter.propose([[30, 31, 40, 41]], 3, greedy, generator).tokens == [[42, 43, 44]]
     assert reflowed == [[30, 31, 40, 41]] and drafter.corpus.tokens == 6
-    # outputs waiting past the corpus's cap join it then: its blocks are an eager drafter's
-    eager, lazy = SuffixDrafter(max_tokens=8), SuffixDrafter(max_tokens=8)
-    for token in range(1, 10):
-        eager.evict([], [[token]])
-        eager.corpus  # noqa: B018 (read at once: as the eager drafter did)
-        lazy.evict([], [[token]])
-    assert len(lazy._finished) <= 8
-    blocks = [[b.tokens for b in d.corpus.blocks] for d in (eager, lazy)]
-    assert blocks[0] == blocks[1] and eager.corpus.outputs == lazy.corpus.outputs
+    # outputs finished while no round asks wait up to BACKLOG_TOKENS, the oldest dropped
+    lazy = SuffixDrafter(max_tokens=1 << 20, min_match=2)
+    outputs = [[10_000 + k, 20_000 + k, 30_000 + k, 40_000 + k] for k in range(BACKLOG_TOKENS // 2)]
+    for output in outputs:
+        lazy.evict([], [output])
+    assert lazy._corpus.tokens == 0 and lazy._finished_tokens == BACKLOG_TOKENS
+    assert lazy.corpus.tokens == BACKLOG_TOKENS and lazy.corpus.outputs == BACKLOG_TOKENS // 4
+    lazy.start([outputs[-1][:2], outputs[0][:2]])  # the newest output is there, the oldest not
+    assert lazy.propose([outputs[-1][:2], outputs[0][:2]], 2, greedy, generator).tokens == [
+        outputs[-1][2:],
+        [],
+    ]
 
 
 def test_depth_classes_are_powers_of_two_up_to_the_deepest_match_told_apart():

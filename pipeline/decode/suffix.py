@@ -4,17 +4,24 @@ the outputs this engine produced before.
 Prompt lookup copies from the row's own prompt only. A corpus job sees more: its documents share
 boilerplate, and the outputs of earlier documents hold the phrasing the target will use again
 (a recurring term in a translation, a summary's opening), which a translation never finds in its
-own, other-language, prompt. So this drafter keeps suffix automata over token ids: one per row,
-over its prompt and output so far, and a bounded corpus of the outputs already finished by this
-engine (which lives as long as its actor, across shards). Each round it matches the end of every
-row's text in them, follows the most frequent continuation, and proposes it; a draft costs no
-model pass.
+own, other-language, prompt. So this drafter matches the end of every row's text in
+the row's own text (its prompt and output so far) and in a bounded corpus of the outputs already
+finished by this engine (which lives as long as its actor, across shards), follows the most
+frequent continuation, and proposes it; a draft costs no model pass.
 
-A suffix automaton holds every substring of its text in at most twice as many states as tokens,
-and the end of a text is matched in steps proportional to the matched length, however large the
-text. Each state counts the text's occurrences of its strings, which weighs continuations by
-frequency. An automaton cannot forget a text, so the corpus is several automata, and the oldest
-is dropped whole when the corpus would exceed its cap.
+The corpus is kept in suffix automata: an automaton holds every substring of its text in at most
+twice as many states as tokens, and the end of a text is matched in steps proportional to the
+matched length, however large the text. Each state counts the text's occurrences of its strings,
+which weighs continuations by frequency. An automaton cannot forget a text, so the corpus is
+several automata, and the oldest is dropped whole when the corpus would exceed its cap.
+
+A row's own text is not: an automaton is built token by token in Python, about 20 µs a token,
+and a row's prompt (hundreds of tokens, twice with its reflowed copy) would be built for the few
+dozen rounds the row lasts. At batch 64 with passes of a few milliseconds (a captured GPU pass,
+the tests' tiny pair on a CPU) those builds alone made `suffix` and `auto` 0.88-0.91× target-only
+(docs/engine.md). A row's text is short, so `RowText` scans it instead: one vectorized comparison
+finds where its last token occurred, and those matches lengthen a token at a time while any
+lasts; the continuations are then the automaton's (the same occurrences, counted the same way).
 
 A row's automaton also holds its prompt reflowed (`Reflow`): every run of whitespace one space,
 tokenized again. Documents are often hard-wrapped, and a summary that quotes one reflows it, so
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.decode.drafters import KeepRule, Proposal
+from pipeline.decode.drafters import SEPARATOR, KeepRule, Proposal, RowText
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import SUFFIX, SUFFIX_MAX_DEPTH
 
@@ -47,6 +54,11 @@ MIN_CHANCE = 0.1
 MAX_DEPTH = SUFFIX_MAX_DEPTH
 # The corpus is this many automata: the cap is kept within a quarter of it, oldest out first.
 CORPUS_BLOCKS = 4
+# Outputs finished while no round asks for drafts wait for the corpus up to this many tokens, the
+# oldest dropped: a probe that found a long backlog built it all (12,000 tokens, 20 µs each, in
+# a 64-row batch on the tiny pair) for drafts that had not paid. Drafting rounds absorb every
+# output as it finishes; a row's own text is never dropped.
+BACKLOG_TOKENS = 4096
 
 
 class SuffixAutomaton:
@@ -210,6 +222,32 @@ def continuations(automaton: SuffixAutomaton, state: int, matched: int, limit: i
         matched = length[state]
 
 
+def own_continuations(text: RowText, limit: int, min_match: int):
+    """The most frequent continuation after each match of a row's own text at least
+    `min_match` long, deepest first, as `continuations` finds them in an automaton of that text:
+    each distinct match length is a state of it, its occurrences those matching at least that
+    long (a test compares the two)."""
+    ends, lengths = text.matches(MAX_DEPTH)
+    tokens, n = text.tokens, len(text.tokens)
+    for depth in sorted({d for d in lengths if d >= min_match}, reverse=True):
+        at = [e for e, d in zip(ends, lengths, strict=True) if d >= depth]
+        drafted, chance, score = [], 1.0, 0.0
+        while len(drafted) < limit:
+            counts: dict[int, int] = {}
+            for e in at:
+                if e < n and tokens[e] != SEPARATOR:
+                    counts[tokens[e]] = counts.get(tokens[e], 0) + 1
+            if not counts:
+                break
+            best = max(counts, key=counts.__getitem__)  # a tie: the earliest occurrence's
+            chance *= counts[best] / sum(counts.values())
+            drafted.append(best)
+            score += chance if chance >= MIN_CHANCE else 0.0
+            at = [e + 1 for e in at if e < n and tokens[e] == best]
+        if drafted:
+            yield Continuation(drafted, score, depth)
+
+
 class SuffixCorpus:
     """Outputs this engine has finished, at most `max_tokens` of them, the oldest dropped first.
 
@@ -281,15 +319,15 @@ class SuffixDrafter:
         self._finished_tokens = 0
         self.min_match = min_match
         self.reflow = reflow
-        # each row's automaton, or its prompt until a round first asks for the row's drafts
-        self._rows: list[SuffixAutomaton | list[int]] = []
-        self._fed: list[int] = []  # tokens of each row's text its automaton holds
+        # each row's text, or its prompt until a round first asks for the row's drafts
+        self._rows: list[RowText | list[int]] = []
 
     @property
     def corpus(self) -> SuffixCorpus:
-        """The earlier outputs, those finished since the last draft added now. Why the wait: an
-        automaton is built token by token in Python, and where the engine's rounds stop asking
-        for drafts (`DraftingGate`) a drafter that is not asked should cost nothing."""
+        """The earlier outputs, those finished since the last draft added now (the last
+        `BACKLOG_TOKENS` of them). Why the wait: an automaton is built token by token in Python,
+        and where the engine's rounds stop asking for drafts (`DraftingGate`) a drafter that is
+        not asked should cost nothing."""
         self._absorb()
         return self._corpus
 
@@ -304,24 +342,20 @@ class SuffixDrafter:
         self._corpus, self._finished, self._finished_tokens = corpus, deque(), 0
 
     def start(self, prompts: list[list[int]]) -> None:
-        self._rows, self._fed = [], []
+        self._rows = []
         self.admit(prompts)
 
     def admit(self, prompts: list[list[int]]) -> None:
-        """New rows; each one's automaton is built when its drafts are first asked for (see
+        """New rows; each one's prompt is reflowed when its drafts are first asked for (see
         `corpus` for why)."""
         self._rows += [list(p) for p in prompts]
-        self._fed += [0] * len(prompts)
 
-    def _own(self, row: int) -> SuffixAutomaton:
-        """The row's automaton: its prompt reflowed, then its text as a document of its own."""
+    def _own(self, row: int) -> RowText:
+        """The row's own text: its prompt reflowed, then its text apart from it."""
         own = self._rows[row]
-        if isinstance(own, SuffixAutomaton):
+        if isinstance(own, RowText):
             return own
-        prompt, own = own, SuffixAutomaton()
-        if self.reflow is not None:
-            own.add(self.reflow(prompt))
-            own.begin()  # the row's text, a document of its own, grows from here
+        own = RowText(self.reflow(own) if self.reflow is not None else ())
         self._rows[row] = own
         return own
 
@@ -337,21 +371,19 @@ class SuffixDrafter:
         tokens, depths = [], []
         for row, seq in enumerate(seqs):
             own = self._own(row)
-            for token in seq[self._fed[row] :]:
-                own.extend(token)
-            self._fed[row] = len(seq)
+            own.feed(seq)
             found = self.lookup(own, seq, gamma)
             tokens.append(found.tokens if found else [])
             depths.append(depth_class(found.depth) if found else 0)
         return Proposal(tokens=tokens, probs=[None] * len(seqs), depths=depths)
 
-    def lookup(self, own: SuffixAutomaton, seq: list[int], limit: int) -> Continuation | None:
-        """The best continuation of `seq`'s end: in its own automaton, whose last state is the
-        whole text, and in each corpus block, matched on the text's last `MAX_DEPTH` tokens.
-        A higher score wins, a deeper match on a tie."""
+    def lookup(self, own: RowText, seq: list[int], limit: int) -> Continuation | None:
+        """The best continuation of `seq`'s end: in its own text and in each corpus block,
+        matched on the text's last `MAX_DEPTH` tokens. A higher score wins, a deeper match on a
+        tie."""
         if limit <= 0:
             return None
-        found = list(continuations(own, own.last, len(seq), limit, self.min_match))
+        found = list(own_continuations(own, limit, self.min_match))
         deepest_own = max((c.depth for c in found), default=0)
         context = seq[-MAX_DEPTH:]
         for block in self.corpus.blocks:
@@ -365,7 +397,6 @@ class SuffixDrafter:
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
         self._finished += finished
         self._finished_tokens += sum(map(len, finished))
-        if self._finished_tokens > self._corpus.max_tokens:  # held within the corpus's cap
-            self._absorb()
+        while self._finished_tokens > min(BACKLOG_TOKENS, self._corpus.max_tokens):
+            self._finished_tokens -= len(self._finished.popleft())
         self._rows = [self._rows[r] for r in keep]
-        self._fed = [self._fed[r] for r in keep]
