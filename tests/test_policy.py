@@ -364,6 +364,25 @@ def test_the_gate_keeps_asking_where_drafting_pays_and_times_plain_rounds_rarely
     assert gate.off == {4}
 
 
+def test_a_draining_batch_follows_the_batch_size_it_drained_from():
+    """Rows that end with no document left to admit leave a round or two at each smaller count:
+    too few to judge there. They follow the nearest judged size above, until judged themselves."""
+    gate = DraftingGate(probe_every=1000)  # no probe in this test's rounds
+    _run_gate(gate, 64, 20, drafting_rate=70.0, plain_rate=100.0)
+    assert gate.off == {64}
+    draining = [a for rows in range(63, 0, -1) for a in _run_gate(gate, rows, 2, 70.0, 100.0)]
+    assert not any(draining) and gate.off == {64}
+    # where drafting paid at the full batch, the draining rounds ask as it did
+    paying = DraftingGate(probe_every=1000)
+    _run_gate(paying, 64, 20, drafting_rate=150.0, plain_rate=100.0)
+    assert all(a for rows in range(63, 0, -1) for a in _run_gate(paying, rows, 2, 150.0, 100.0))
+    # a size judged on its own keeps its own judgement
+    both = DraftingGate(probe_every=1000)
+    _run_gate(both, 8, 20, drafting_rate=150.0, plain_rate=100.0)
+    _run_gate(both, 64, 20, drafting_rate=70.0, plain_rate=100.0)
+    assert both.judged == {8, 64} and not both.is_off(8) and both.is_off(40) and not both.is_off(4)
+
+
 def test_a_gated_engine_stays_lossless(case):
     """With drafting slower than plain decoding the gate stops asking mid-batch; the outputs are
     the target's own whichever rounds asked."""

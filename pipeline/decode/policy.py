@@ -77,6 +77,10 @@ class DraftingGate:
     rounds: a round without a copy to offer tells nothing) and makes the policy try its drafters;
     it keeps the drafting rate current, so a stretch of text that copies well turns drafting back
     on. Not asking is timed again now and then while drafting is on.
+    A batch that drains (no document left to admit) passes through row counts that last a round
+    or two each, too few to judge: a count not judged yet follows the nearest judged count above
+    it, the batch it drained from. Judging each count afresh asked the drafters in 24 of a 64-row
+    batch's 252 rounds on the tiny pair, where drafting did not pay.
     Lossless either way: the drafts only ever change how many tokens a pass checks.
     """
 
@@ -89,6 +93,7 @@ class DraftingGate:
     _tokens: dict[tuple[bool, int], float] = field(default_factory=dict)
     _seconds: dict[tuple[bool, int], float] = field(default_factory=dict)
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
+    judged: set[int] = field(default_factory=set)  # batch sizes timed both ways enough to judge
     _since_switch: int = 0  # rounds since the last probe or plain measurement
     _probe_gap: int = 0  # rounds between probes while off: doubles after each that finds no gain
     probing: bool = False  # this round asks only to probe: the policy should try its drafters
@@ -99,7 +104,7 @@ class DraftingGate:
         """Should this round of `rows` rows ask the drafters?"""
         self._since_switch += 1
         self.probing = False
-        if rows in self.off:
+        if self.is_off(rows):
             if self._probe_left:  # the last probe found nothing to draft yet: it goes on
                 self._probe_left -= 1
                 self.probing = True
@@ -113,6 +118,14 @@ class DraftingGate:
         if self.rounds.get((True, rows), 0) >= self.min_rounds and self.rounds.get((False, rows), 0) < 2:
             return False  # time plain rounds at this batch size, to judge drafting against
         return not self._switch(4 * self.probe_every)
+
+    def is_off(self, rows: int) -> bool:
+        """Whether rounds of `rows` rows do not ask: as judged at that batch size, or, not judged
+        there yet, as at the nearest judged size above it."""
+        if rows in self.off or rows in self.judged:
+            return rows in self.off
+        above = min((r for r in self.judged if r > rows), default=None)
+        return above in self.off
 
     def _switch(self, every: int) -> bool:
         if self._since_switch >= every:
@@ -129,7 +142,7 @@ class DraftingGate:
             return
         key = (asked, rows)
         # a probe is rare: it counts for more, or a good stretch would be half over when noticed
-        smoothing = 0.5 if asked and rows in self.off else self.smoothing
+        smoothing = 0.5 if asked and self.is_off(rows) else self.smoothing
         # Tokens over seconds, each smoothed: a round counts by its time, as in a job's own rate.
         # Smoothing each round's rate instead, over about 5 rounds, let a short stretch that
         # copies badly turn drafting off (auto on the 1.5B's license summaries, batch 1: off in
@@ -144,6 +157,7 @@ class DraftingGate:
         drafting, plain = self.rate(True, rows), self.rate(False, rows)
         if self.rounds.get((True, rows), 0) < self.min_rounds or self.rounds.get((False, rows), 0) < 2:
             return
+        self.judged.add(rows)
         if drafting < plain * (1 - self.margin):
             if rows not in self.off:
                 self.off.add(rows)
@@ -394,7 +408,30 @@ class Policy:
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
         # P(at least k tokens) by drafts verified, by position for the draft model and each copy
         from_copies = [[(o, self._survival(o, gamma_cap)) for o in row_offers] for row_offers in offers]
-        for cap in range(gamma_cap + 1) if any(offers) else [0]:
+        longest = max((min(o.tokens, gamma_cap) for row_offers in offers for o in row_offers), default=0)
+        # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
+        # choices would repeat (64 rows x 81 caps and gammas took 67 ms a round on a CPU).
+        caps = range((gamma_cap if budgets else longest) + 1) if any(offers) else range(1)
+        # each row's copies truncated at each cap: (expected tokens, drafts, source, survival)
+        by_cap = [
+            [
+                [
+                    (
+                        sum(survival[: min(o.tokens, cap) + 1]),
+                        min(o.tokens, cap),
+                        o.source,
+                        survival[: min(o.tokens, cap) + 1],
+                    )
+                    for o, survival in copies
+                ]
+                if cap
+                else []
+                for copies in from_copies
+            ]
+            for cap in caps
+        ]
+        plain_choice = (1.0, 0, None, [1.0])
+        for cap in caps:
             for gamma in range(gamma_cap + 1) if options.use_model else [0]:
                 model_survival = from_model[: gamma + 1]
                 model_tokens = sum(model_survival)
@@ -403,18 +440,18 @@ class Policy:
                 reach = max(cap, gamma)
                 near = sum(lead < reach for lead in leads)
                 tokens, lengths, sources, drains = 0.0, [], [], []
-                for copies, lead in zip(from_copies, leads):
-                    choices = [(1.0, 0, None, [1.0])]
-                    if gamma:
-                        choices.append((model_tokens, gamma, DRAFT_MODEL, model_survival))
-                    if cap:
-                        for offer, survival in copies:
-                            copy = survival[: min(offer.tokens, cap) + 1]
-                            choices.append((sum(copy), min(offer.tokens, cap), offer.source, copy))
+                model_choice = (model_tokens, gamma, DRAFT_MODEL, model_survival) if gamma else None
+                price = best_rate * per_token  # of a verify token
+                for copies, lead in zip(by_cap[cap], leads):
                     weight = 1.0 - to_limit + (to_limit * rows / near if lead < reach else 0.0)
-                    expected, drafts, source, survival = max(
-                        choices, key=lambda c: weight * c[0] - best_rate * per_token * c[1]
-                    )
+                    # the first choice worth most: plain, the draft model, then the copies
+                    chosen, value = plain_choice, weight
+                    if model_choice and weight * model_tokens - price * gamma > value:
+                        chosen, value = model_choice, weight * model_tokens - price * gamma
+                    for copy in copies:
+                        if weight * copy[0] - price * copy[1] > value:
+                            chosen, value = copy, weight * copy[0] - price * copy[1]
+                    expected, drafts, source, survival = chosen
                     tokens += expected
                     lengths.append(drafts + 1)
                     sources.append(source)
