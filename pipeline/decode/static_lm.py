@@ -377,7 +377,11 @@ class StaticLM(BatchedLM):
 
     def _prefill_pass(self, group: list[tuple[int, int, list[int]]], rows: int, fed: dict) -> torch.Tensor:
         """One prefill pass of `rows` pieces (the group's, then padding that writes scratch
-        positions only); the last hidden states [rows, CHUNK, hidden]."""
+        positions only; without a captured graph the group's alone, as a padded block computes
+        the same bits for them on a GPU's row blocks and on a CPU's row-invariant kernels); the
+        last hidden states [rows, CHUNK, hidden]."""
+        graph = self._graph(PREFILL)
+        rows = rows if graph is not None else len(group)
         ids = np.full((rows, CHUNK), self.pad_token_id, dtype=np.int64)
         positions = np.full((rows, CHUNK), self.total - 1, dtype=np.int64)
         slots = np.full(rows, self.row_slots[group[0][0]], dtype=np.int64)
@@ -386,7 +390,6 @@ class StaticLM(BatchedLM):
             positions[i] = np.minimum(fed[row][0] + at + np.arange(CHUNK), self.total - 1)
             slots[i] = self.row_slots[row]
         ids, positions, slots = (torch.from_numpy(a) for a in (ids, positions, slots))
-        graph = self._graph(PREFILL)
         if graph is not None:
             return graph.replay(ids, positions, slots)
         seen = int(positions.max()) + 1
