@@ -10,6 +10,12 @@ sentences under WORKDIR, runs `pipeline run` on them with a local Ray, and print
 totals: the pooled measured speedup and its interval. `--report` keeps the manifest, with the
 machine and commit beside it. `--models` runs another pair instead of the tiny one, `--gpus` on
 GPU actors (`gpu-check.sh job`: a job through the real Ray path on a GPU).
+
+    python scripts/tiny_job.py WORKDIR --pair-only
+        then: PIPELINE_CONFIG_DIR=WORKDIR/config pipeline bench --pair tiny ...
+
+builds the tiny pair only and names it `tiny` in WORKDIR/config/models.yaml, for `pipeline bench`
+and `calibrate` (docs/engine.md: what a round costs at batch 64).
 """
 
 from __future__ import annotations
@@ -91,7 +97,18 @@ def main() -> None:
     parser.add_argument("--report", type=Path)
     parser.add_argument("--models", help="TARGET,DRAFT directories (default: the tiny pair, built)")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per actor (models on cuda)")
+    parser.add_argument("--pair-only", action="store_true", help="build the pair and name it `tiny`")
     args = parser.parse_args()
+    if args.pair_only:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tiny_models import build_tiny_pair
+
+        target, draft = build_tiny_pair(args.work / "models")
+        (args.work / "config").mkdir(parents=True, exist_ok=True)
+        pairs = f"pairs:\n  tiny:\n    target: {target}\n    draft: {draft}\n"
+        (args.work / "config" / "models.yaml").write_text(pairs)
+        print(f"export PIPELINE_CONFIG_DIR={args.work / 'config'}")
+        return
     spec = build(args.work, args.shards, args.rows, args.max_new_tokens, args.drafter, args.models, args.gpus)
     command = [sys.executable, "-m", "pipeline.cli", "run", str(spec), "--run-id", args.run_id]
     subprocess.run(command, check=True, cwd=ROOT)

@@ -315,6 +315,28 @@ def test_the_dense_reference_needs_a_target_on_gguf_blocks(tiny_pair_dirs, tmp_p
     assert result.exit_code == 2 and "--dense-reference compares the GGUF block path" in result.output
 
 
+def test_more_documents_than_the_corpus_holds_is_said_before_the_models_load(tmp_path, monkeypatch):
+    from pipeline.lab.bench import CORPORA
+
+    available = len(CORPORA["docstrings"]())
+    monkeypatch.setenv(
+        "PIPELINE_CONFIG_DIR", write_models_config(tmp_path / "cfg", tiny=("/nowhere", "/nowhere"))
+    )
+    args = [
+        "bench",
+        "--pair",
+        "tiny",
+        "--docs",
+        str(available + 1),
+        "--no-hf",
+        "--out",
+        str(tmp_path / "b.json"),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and f"only {available} docstrings documents on this machine" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_the_head_drafter_runs_with_a_saved_head_and_needs_one(tiny_pair_dirs, tmp_path, monkeypatch):
     """`--head DIR --drafters head`: a row drafting with a saved head (an untrained one here: the
     harness, not its acceptance), its outputs its target-only's; without --head, a usage error."""

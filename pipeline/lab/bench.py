@@ -854,6 +854,14 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
     out_path = o.out_path or (
         str(Path(o.report_path).with_suffix(".json")) if o.report_path else "bench.json"
     )
+    available = len(CORPORA[o.corpus]())
+    if o.docs + o.warm_docs > available:  # said before the models load, not after
+        import click
+
+        raise click.UsageError(
+            f"--docs {o.docs}{f' and --warm-docs {o.warm_docs}' if o.warm_docs else ''}: only "
+            f"{available} {o.corpus} documents on this machine"
+        )
     if o.threads:
         torch.set_num_threads(o.threads)
     target, draft = resolve_pair(o.pair)
