@@ -101,10 +101,9 @@ class RowText:
 
     Each lookup scans it: one vectorized comparison finds where the text's last token occurred,
     and those matches lengthen a token at a time while any lasts. An index kept per token (a
-    dict of n-grams, an automaton) costs Python work for every prompt token, paid again for
-    every row a batch admits, though a gated engine may never ask for the row's drafts; at batch
-    64 with passes of a few milliseconds that work made the copying drafters 0.88-0.98×
-    target-only (docs/engine.md).
+    dict of n-grams, an automaton) costs Python work for every prompt token of every row a batch
+    admits, though a gated engine may never ask for the row's drafts: where passes take a few
+    milliseconds that work outweighed the drafts (docs/engine.md, at batch 64).
     """
 
     __slots__ = ("array", "tokens", "start")

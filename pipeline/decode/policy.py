@@ -79,8 +79,7 @@ class DraftingGate:
     on. Not asking is timed again now and then while drafting is on.
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
-    it, the batch it drained from. Judging each count afresh asked the drafters in 24 of a 64-row
-    batch's 252 rounds on the tiny pair, where drafting did not pay.
+    it, the batch it drained from, rather than drafting its first rounds at each count.
     Lossless either way: the drafts only ever change how many tokens a pass checks.
     """
 
@@ -410,7 +409,7 @@ class Policy:
         from_copies = [[(o, self._survival(o, gamma_cap)) for o in row_offers] for row_offers in offers]
         longest = max((min(o.tokens, gamma_cap) for row_offers in offers for o in row_offers), default=0)
         # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
-        # choices would repeat (64 rows x 81 caps and gammas took 67 ms a round on a CPU).
+        # choices would repeat, each costing a pass over every row.
         caps = range((gamma_cap if budgets else longest) + 1) if any(offers) else range(1)
         # each row's copies truncated at each cap: (expected tokens, drafts, source, survival)
         by_cap = [

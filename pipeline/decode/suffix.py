@@ -15,15 +15,14 @@ matched length, however large the text. Each state counts the text's occurrences
 which weighs continuations by frequency. An automaton cannot forget a text, so the corpus is
 several automata, and the oldest is dropped whole when the corpus would exceed its cap.
 
-A row's own text is not: an automaton is built token by token in Python, about 20 µs a token,
-and a row's prompt (hundreds of tokens, twice with its reflowed copy) would be built for the few
-dozen rounds the row lasts. At batch 64 with passes of a few milliseconds (a captured GPU pass,
-the tests' tiny pair on a CPU) those builds alone made `suffix` and `auto` 0.88-0.91× target-only
-(docs/engine.md). A row's text is short, so `RowText` scans it instead: one vectorized comparison
-finds where its last token occurred, and those matches lengthen a token at a time while any
-lasts; the continuations are then the automaton's (the same occurrences, counted the same way).
+A row's own text is not: an automaton is built token by token in Python, and a row's prompt
+(hundreds of tokens, twice with its reflowed copy) would be built for the few dozen rounds the
+row lasts, where passes of a few milliseconds (a captured GPU pass) make that the round's main
+cost (docs/engine.md, at batch 64). A row's text is short, so it is scanned instead (`RowText`),
+and the continuations are the ones its automaton would give: the same occurrences, counted the
+same way.
 
-A row's automaton also holds its prompt reflowed (`Reflow`): every run of whitespace one space,
+A row's own text also holds its prompt reflowed (`Reflow`): every run of whitespace one space,
 tokenized again. Documents are often hard-wrapped, and a summary that quotes one reflows it, so
 the quote's tokens differ from the prompt's at every line break (the prompt's "Stichting",
 newline, "Math" is "Stichting", " Math" quoted), and a copy of the prompt as it stands ends there.
@@ -55,9 +54,8 @@ MAX_DEPTH = SUFFIX_MAX_DEPTH
 # The corpus is this many automata: the cap is kept within a quarter of it, oldest out first.
 CORPUS_BLOCKS = 4
 # Outputs finished while no round asks for drafts wait for the corpus up to this many tokens, the
-# oldest dropped: a probe that found a long backlog built it all (12,000 tokens, 20 µs each, in
-# a 64-row batch on the tiny pair) for drafts that had not paid. Drafting rounds absorb every
-# output as it finishes; a row's own text is never dropped.
+# oldest dropped: otherwise a probe builds the whole backlog into automata for drafts that had
+# not paid (docs/engine.md, at batch 64). Drafting rounds take each output as it finishes.
 BACKLOG_TOKENS = 4096
 
 
