@@ -135,7 +135,7 @@ def test_the_head_drafts_as_long_as_the_policy_rule_says_and_learns_its_calibrat
         target, None, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(drafter="head", gamma_max=6),
         head=trained[0],
     )  # fmt: skip
-    engine.policy.head_length = lambda step_seconds: (
+    engine.policy.head_length = lambda step_seconds, probe=False: (
         lambda chances, drafted: [(d <= 2, d < 2) for d in drafted]
     )
     outputs, batch = engine.generate(prompts[:3], MAX_NEW)
@@ -388,10 +388,15 @@ def test_a_head_refined_between_batches_drafts_better_and_decodes_the_targets_te
     # last batch, the refined head's against the new head's on the same rows
     last = records[-1]["first_draft"]
     hits = [first_draft_hits(untrained, d) for d in learn[100:]]
-    assert last["tokens"] == sum(n for _, n in hits) == 20 * 23
+    assert last["tokens"] == sum(c.tokens for c in hits) == 20 * 23
     # (about 1.9x, 21 first drafts of 460 against 11: a few drafts either way move it; the
     # held-out figures below are the 2x claim)
-    assert last["accuracy"] > 1.5 * sum(h for h, _ in hits) / last["tokens"], (last, hits)
+    assert last["accuracy"] > 1.5 * sum(c.hits for c in hits) / last["tokens"], (last, hits)
+    # the same check calibrates the copy that drafts next: hits per confidence promised
+    assert 0 < last["confidence"] <= 1
+    ratio = engine.learner.calibration
+    assert ratio == pytest.approx(last["accuracy"] / last["confidence"], rel=1e-2)
+    assert engine.head.calibration.value == pytest.approx(min(ratio, 4.0))
     assert engine.refine_head() is None  # nothing new decoded
     assert engine.head.head is not drafting  # drafting with the refined copy, packed where it can be
     assert sum(r["steps"] for r in records) >= 120  # share 4: at least every document once

@@ -195,6 +195,28 @@ def test_a_head_draft_is_kept_while_its_chance_pays_for_its_verify_token(case):
     assert fixed.head_length(0.01) is None
 
 
+def test_a_head_whose_drafts_the_rule_cuts_probes_one_draft_now_and_then(case):
+    """The online head's job: a 2-token pass timed while another process ran looked so dear
+    that the rule cut every draft after it, so neither that pass nor the head (learning all
+    the while) was ever measured again: no draft in its last five shards. After `probe_every`
+    rounds cut to nothing, and in a gate's probe, the rule keeps each row's first draft."""
+    costs = measured_costs({1: 0.10, 2: 0.25, 3: 0.30}, {})  # 2 tokens: timed in a slow spell
+    costs.observe_round(1, 0.15)  # a token is worth 0.15 s: a 0.8 chance gains 0.12 s, not 0.15
+    policy = _policy_with_costs(case, costs, alpha=0.6, probe_every=4)
+    for _ in range(4):
+        assert policy.head_length(0.005)([0.8], [1]) == [(False, False)]
+    probe = policy.head_length(0.005)
+    assert probe([0.8, 0.0], [1, 0]) == [(True, False), (False, False)]  # one draft, no more
+    assert policy.head_length(0.005)([0.8], [1]) == [(False, False)]  # counting again
+    assert policy.head_length(0.005, probe=True)([0.1], [1]) == [(True, False)]  # the gate's
+    # a round that keeps a draft is no round without the head: the count starts over
+    costs.observe_target(2, 0.11)
+    costs.observe_target(2, 0.11)
+    costs.observe_target(2, 0.11)
+    assert policy.head_length(0.005)([0.8], [1]) == [(True, True)]
+    assert policy._rounds_without_head == 0
+
+
 def test_plain_decoding_is_re_measured_while_speculating(case):
     costs = measured_costs(GPU_COSTS[0], {1: GPU_COSTS[1]})
     policy = _policy_with_costs(case, costs, alpha=0.9, probe_every=1)

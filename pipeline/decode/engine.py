@@ -233,7 +233,7 @@ class SpeculativeEngine:
         `OnlineHead.refine`) and draft with it from now on; what the training did, or None."""
         record = self.learner.refine() if self.learner else None
         if record:
-            self.head.replace(self.learner.drafting)
+            self.head.replace(self.learner.drafting, self.learner.calibration)
         return record
 
     def reserve(self, rows: int, prompt_tokens: int, max_new_tokens: int, drafter: str | None = None) -> None:
@@ -312,7 +312,7 @@ class SpeculativeEngine:
             gamma_cap = min(gamma_cap, self.target.max_verify_tokens - 1)
         head = None
         if batch.head:  # a few cheap steps, each draft kept while it pays (`Policy.head_length`)
-            rule = self.policy.head_length(batch.head.step_seconds)  # None with fixed gamma
+            rule = self.policy.head_length(batch.head.step_seconds, self.gate.probing)  # None: fixed gamma
             worth = self.costs.token_seconds() if self.config.adaptive else None  # None: never rests
             sampling, generator = batch.sampling, batch.generator
             head = batch.head.propose(seqs, gamma_cap, sampling, generator, rule=rule, token_seconds=worth)

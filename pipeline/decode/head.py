@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -663,16 +664,25 @@ def _unrolled_mask(n: int, k: int, device, begins: Sequence[int] | None = None) 
     return torch.cat(blocks, dim=1)
 
 
+class FirstDrafts(NamedTuple):
+    """A head's first drafts over a document's completion (`first_draft_hits`)."""
+
+    hits: int  # drafts equal to the target's token
+    tokens: int  # drafts made
+    promised: float  # the head's confidences in them, summed (what its chances would say)
+
+
 @torch.no_grad()
-def first_draft_hits(head: DraftHead, doc: Document) -> tuple[int, int]:
+def first_draft_hits(head: DraftHead, doc: Document) -> FirstDrafts:
     """How many of the completion's tokens (after the first, which the prefill chooses) the head
-    drafts first given the target's features up to them, of how many: a round's first draft
-    sees exactly this (the chain holds the accepted pairs' true features), so it is the head's
-    first-position acceptance over every position rather than at the rounds' starts, in one
-    pass over the document instead of a replay."""
+    drafts first given the target's features up to them, of how many, and how sure it was: a
+    round's first draft sees exactly this (the chain holds the accepted pairs' true features),
+    so it is the head's first-position acceptance over every position rather than at the
+    rounds' starts, in one pass over the document instead of a replay."""
     (predicted,), labels, _, _ = _teacher_forced(head, replace(doc, choices=None))
-    drafted = head.vocab_rows[head.logits(predicted).argmax(-1)]
-    return int((drafted == labels).sum()), len(labels)
+    sure, index = torch.softmax(head.logits(predicted).float(), dim=-1).max(dim=-1)
+    drafted = head.vocab_rows[index]
+    return FirstDrafts(int((drafted == labels).sum()), len(labels), float(sure.sum()))
 
 
 def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: int = 1) -> torch.Tensor | None:
@@ -797,7 +807,10 @@ class OnlineHead:
     Before learning from them, the drafting copy's first draft is checked on every new
     document (`first_draft_hits`): its first-position acceptance on rows it had not learned
     from, the same whatever the policy let it draft, so that shard after shard the stats show
-    what the job taught it.
+    what the job taught it. The same check says how far its confidences overstate (or
+    understate) its hits: `calibration`, which the next copy drafts with from its first round.
+    The engine's own rounds measure that only on the drafts the policy let through, and a
+    head calibrated afresh each shard overstates itself until enough drafts were rejected.
 
     Why: a head distilled offline knows its training texts better than the job's (figures in
     docs/choosing-a-draft.md); a nightly job's corpus has its own terms and phrasing, and a job
@@ -827,6 +840,7 @@ class OnlineHead:
         self.decode_seconds = 0.0  # decoding with the head since the last refinement
         self.owed = 0.0  # seconds the last refinement ran past its budget (its last step)
         self.steps = 0
+        self.calibration = 1.0  # the drafting copy's first drafts accepted per one its confidences promise
 
     def add(self, docs: Sequence[Document], seconds: float) -> None:
         """Documents the engine just decoded with the head, in `seconds`."""
@@ -848,7 +862,10 @@ class OnlineHead:
         new, old = docs[len(docs) - self.fresh :][::-1], docs[: len(docs) - self.fresh]
         random.Random(self.steps).shuffle(old)
         began = time.perf_counter()
-        hits = [first_draft_hits(self.drafting, doc) for doc in new]
+        checks = [first_draft_hits(self.drafting, doc) for doc in new]
+        hits, tokens, promised = (sum(c[k] for c in checks) for k in range(3))
+        if promised > 0:
+            self.calibration = hits / promised
         check_seconds = time.perf_counter() - began
         began = time.perf_counter()
         losses: list[float] = []
@@ -865,8 +882,9 @@ class OnlineHead:
         self.drafting = self.head.snapshot().pack()
         record = {
             "first_draft": {  # the new rows, before the head learns from them
-                "accuracy": round(sum(h for h, _ in hits) / max(sum(n for _, n in hits), 1), 4),
-                "tokens": sum(n for _, n in hits),
+                "accuracy": round(hits / max(tokens, 1), 4),
+                "confidence": round(promised / max(tokens, 1), 4),
+                "tokens": tokens,
                 "seconds": round(check_seconds, 3),
             },
             "documents_new": self.fresh,
@@ -1004,13 +1022,15 @@ class HeadDrafter:
     def resting(self) -> bool:
         return self._rest > 0
 
-    def replace(self, head: DraftHead) -> None:
-        """Draft with `head` from the next batch on (a refined one, `OnlineHead`): judged and
-        calibrated afresh, so that a head which rested, or whose drafts the rule cut, for want
-        of skill drafts again (a calibration learned on the old head's drafts would keep the
-        new one's from ever being sent, and so from ever being measured)."""
+    def replace(self, head: DraftHead, calibration: float = 1.0) -> None:
+        """Draft with `head` from the next batch on (a refined one, `OnlineHead`): judged
+        afresh, so that a head which rested for want of skill drafts again, and calibrated from
+        `calibration`, the ratio the learner measured at every position of the rows just
+        decoded (a ratio learned on the old head's drafts alone, after the rule cut its
+        doubtful ones, would keep the new one's from ever being sent, and so from ever being
+        measured)."""
         self.head = head
-        self.calibration = RunningRate(prior=1.0, weight=4.0, cap=4.0)
+        self.calibration = RunningRate(prior=min(calibration, 4.0), weight=4.0, cap=4.0)
         # what the head's accepted drafts were worth against what its steps cost, lately (`_judge`)
         self._worth = self._cost = 0.0
         self._judged = 0  # rounds since the last judgement

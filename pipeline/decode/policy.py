@@ -220,6 +220,7 @@ class Policy:
     runs_to_limit: RunningRate = field(default_factory=lambda: RunningRate(prior=0.5, weight=4.0))
     _rounds_without_model: int = 0
     _rounds_without_copies: int = 0
+    _rounds_without_head: int = 0  # rounds whose head drafts the rule cut to none (`head_length`)
     _rounds_since_plain: int = 0
 
     def copy_rate(self, source: str, depth: int) -> AcceptanceByPosition:
@@ -345,7 +346,7 @@ class Policy:
             return [1.0, *offer.chances[:drafts]]
         return self.copy_rate(offer.source, offer.depth).survival(drafts)
 
-    def head_length(self, step_seconds: float | None) -> HeadRule | None:
+    def head_length(self, step_seconds: float | None, probe: bool = False) -> HeadRule | None:
         """When the draft head's rows stop drafting (see `HeadDrafter.propose`); no rule (draft
         gamma) until a round's worth of a token has been measured, or with `adaptive=False`.
 
@@ -354,12 +355,23 @@ class Policy:
         chance that the row's drafts up to it are all accepted (`chances`, calibrated), times
         what a token is worth lately, pays for the verify token it adds to the pass; the row
         drafts one more while it pays for a head step too. Drafts that fade stop at the first
-        doubt, and a head that is seldom right drafts nothing where verify tokens are dear."""
+        doubt, and a head that is seldom right drafts nothing where verify tokens are dear.
+
+        What the rule weighs, though, only the drafts it lets through re-measure: the head's
+        calibration and the cost of the wider verify pass. A head trained on while the job
+        runs, or a wider pass timed in a slow spell (another process running), would be cut
+        for good on figures no longer true (docs/choosing-a-draft.md). So after
+        `probe_every` rounds whose drafts it cut to none, and in a `DraftingGate` probe
+        (`probe`), the rule keeps each row's first draft whatever its chance, and no more."""
         token_value = self.costs.token_seconds()
         if not self.config.adaptive or token_value is None:
             return None
+        probe = probe or self._rounds_without_head >= self.config.probe_every
 
         def rule(chances: list[float], drafted: list[int]) -> list[tuple[bool, bool]]:
+            if probe:
+                self._rounds_without_head = 0
+                return [(d == 1, False) for d in drafted]
             lengths = [1 + d for d in drafted]
             now = self.costs.target_time(self.target.pass_tokens(lengths))
             going = sum(d > 0 for d in drafted) or 1
@@ -372,6 +384,9 @@ class Policy:
                 verify_token = max(now - self.costs.target_time(self.target.pass_tokens(narrower)), 0.0)
                 gain = chance * token_value - verify_token
                 verdicts.append((gain > 0, gain > (step_seconds or 0.0) / going))
+            if max(drafted) == 1:  # a round's first step: does it keep any draft at all?
+                kept = any(keep for keep, _ in verdicts)
+                self._rounds_without_head = 0 if kept else self._rounds_without_head + 1
             return verdicts
 
         return rule
