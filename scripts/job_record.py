@@ -28,10 +28,12 @@ def _head_rows(stats: list[dict]) -> list[str]:
         alpha = f"{accepted / drafted:.2f}" if drafted else "-"
         check = h.get("first_draft") or {}
         accuracy = f"{check['accuracy']:.3f}" if check else "-"
+        # recorded from commit d1eac55 on: how sure the head was of those first drafts
+        sure = f"{check['confidence']:.3f}" if "confidence" in check else "-"
         trained = f"{h['steps']} steps, {h['seconds']:.1f} s" if h else "-"
         speedup = (s.get("speedup") or {}).get("measured")
         rows.append(
-            f"| {s['shard']} | {accuracy} | {trained} | {accepted} / {drafted} | {alpha} | "
+            f"| {s['shard']} | {accuracy} | {sure} | {trained} | {accepted} / {drafted} | {alpha} | "
             f"{s.get('decode_seconds', 0):.1f} | {f'{speedup:.2f}x' if speedup else '-'} |"
         )
     return rows
@@ -79,11 +81,13 @@ def main() -> None:
             "",
             "The learning head, shard by shard in the order they ran. *Checked*: the share of the "
             "rows decoded before the shard whose output tokens the head (as it drafted them) drafts "
-            "first, before learning from them; *trained*: the refinement before the shard; the head's "
-            "own drafts in the shard (which the policy cuts to those that pay).",
+            "first, before learning from them; *sure*: its mean confidence in those first drafts "
+            "(checked ÷ sure: the calibration the shard's head starts from); *trained*: the refinement "
+            "before the shard; the head's own drafts in the shard (which the policy cuts to those "
+            "that pay).",
             "",
-            "| shard | checked | trained | head accepted / drafted | α head | decode s | speedup |",
-            "|---|---|---|---|---|---|---|",
+            "| shard | checked | sure | trained | head accepted / drafted | α head | decode s | speedup |",
+            "|---|---|---|---|---|---|---|---|",
             *_head_rows(stats),
         ]
     md = Path(args.report)
