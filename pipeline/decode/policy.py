@@ -76,7 +76,8 @@ class DraftingGate:
     to 4 × `probe_every`. A probe asks until the policy drafts something (at most PROBE_ROUNDS
     rounds: a round without a copy to offer tells nothing) and makes the policy try its drafters;
     it keeps the drafting rate current, so a stretch of text that copies well turns drafting back
-    on. Not asking is timed again now and then while drafting is on.
+    on. Not asking is timed again now and then while drafting is on, and, as rare as a probe,
+    counts as much.
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
     it, the batch it drained from, rather than drafting its first rounds at each count.
@@ -140,8 +141,11 @@ class DraftingGate:
         if seconds <= 0:
             return
         key = (asked, rows)
-        # a probe is rare: it counts for more, or a good stretch would be half over when noticed
-        smoothing = 0.5 if asked and self.is_off(rows) else self.smoothing
+        # The rarer kind of round at this batch size counts for more: a probe while drafting is
+        # off, or a good stretch would be half over when noticed; a plain re-timing while it is
+        # on, or a plain rate timed in a slow spell (another process on the cores) would keep
+        # drafting on for thousands of rounds after drafting stopped paying (docs/engine.md).
+        smoothing = 0.5 if asked == self.is_off(rows) else self.smoothing
         # Tokens over seconds, each smoothed: a round counts by its time, as in a job's own rate.
         # Smoothing each round's rate instead, over about 5 rounds, let a short stretch that
         # copies badly turn drafting off (auto on the 1.5B's license summaries, batch 1: off in
