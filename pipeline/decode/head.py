@@ -863,7 +863,8 @@ class OnlineHead:
         random.Random(self.steps).shuffle(old)
         began = time.perf_counter()
         checks = [first_draft_hits(self.drafting, doc) for doc in new]
-        hits, tokens, promised = (sum(c[k] for c in checks) for k in range(3))
+        hits, tokens = sum(c.hits for c in checks), sum(c.tokens for c in checks)
+        promised = sum(c.promised for c in checks)
         if promised > 0:
             self.calibration = hits / promised
         check_seconds = time.perf_counter() - began
