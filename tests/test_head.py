@@ -20,8 +20,10 @@ from tiny_models import CORPUS
 
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.head import (
+    Calibration,
     ChainFigures,
     DraftHead,
+    FirstDrafts,
     HeadChain,
     HeadError,
     documents,
@@ -75,6 +77,34 @@ def test_training_on_the_targets_outputs_raises_held_out_acceptance(trained):
     # before, 0.07 after; the real pair's figures are docs/benchmarks' business)
     assert after.first > 2 * before.first, (before.to_dict(), after.to_dict())
     assert after.tau > before.tau
+
+
+def test_each_band_of_confidence_is_priced_by_what_its_own_drafts_got():
+    """The online job's head ranked its drafts well and priced them badly: right 0.80 of the
+    time where it was surest, 0.12 where least sure, and half its confidences near 1 (docs/
+    choosing-a-draft.md). One ratio for all priced a draft it was sure of at about half; by
+    band, a draft is priced at what drafts as sure as it got, and a band nothing fell in
+    takes the ratio over all."""
+    check = FirstDrafts(
+        hits=900,
+        tokens=2000,
+        promised=600 + 999.5,
+        hits_by_band=(0, 0, 100, 0, 0, 0, 0, 800),  # 1000 drafts 0.6 sure, 1000 0.9995 sure
+        promised_by_band=(0, 0, 600, 0, 0, 0, 0, 999.5),
+    )
+    calibration = Calibration.measured([check, check._replace(hits=0, tokens=0, promised=0.0)])
+    overall = 900 / 1599.5
+    assert calibration(0.9995) == pytest.approx(0.8, rel=1e-2)
+    assert calibration(0.6) == pytest.approx(0.1, rel=2e-2)
+    assert calibration(0.3) == pytest.approx(0.3 * overall)  # no drafts this sure: the ratio over all
+    # one ratio over all, as before: the sure draft at 0.56, the unsure one at 0.34
+    assert 0.9995 * overall < 0.6 and 0.6 * overall > 0.3
+    # the drafter's own rounds move only the band their drafts fell in
+    for _ in range(150):  # the check's 1000 drafts fade as the rounds' come in
+        calibration.observe(0.6, True)
+    assert calibration(0.6) > 0.45
+    assert calibration(0.9995) == pytest.approx(0.8, rel=1e-2)
+    assert Calibration()(0.7) == 0.7  # no measure yet: the head's word
 
 
 def test_the_replay_counts_what_drafting_each_round_in_full_would(trained):
@@ -142,7 +172,7 @@ def test_the_head_drafts_as_long_as_the_policy_rule_says_and_learns_its_calibrat
     assert [o.tokens for o in outputs] == refs[:3]
     assert batch.drafted and max(batch.gamma_histogram) == 2
     calibration = engine.head.calibration
-    assert calibration.drafted > 0 and calibration.value != 1.0
+    assert calibration.promised > 0 and any(band.value != 1.0 for band in calibration.bands)
     # and with the policy's own rule, from the costs it measures
     engine = SpeculativeEngine(
         target, None, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(drafter="head", gamma_max=6),
@@ -392,11 +422,17 @@ def test_a_head_refined_between_batches_drafts_better_and_decodes_the_targets_te
     # (about 1.9x, 21 first drafts of 460 against 11: a few drafts either way move it; the
     # held-out figures below are the 2x claim)
     assert last["accuracy"] > 1.5 * sum(c.hits for c in hits) / last["tokens"], (last, hits)
-    # the same check calibrates the copy that drafts next: hits per confidence promised
+    # the same check calibrates the copy that drafts next: hits per confidence promised, by
+    # band of confidence, each band starting from the ratio over all
     assert 0 < last["confidence"] <= 1
-    ratio = engine.learner.calibration
-    assert ratio == pytest.approx(last["accuracy"] / last["confidence"], rel=1e-2)
-    assert engine.head.calibration.value == pytest.approx(min(ratio, 4.0))
+    measured = engine.learner.calibration
+    ratio = last["accuracy"] / last["confidence"]
+    assert measured.bands[0].prior == pytest.approx(min(ratio, 4.0), rel=1e-2)
+    assert sum(b.accepted for b in measured.bands) == round(last["accuracy"] * last["tokens"])
+    assert measured.promised == pytest.approx(last["confidence"] * last["tokens"], rel=1e-3)
+    drafting = engine.head.calibration
+    assert drafting is not measured  # the drafter's rounds do not move the learner's
+    assert [b.value for b in drafting.bands] == [b.value for b in measured.bands]
     assert engine.refine_head() is None  # nothing new decoded
     assert engine.head.head is not drafting  # drafting with the refined copy, packed where it can be
     assert sum(r["steps"] for r in records) >= 120  # share 4: at least every document once

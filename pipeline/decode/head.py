@@ -33,6 +33,7 @@ trained or saved: a saved head is its `fc` and its layer, plus the target's fing
 
 from __future__ import annotations
 
+import bisect
 import copy
 import hashlib
 import json
@@ -664,12 +665,59 @@ def _unrolled_mask(n: int, k: int, device, begins: Sequence[int] | None = None) 
     return torch.cat(blocks, dim=1)
 
 
+class Calibration:
+    """What a head's confidence is worth: of the drafts it made at about that confidence, how
+    many the target accepted for each one the confidences promised, band by band.
+
+    A head trained on a few thousand tokens ranks its drafts far better than it prices them:
+    right a few times in ten where it is least sure and most times where it is surest, while
+    its confidence says nearly 1 for half of them (measured in docs/choosing-a-draft.md). One
+    ratio for every draft prices the surest as low as the rest, and where a verify token costs
+    a third of a pass (a CPU) lets few of them through. So each band keeps its own ratio (a
+    `RunningRate` of accepted over promised, recent drafts weighing most), starting from
+    `prior`, the ratio over all bands, until drafts in it say otherwise."""
+
+    EDGES = (0.25, 0.5, 0.75, 0.9, 0.97, 0.99, 0.999)  # the bands' upper ends; the last runs to 1
+
+    def __init__(self, prior: float = 1.0, hits: Sequence[float] = (), promised: Sequence[float] = ()):
+        bands = len(self.EDGES) + 1
+        self.bands = [RunningRate(prior=min(prior, 4.0), weight=4.0, cap=4.0) for _ in range(bands)]
+        for band, accepted, drafted in zip(self.bands, hits, promised):
+            band.update(accepted, drafted)
+
+    @classmethod
+    def measured(cls, checks: Sequence[FirstDrafts]) -> Calibration:
+        """From the first drafts at every position of some documents (`first_draft_hits`)."""
+        hits = [sum(band) for band in zip(*(c.hits_by_band for c in checks))]
+        promised = [sum(band) for band in zip(*(c.promised_by_band for c in checks))]
+        overall = sum(promised)
+        return cls(sum(hits) / overall if overall > 0 else 1.0, hits, promised)
+
+    def _band(self, chance: float) -> RunningRate:
+        return self.bands[bisect.bisect_left(self.EDGES, chance)]
+
+    def __call__(self, chance: float) -> float:
+        """The chance the target accepts drafts the head was `chance` sure of."""
+        return chance * self._band(chance).value
+
+    def observe(self, chance: float, accepted: bool) -> None:
+        self._band(chance).update(float(accepted), chance)
+
+    @property
+    def promised(self) -> float:
+        """Confidence the drafts observed promised (decayed), over every band."""
+        return sum(band.drafted for band in self.bands)
+
+
 class FirstDrafts(NamedTuple):
     """A head's first drafts over a document's completion (`first_draft_hits`)."""
 
     hits: int  # drafts equal to the target's token
     tokens: int  # drafts made
     promised: float  # the head's confidences in them, summed (what its chances would say)
+    # the same two by band of confidence (`Calibration.EDGES`): what the next copy drafts with
+    hits_by_band: tuple[int, ...] = ()
+    promised_by_band: tuple[float, ...] = ()
 
 
 @torch.no_grad()
@@ -681,8 +729,18 @@ def first_draft_hits(head: DraftHead, doc: Document) -> FirstDrafts:
     rounds' starts, in one pass over the document instead of a replay."""
     (predicted,), labels, _, _ = _teacher_forced(head, replace(doc, choices=None))
     sure, index = torch.softmax(head.logits(predicted).float(), dim=-1).max(dim=-1)
-    drafted = head.vocab_rows[index]
-    return FirstDrafts(int((drafted == labels).sum()), len(labels), float(sure.sum()))
+    right = (head.vocab_rows[index] == labels).float()
+    bands = torch.bucketize(sure, torch.tensor(Calibration.EDGES, device=sure.device))
+    by_band = torch.zeros(2, len(Calibration.EDGES) + 1, device=sure.device)
+    by_band[0].index_add_(0, bands, right)
+    by_band[1].index_add_(0, bands, sure)
+    return FirstDrafts(
+        int(right.sum()),
+        len(labels),
+        float(sure.sum()),
+        tuple(int(h) for h in by_band[0].tolist()),
+        tuple(by_band[1].tolist()),
+    )
 
 
 def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: int = 1) -> torch.Tensor | None:
@@ -840,7 +898,7 @@ class OnlineHead:
         self.decode_seconds = 0.0  # decoding with the head since the last refinement
         self.owed = 0.0  # seconds the last refinement ran past its budget (its last step)
         self.steps = 0
-        self.calibration = 1.0  # the drafting copy's first drafts accepted per one its confidences promise
+        self.calibration = Calibration()  # the drafting copy's hits per one its confidences promise
 
     def add(self, docs: Sequence[Document], seconds: float) -> None:
         """Documents the engine just decoded with the head, in `seconds`."""
@@ -866,7 +924,7 @@ class OnlineHead:
         hits, tokens = sum(c.hits for c in checks), sum(c.tokens for c in checks)
         promised = sum(c.promised for c in checks)
         if promised > 0:
-            self.calibration = hits / promised
+            self.calibration = Calibration.measured(checks)
         check_seconds = time.perf_counter() - began
         began = time.perf_counter()
         losses: list[float] = []
@@ -924,8 +982,8 @@ class HeadDrafter:
     while the chance that the row's drafts are all accepted pays for its verify token (`rule`,
     from the policy). That chance is the product of the head's confidences, scaled by
     `calibration`: how many drafts the target accepted for each one the confidences promised,
-    measured on this drafter's own rounds (the confidences of a head trained on a few thousand
-    tokens need not be calibrated)."""
+    by band of confidence, measured on this drafter's own rounds (the confidences of a head
+    trained on a few thousand tokens need not be calibrated, `Calibration`)."""
 
     name = HEAD
 
@@ -978,7 +1036,8 @@ class HeadDrafter:
         for (length, drafts, chances), seq in zip(self._proposed, seqs):
             got = seq[length : length + len(drafts)]
             hits = next((k for k, (t, d) in enumerate(zip(got, drafts)) if t != d), len(got))
-            self.calibration.update(hits, sum(chances))
+            for k, chance in enumerate(chances):  # drafts 1..k+1 all accepted, at that chance
+                self.calibration.observe(chance, k < hits)
             worth += hits
         if self._proposed:
             self._judge(worth)
@@ -1023,15 +1082,15 @@ class HeadDrafter:
     def resting(self) -> bool:
         return self._rest > 0
 
-    def replace(self, head: DraftHead, calibration: float = 1.0) -> None:
+    def replace(self, head: DraftHead, calibration: Calibration | None = None) -> None:
         """Draft with `head` from the next batch on (a refined one, `OnlineHead`): judged
         afresh, so that a head which rested for want of skill drafts again, and calibrated from
-        `calibration`, the ratio the learner measured at every position of the rows just
-        decoded (a ratio learned on the old head's drafts alone, after the rule cut its
-        doubtful ones, would keep the new one's from ever being sent, and so from ever being
-        measured)."""
+        `calibration`, what the learner measured at every position of the rows just decoded
+        (ratios learned on the old head's drafts alone, after the rule cut its doubtful ones,
+        would keep the new one's from ever being sent, and so from ever being measured).
+        None: its confidences taken at their word until its drafts say otherwise."""
         self.head = head
-        self.calibration = RunningRate(prior=min(calibration, 4.0), weight=4.0, cap=4.0)
+        self.calibration = copy.deepcopy(calibration) if calibration is not None else Calibration()
         # what the head's accepted drafts were worth against what its steps cost, lately (`_judge`)
         self._worth = self._cost = 0.0
         self._judged = 0  # rounds since the last judgement
@@ -1097,7 +1156,7 @@ class HeadDrafter:
         return [[self._calibrated(c) for c in chances] for _, _, chances in self._proposed]
 
     def _calibrated(self, chance: float) -> float:
-        return min(chance * self.calibration.value, 0.99)
+        return min(self.calibration(chance), 0.99)
 
     def sent(self, counts: list[int]) -> None:
         """How many of each row's drafts went to the target (`auto` may have chosen another
