@@ -673,17 +673,20 @@ class Calibration:
     right a few times in ten where it is least sure and most times where it is surest, while
     its confidence says nearly 1 for half of them (measured in docs/choosing-a-draft.md). One
     ratio for every draft prices the surest as low as the rest, and where a verify token costs
-    a third of a pass (a CPU) lets few of them through. So each band keeps its own ratio (a
-    `RunningRate` of accepted over promised, recent drafts weighing most), starting from
-    `prior`, the ratio over all bands, until drafts in it say otherwise."""
+    a third of a pass (a CPU) lets few of them through. So each band keeps its own ratio of
+    accepted over promised (recent drafts weighing most), and a band few drafts fell in leans on
+    the ratio over all bands (`overall`, from `prior` until drafts say otherwise): a head that
+    proved over-confident where it drafted is not taken at its word where it has not yet."""
 
     EDGES = (0.25, 0.5, 0.75, 0.9, 0.97, 0.99, 0.999)  # the bands' upper ends; the last runs to 1
+    WEIGHT = 4.0  # drafts' worth of confidence the ratio over all counts for in a band
 
     def __init__(self, prior: float = 1.0, hits: Sequence[float] = (), promised: Sequence[float] = ()):
-        bands = len(self.EDGES) + 1
-        self.bands = [RunningRate(prior=min(prior, 4.0), weight=4.0, cap=4.0) for _ in range(bands)]
+        self.overall = RunningRate(prior=min(prior, 4.0), weight=self.WEIGHT, cap=4.0)
+        self.bands = [RunningRate(prior=0.0, weight=0.0, cap=4.0) for _ in range(len(self.EDGES) + 1)]
         for band, accepted, drafted in zip(self.bands, hits, promised):
             band.update(accepted, drafted)
+        self.overall.update(sum(hits), sum(promised))
 
     @classmethod
     def measured(cls, checks: Sequence[FirstDrafts]) -> Calibration:
@@ -696,12 +699,18 @@ class Calibration:
     def _band(self, chance: float) -> RunningRate:
         return self.bands[bisect.bisect_left(self.EDGES, chance)]
 
+    def ratio(self, chance: float) -> float:
+        """Drafts accepted per one promised, for drafts about `chance` sure."""
+        band = self._band(chance)
+        return min((band.accepted + self.overall.value * self.WEIGHT) / (band.drafted + self.WEIGHT), 4.0)
+
     def __call__(self, chance: float) -> float:
         """The chance the target accepts drafts the head was `chance` sure of."""
-        return chance * self._band(chance).value
+        return chance * self.ratio(chance)
 
     def observe(self, chance: float, accepted: bool) -> None:
         self._band(chance).update(float(accepted), chance)
+        self.overall.update(float(accepted), chance)
 
     @property
     def promised(self) -> float:
