@@ -82,7 +82,8 @@ def main() -> None:
             "The learning head, shard by shard in the order they ran. *Checked*: the share of the "
             "rows decoded before the shard whose output tokens the head (as it drafted them) drafts "
             "first, before learning from them; *sure*: its mean confidence in those first drafts "
-            "(checked ÷ sure: the calibration the shard's head starts from); *trained*: the refinement "
+            "(checked ÷ sure: the head's calibration over all its first drafts; the shard's head "
+            "starts from the same ratio band by band of confidence); *trained*: the refinement "
             "before the shard; the head's own drafts in the shard (which the policy cuts to those "
             "that pay).",
             "",
