@@ -199,7 +199,9 @@ def test_a_head_whose_drafts_the_rule_cuts_probes_one_draft_now_and_then(case):
     """The online head's job: a 2-token pass timed while another process ran looked so dear
     that the rule cut every draft after it, so neither that pass nor the head (learning all
     the while) was ever measured again: no draft in its last five shards. After `probe_every`
-    rounds cut to nothing, and in a gate's probe, the rule keeps each row's first draft."""
+    rounds cut to nothing, and in a gate's probe, the rule sends a row's first draft, but only
+    one near paying (the next job's probes, sent wherever the head stood, had none of 52
+    accepted); after as many rounds again without one, whatever its chance."""
     costs = measured_costs({1: 0.10, 2: 0.25, 3: 0.30}, {})  # 2 tokens: timed in a slow spell
     costs.observe_round(1, 0.15)  # a token is worth 0.15 s: a 0.8 chance gains 0.12 s, not 0.15
     policy = _policy_with_costs(case, costs, alpha=0.6, probe_every=4)
@@ -208,7 +210,18 @@ def test_a_head_whose_drafts_the_rule_cuts_probes_one_draft_now_and_then(case):
     probe = policy.head_length(0.005)
     assert probe([0.8, 0.0], [1, 0]) == [(True, False), (False, False)]  # one draft, no more
     assert policy.head_length(0.005)([0.8], [1]) == [(False, False)]  # counting again
-    assert policy.head_length(0.005, probe=True)([0.1], [1]) == [(True, False)]  # the gate's
+    # a probe's draft must be near paying: 0.3 x 0.15 = 0.045 s gained is more than half the
+    # 0.15 s verify token short; the probe waits, rounds after it probe too, and 0.6 goes out
+    assert policy.head_length(0.005, probe=True)([0.3], [1]) == [(False, False)]  # the gate's
+    for _ in range(3):
+        assert policy.head_length(0.005)([0.3], [1]) == [(False, False)]
+    assert policy.head_length(0.005)([0.3], [1]) == [(False, False)]  # 4 cut: a probe, waiting
+    assert policy.head_length(0.005)([0.6], [1]) == [(True, False)]
+    assert policy._rounds_without_head == 0
+    # a probe that waited `probe_every` rounds more sends the first draft whatever its chance
+    for _ in range(8):
+        assert policy.head_length(0.005)([0.1], [1]) == [(False, False)]
+    assert policy.head_length(0.005)([0.1], [1]) == [(True, False)]
     # a round that keeps a draft is no round without the head: the count starts over
     costs.observe_target(2, 0.11)
     costs.observe_target(2, 0.11)

@@ -226,6 +226,7 @@ class Policy:
     _rounds_without_copies: int = 0
     _rounds_without_head: int = 0  # rounds whose head drafts the rule cut to none (`head_length`)
     _rounds_since_plain: int = 0
+    PROBE_SHORTFALL = 0.5  # how far short of paying for its verify token a head's probe draft may fall
 
     def copy_rate(self, source: str, depth: int) -> AcceptanceByPosition:
         key = (source, depth)
@@ -366,16 +367,20 @@ class Policy:
         runs, or a wider pass timed in a slow spell (another process running), would be cut
         for good on figures no longer true (docs/choosing-a-draft.md). So after
         `probe_every` rounds whose drafts it cut to none, and in a `DraftingGate` probe
-        (`probe`), the rule keeps each row's first draft whatever its chance, and no more."""
+        (`probe`), the rule sends a row's first draft that falls short of paying by at most
+        `PROBE_SHORTFALL` of its verify token, and no more: the drafts that figures off by
+        that much would have let through, the surest the head has, where a probe costs least
+        and measures what decides. Probes that sent a draft wherever the head stood drafted
+        where it was least sure (none of 52 accepted in a job, docs/choosing-a-draft.md). A
+        probe waits for such a draft; after as many rounds again it sends the first draft
+        whatever its chance, so that a verify pass priced far too high is still re-measured."""
         token_value = self.costs.token_seconds()
         if not self.config.adaptive or token_value is None:
             return None
         probe = probe or self._rounds_without_head >= self.config.probe_every
+        anyhow = self._rounds_without_head >= 2 * self.config.probe_every
 
         def rule(chances: list[float], drafted: list[int]) -> list[tuple[bool, bool]]:
-            if probe:
-                self._rounds_without_head = 0
-                return [(d == 1, False) for d in drafted]
             lengths = [1 + d for d in drafted]
             now = self.costs.target_time(self.target.pass_tokens(lengths))
             going = sum(d > 0 for d in drafted) or 1
@@ -387,7 +392,11 @@ class Policy:
                 narrower = lengths[:i] + [d] + lengths[i + 1 :]
                 verify_token = max(now - self.costs.target_time(self.target.pass_tokens(narrower)), 0.0)
                 gain = chance * token_value - verify_token
-                verdicts.append((gain > 0, gain > (step_seconds or 0.0) / going))
+                if probe:
+                    near = anyhow or gain >= -self.PROBE_SHORTFALL * verify_token
+                    verdicts.append((d == 1 and near, False))
+                else:
+                    verdicts.append((gain > 0, gain > (step_seconds or 0.0) / going))
             if max(drafted) == 1:  # a round's first step: does it keep any draft at all?
                 kept = any(keep for keep, _ in verdicts)
                 self._rounds_without_head = 0 if kept else self._rounds_without_head + 1
