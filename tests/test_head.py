@@ -86,13 +86,12 @@ def test_each_band_of_confidence_is_priced_by_what_its_own_drafts_got():
     band, a draft is priced at what drafts as sure as it got, and a band nothing fell in
     takes the ratio over all."""
     check = FirstDrafts(
-        hits=900,
         tokens=2000,
-        promised=600 + 999.5,
         hits_by_band=(0, 0, 100, 0, 0, 0, 0, 800),  # 1000 drafts 0.6 sure, 1000 0.9995 sure
         promised_by_band=(0, 0, 600, 0, 0, 0, 0, 999.5),
     )
-    calibration = Calibration.measured([check, check._replace(hits=0, tokens=0, promised=0.0)])
+    assert (check.hits, check.promised) == (900, 1599.5)
+    calibration = Calibration.measured([check, FirstDrafts(0, (0,) * 8, (0.0,) * 8)])
     overall = 900 / 1599.5
     assert calibration(0.9995) == pytest.approx(0.8, rel=1e-2)
     assert calibration(0.6) == pytest.approx(0.1, rel=2e-2)

@@ -95,6 +95,8 @@ class RunningRate:
 
     @property
     def value(self) -> float:
+        if not self.drafted + self.weight:  # no prior's weight and nothing seen: the prior
+            return min(self.prior, self.cap)
         rate = (self.accepted + self.prior * self.weight) / (self.drafted + self.weight)
         return min(rate, self.cap)
 

@@ -719,14 +719,22 @@ class Calibration:
 
 
 class FirstDrafts(NamedTuple):
-    """A head's first drafts over a document's completion (`first_draft_hits`)."""
+    """A head's first drafts over a document's completion (`first_draft_hits`), by band of
+    confidence (`Calibration.EDGES`): what the next copy drafts with, and, summed, the shard
+    stats' accuracy and confidence."""
 
-    hits: int  # drafts equal to the target's token
     tokens: int  # drafts made
-    promised: float  # the head's confidences in them, summed (what its chances would say)
-    # the same two by band of confidence (`Calibration.EDGES`): what the next copy drafts with
-    hits_by_band: tuple[int, ...] = ()
-    promised_by_band: tuple[float, ...] = ()
+    hits_by_band: tuple[int, ...]  # drafts equal to the target's token
+    promised_by_band: tuple[float, ...]  # the head's confidences in them, summed
+
+    @property
+    def hits(self) -> int:
+        return sum(self.hits_by_band)
+
+    @property
+    def promised(self) -> float:
+        """What the head's confidences said it would get right."""
+        return sum(self.promised_by_band)
 
 
 @torch.no_grad()
@@ -743,13 +751,7 @@ def first_draft_hits(head: DraftHead, doc: Document) -> FirstDrafts:
     by_band = torch.zeros(2, len(Calibration.EDGES) + 1, device=sure.device)
     by_band[0].index_add_(0, bands, right)
     by_band[1].index_add_(0, bands, sure)
-    return FirstDrafts(
-        int(right.sum()),
-        len(labels),
-        float(sure.sum()),
-        tuple(int(h) for h in by_band[0].tolist()),
-        tuple(by_band[1].tolist()),
-    )
+    return FirstDrafts(len(labels), tuple(int(h) for h in by_band[0].tolist()), tuple(by_band[1].tolist()))
 
 
 def head_loss(head: DraftHead, doc: Document, regression: float = 1.0, steps: int = 1) -> torch.Tensor | None:
