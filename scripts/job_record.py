@@ -39,6 +39,29 @@ def _head_rows(stats: list[dict]) -> list[str]:
     return rows
 
 
+def _ends(stats: list[dict], n: int = 5) -> list[str]:
+    """The first and last `n` shards in the order they ran, side by side: the head's check, its
+    drafts accepted pooled over the shards, and the mean of the shards' α (issue 39 asks the
+    last five's to be the first five's + 0.1), over the shards that drafted (a shard whose
+    drafts the policy cut to none has no α)."""
+    ran = sorted(stats, key=lambda s: s.get("started") or 0)
+    if len(ran) < 2 * n:
+        return []
+    head = "| shards | checked (mean) | head accepted / drafted | α pooled | shards' α, mean (with drafts) |"
+    lines = [head, "|---|---|---|---|---|"]
+    for name, part in ((f"first {n}", ran[:n]), (f"last {n}", ran[-n:])):
+        checks = [(s.get("head_online") or {}).get("first_draft", {}).get("accuracy") for s in part]
+        checks = [c for c in checks if c is not None]
+        drafted = [(s.get("drafted_by") or {}).get("head", 0) for s in part]
+        accepted = [(s.get("accepted_by") or {}).get("head", 0) for s in part]
+        alphas = [a / d for a, d in zip(accepted, drafted) if d]
+        check = f"{sum(checks) / len(checks):.3f}" if checks else "-"
+        pooled = f"{sum(accepted) / sum(drafted):.2f}" if sum(drafted) else "-"
+        mean = f"{sum(alphas) / len(alphas):.2f} ({len(alphas)})" if alphas else "- (0)"
+        lines.append(f"| {name} | {check} | {sum(accepted)} / {sum(drafted)} | {pooled} | {mean} |")
+    return lines
+
+
 def main() -> None:
     from pipeline.job.layout import read_manifest, read_stats
     from pipeline.machine import cpu_info, git_state
@@ -91,6 +114,9 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|",
             *_head_rows(stats),
         ]
+        ends = _ends(stats)
+        if ends:
+            lines += ["", "The first and last five shards:", "", *ends]
     md = Path(args.report)
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text("\n".join(lines) + "\n")
