@@ -50,7 +50,7 @@ def _ends(stats: list[dict], n: int = 5) -> list[str]:
     head = "| shards | checked (mean) | head accepted / drafted | α pooled | shards' α, mean (with drafts) |"
     lines = [head, "|---|---|---|---|---|"]
     for name, part in ((f"first {n}", ran[:n]), (f"last {n}", ran[-n:])):
-        checks = [(s.get("head_online") or {}).get("first_draft", {}).get("accuracy") for s in part]
+        checks = [((s.get("head_online") or {}).get("first_draft") or {}).get("accuracy") for s in part]
         checks = [c for c in checks if c is not None]
         drafted = [(s.get("drafted_by") or {}).get("head", 0) for s in part]
         accepted = [(s.get("accepted_by") or {}).get("head", 0) for s in part]

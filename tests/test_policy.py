@@ -213,10 +213,13 @@ def test_a_head_whose_drafts_the_rule_cuts_probes_one_draft_now_and_then(case):
     # a probe's draft must be near paying: 0.3 x 0.15 = 0.045 s gained is more than half the
     # 0.15 s verify token short; the probe waits, rounds after it probe too, and 0.6 goes out
     assert policy.head_length(0.005, probe=True)([0.3], [1]) == [(False, False)]  # the gate's
-    for _ in range(3):
+    assert policy._rounds_without_head == 2  # a probe that sent nothing is a round without
+    for _ in range(2):
         assert policy.head_length(0.005)([0.3], [1]) == [(False, False)]
     assert policy.head_length(0.005)([0.3], [1]) == [(False, False)]  # 4 cut: a probe, waiting
-    assert policy.head_length(0.005)([0.6], [1]) == [(True, False)]
+    # of two rows (a 4-token pass priced 0.05 s above 3), the one near paying sends its first
+    # draft, the other's (0.02 x 0.15 = 0.003 s) is too far short, and neither drafts on
+    assert policy.head_length(0.005)([0.6, 0.02], [1, 1]) == [(True, False), (False, False)]
     assert policy._rounds_without_head == 0
     # a probe that waited `probe_every` rounds more sends the first draft whatever its chance
     for _ in range(8):

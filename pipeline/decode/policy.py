@@ -74,7 +74,8 @@ class DraftingGate:
     Once asking runs slower than not asking by `margin`, rounds stop asking, except probes, the
     first `probe_every` rounds later and each one after twice as many rounds as the one before, up
     to 4 × `probe_every`. A probe asks until the policy drafts something (at most PROBE_ROUNDS
-    rounds: a round without a copy to offer tells nothing) and makes the policy try its drafters;
+    rounds: a round without a copy to offer tells nothing) and makes the policy try its drafters
+    (a draft head's only where it is near paying: `Policy.head_length`);
     it keeps the drafting rate current, so a stretch of text that copies well turns drafting back
     on. Not asking is timed again now and then while drafting is on, and, as rare as a probe,
     counts as much.
@@ -373,7 +374,10 @@ class Policy:
         and measures what decides. Probes that sent a draft wherever the head stood drafted
         where it was least sure (none of 52 accepted in a job, docs/choosing-a-draft.md). A
         probe waits for such a draft; after as many rounds again it sends the first draft
-        whatever its chance, so that a verify pass priced far too high is still re-measured."""
+        whatever its chance, so that a verify pass priced far too high is still re-measured.
+        Rounds count where the rule judged drafts: not those the head rests in (`HeadDrafter.
+        _judge`), nor those the gate keeps from asking, so that wait is long where the head
+        seldom pays, as it should be, since every such probe costs a verify token."""
         token_value = self.costs.token_seconds()
         if not self.config.adaptive or token_value is None:
             return None
