@@ -17,14 +17,18 @@ import json
 from pathlib import Path
 
 
+def _head_drafts(shard: dict) -> tuple[int, int]:
+    """A shard's head drafts: (accepted, drafted)."""
+    return (shard.get("accepted_by") or {}).get("head", 0), (shard.get("drafted_by") or {}).get("head", 0)
+
+
 def _head_rows(stats: list[dict]) -> list[str]:
     """One Markdown row per shard, in the order they ran: the head's drafts in the shard, and the
     refinement before it (its check of the rows decoded before it, and its training)."""
     rows = []
     for s in sorted(stats, key=lambda s: s.get("started") or 0):
         h = s.get("head_online") or {}
-        drafted = (s.get("drafted_by") or {}).get("head", 0)
-        accepted = (s.get("accepted_by") or {}).get("head", 0)
+        accepted, drafted = _head_drafts(s)
         alpha = f"{accepted / drafted:.2f}" if drafted else "-"
         check = h.get("first_draft") or {}
         accuracy = f"{check['accuracy']:.3f}" if check else "-"
@@ -52,8 +56,7 @@ def _ends(stats: list[dict], n: int = 5) -> list[str]:
     for name, part in ((f"first {n}", ran[:n]), (f"last {n}", ran[-n:])):
         checks = [((s.get("head_online") or {}).get("first_draft") or {}).get("accuracy") for s in part]
         checks = [c for c in checks if c is not None]
-        drafted = [(s.get("drafted_by") or {}).get("head", 0) for s in part]
-        accepted = [(s.get("accepted_by") or {}).get("head", 0) for s in part]
+        accepted, drafted = zip(*map(_head_drafts, part))
         alphas = [a / d for a, d in zip(accepted, drafted) if d]
         check = f"{sum(checks) / len(checks):.3f}" if checks else "-"
         pooled = f"{sum(accepted) / sum(drafted):.2f}" if sum(drafted) else "-"
