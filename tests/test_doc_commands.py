@@ -1,4 +1,5 @@
-"""Every `pipeline` command the docs show runs as written, as far as this machine can tell.
+"""Every `pipeline` command the docs show runs as written, as far as this machine can tell (and
+every calibrate and bench step of scripts/gpu-check.sh).
 
 A reader copies commands from README.md, docs/*.md and the job specs' usage lines. Each one is
 parsed by the command it names, exactly as the shell would hand it over (an unknown option or
@@ -105,6 +106,41 @@ def doc_commands() -> list[DocCommand]:
 
 COMMANDS = doc_commands()
 
+GPU_CHECK = ROOT / "scripts" / "gpu-check.sh"
+# a step of scripts/gpu-check.sh that runs `pipeline calibrate|bench --pair PAIR --report ... ARGS`
+GPU_STEP = re.compile(r'(?:\bstep \S+|"\$0" "\$res") (calibrate|bench) (\S+)(.*)')
+
+
+def gpu_check_commands() -> list[DocCommand]:
+    """The `calibrate` and `bench` commands scripts/gpu-check.sh runs, its variables given the
+    values the script gives them (each `flags=` value where a line reads `$flags`).
+
+    Why: a GPU comes to a session rarely and for 15 minutes; an option renamed since the script
+    was written would cost a step of that call, found only there."""
+    text = GPU_CHECK.read_text(encoding="utf-8")
+    flags = re.findall(r'flags="([^"]*)"', text)
+    found, pending, start = [], "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not pending:
+            start = number
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        match = GPU_STEP.search(pending + line)
+        pending = ""
+        if not match:
+            continue
+        tool, pair, rest = match.groups()
+        pair = pair.replace("$pair", "qwen2.5-coder-shaped-random")
+        rest = rest.replace('"$docs"', "8")
+        for args in [rest.replace("$flags", f) for f in flags] if "$flags" in rest else [rest]:
+            words = (tool, "--pair", pair, "--report", "r.md", *shlex.split(args))
+            found.append(DocCommand(f"scripts/gpu-check.sh:{start}", words, False))
+    return found
+
+
+GPU_COMMANDS = gpu_check_commands()
+
 
 def resolve(args: tuple[str, ...]) -> tuple[click.Command, list[str], list[str]]:
     """The command `pipeline ARGS` names, the names leading to it, and the args it parses."""
@@ -140,7 +176,15 @@ def test_extraction_reads_chains_comments_continuations_and_markers():
     assert _shell_lines("```yaml\npipeline: x\n```\n") == []
 
 
-@pytest.mark.parametrize("doc", COMMANDS, ids=str)
+def test_the_gpu_check_shows_its_steps():
+    """The extraction finds every calibrate and bench step of the GPU check."""
+    tools = [c.args[0] for c in GPU_COMMANDS]
+    assert tools.count("bench") >= 5 and tools.count("calibrate") >= 6, GPU_COMMANDS
+    assert any("--fused-projections" in c.args for c in GPU_COMMANDS)
+    assert any("--eager-passes" in c.args and c.args[0] == "calibrate" for c in GPU_COMMANDS)
+
+
+@pytest.mark.parametrize("doc", COMMANDS + GPU_COMMANDS, ids=str)
 def test_doc_command_parses(doc: DocCommand):
     command, names, rest = resolve(doc.args)
     if doc.marked:
