@@ -23,25 +23,52 @@ import torch
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
 
 
+# AMD's cores by (family, models): virtual machines often show only "AMD EPYC", and two hosts so
+# named may be generations apart, with the same flags (a 2-token pass 1.33x a 1-token one on one
+# AVX2-only EPYC, 1.08x on another: docs/engine.md); the family and model tell them apart.
+_AMD_CORES = (
+    (23, range(0x00, 0x30), "Zen"),
+    (23, range(0x30, 0x100), "Zen 2"),
+    (25, range(0x10, 0x20), "Zen 4"),
+    (25, range(0x60, 0x80), "Zen 4"),
+    (25, range(0xA0, 0xB0), "Zen 4"),
+    (25, range(0x00, 0x100), "Zen 3"),
+    (26, range(0x00, 0x100), "Zen 5"),
+)
+
+
 @lru_cache(maxsize=1)
 def cpu_info() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and its feature flags, from /proc/cpuinfo (Linux); elsewhere the
-    platform's processor string and no flags."""
-    model, flags = "", frozenset()
+    """The CPU's model name, with its family and model numbers (and the AMD core they make),
+    and its feature flags, from /proc/cpuinfo (Linux); elsewhere the platform's processor
+    string and no flags."""
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not model:
-                    model = value.strip()
-                elif key == "flags" and not flags:
-                    flags = frozenset(value.split())
-                if model and flags:
-                    break
+            model, flags = parse_cpuinfo(fh.read())
     except OSError:
-        pass
+        model, flags = "", frozenset()
     return model or platform.processor() or platform.machine(), flags
+
+
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """The first processor's "model name", followed by "(family F model M)" where /proc/cpuinfo
+    gives them (with the core's name for AMD's: "AMD EPYC (Zen 2, family 23 model 49)"), and
+    its flags."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if not key and fields:  # the first processor's block ends
+            break
+        fields.setdefault(key, value.strip())
+    name = fields.get("model name", "")
+    family, number = fields.get("cpu family", ""), fields.get("model", "")
+    if name and family.isdigit() and number.isdigit():
+        core = ""
+        if fields.get("vendor_id") == "AuthenticAMD" or name.startswith("AMD"):
+            core = next((c for f, models, c in _AMD_CORES if f == int(family) and int(number) in models), "")
+        name = f"{name} ({core + ', ' if core else ''}family {family} model {number})"
+    return name, frozenset(fields.get("flags", "").split())
 
 
 def git_state(directory: Path | None = None) -> tuple[str | None, bool | None]:

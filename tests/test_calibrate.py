@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from pipeline_helpers import write_models_config
 
+from pipeline import machine
 from pipeline.cli import main
 from pipeline.decode.calibration import (
     CALIBRATION_FORMAT,
@@ -149,6 +150,44 @@ def test_the_cache_reads_back_what_was_saved_under_a_key_of_the_settings(tiny_lo
         *(calibration_key(static, threads=1) for static in (static_path, compiled_path)),
     ]
     assert len({key, *others}) == len(others) + 1
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: {family}
+model\t\t: {model}
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 fma
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 99
+model\t\t: 99
+model name\t: other
+"""
+
+
+@pytest.mark.parametrize(
+    "family, model, named",
+    [(23, 1, "Zen"), (23, 49, "Zen 2"), (25, 1, "Zen 3"), (25, 17, "Zen 4"), (26, 2, "Zen 5")],
+)
+def test_a_cpu_is_named_by_its_family_and_model_and_so_keys_its_calibration(
+    tiny_loaded, monkeypatch, family, model, named
+):
+    """Virtual machines show AMD's cores as "AMD EPYC" alone, and two such hosts with the same
+    flags can be generations apart: the family and model name them (the first processor's), and
+    a calibration measured on one is not applied on the other."""
+    name, flags = machine.parse_cpuinfo(CPUINFO.format(family=family, model=model))
+    assert name == f"AMD EPYC ({named}, family {family} model {model})"
+    assert flags == {"fpu", "avx2", "fma"}
+    assert machine.parse_cpuinfo("model name\t: Some CPU\nflags\t: sse2\n") == ("Some CPU", {"sse2"})
+
+    keys = set()
+    for number in (1, 49):
+        info = machine.parse_cpuinfo(CPUINFO.format(family=23, model=number))
+        monkeypatch.setattr("pipeline.decode.calibration.cpu_info", lambda info=info: info)
+        keys.add(calibration_key(tiny_loaded, threads=1))
+    assert len(keys) == 2
 
 
 def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, monkeypatch):
