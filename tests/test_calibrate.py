@@ -17,6 +17,7 @@ from pipeline_helpers import write_models_config
 
 from pipeline import machine
 from pipeline.cli import main
+from pipeline.decode import calibration
 from pipeline.decode.calibration import (
     CALIBRATION_FORMAT,
     best_gamma,
@@ -150,6 +151,33 @@ def test_the_cache_reads_back_what_was_saved_under_a_key_of_the_settings(tiny_lo
         *(calibration_key(static, threads=1) for static in (static_path, compiled_path)),
     ]
     assert len({key, *others}) == len(others) + 1
+
+
+def test_pass_widths_are_timed_in_turn_so_a_drifting_machine_keeps_their_ratios():
+    """A machine that slows down spell after spell (a neighbour starting work, over seconds:
+    about one round of every width's pass) must not price the widths timed last as dearer: each
+    round times every width once, so a width's median sits in the same spells as the others'
+    and their ratios, what the policy prices verify tokens by, come out as the passes' own."""
+
+    class DriftingLM:
+        def __init__(self):
+            self.forward_seconds, self.passes, self.prompt = 0.0, 0, 0
+
+        def sync(self, rows):
+            return [row[self.prompt :] for row in rows]
+
+        def forward(self, unfed, widths):
+            spell = self.passes // 3  # three passes a spell: one round of the widths below
+            self.passes += 1
+            self.forward_seconds += widths[0] * (1.0 + 0.5 * spell)
+
+    lm = DriftingLM()
+    tokens = calibration._SyntheticTokens(100)
+    prompts = [tokens.ids(lm.prompt)]
+    seconds = calibration._pass_seconds(lm, prompts, (1, 2, 4), 5, tokens)
+    assert lm.passes == 3 * 6  # an untimed round, then 5
+    ratios = [seconds[w] / seconds["1"] for w in ("2", "4")]
+    assert ratios == pytest.approx([2.0, 4.0])
 
 
 CPUINFO = """processor\t: 0

@@ -76,23 +76,30 @@ def _prefill(lm: BatchedLM, prompts: list[list[int]], widest: int) -> tuple[floa
 
 
 def _pass_seconds(
-    lm: BatchedLM, prompts: list[list[int]], width: int, runs: int, tokens: _SyntheticTokens
-) -> float:
-    """Median seconds of a pass feeding `width` new tokens per row over the prompts' cache,
-    after one untimed warm-up pass. Each pass is rolled back to the prompts (`sync`), its slots
-    masked as a rejected draft's are, so every pass attends over the prompts alone and appends
-    to the cache as decoding does. Squeezing the holes out (`compact`) would make the next pass
-    copy every layer's whole cache into new buffers (`_Room`), which decoding does only when
-    rows finish: 3.5 of a 39 ms pass of the 1.5B target at 400 cached tokens."""
-    times = []
+    lm: BatchedLM, prompts: list[list[int]], widths: tuple[int, ...], runs: int, tokens: _SyntheticTokens
+) -> dict[str, float]:
+    """Median seconds of a pass feeding each width's new tokens per row over the prompts' cache,
+    the widths in turn: one pass of each a round, `runs` rounds after an untimed one.
+
+    Taken in turn, the widths share the machine's slow and fast spells, so their ratios, what
+    the policy prices a draft's verify tokens by, hold on a machine whose speed drifts; one
+    width after another, a slow spell can fall on one width alone and price it far off for as
+    long as the calibration is cached (docs/cpu-kernels.md). Each pass is rolled back to the
+    prompts (`sync`), its slots masked as a rejected draft's are, so every pass attends over the
+    prompts alone and appends to the cache as decoding does. Squeezing the holes out (`compact`)
+    would make the next pass copy every layer's whole cache into new buffers (`_Room`), which
+    decoding does only when rows finish: 3.5 of a 39 ms pass of the 1.5B target at 400 cached
+    tokens."""
+    times: dict[int, list[float]] = {width: [] for width in widths}
     for _ in range(runs + 1):
-        block = tokens.block(width)
-        unfed = lm.sync([prompt + block for prompt in prompts])
-        assert all(len(fed) == width for fed in unfed), "the cache was not rolled back to the prompts"
-        before = lm.forward_seconds
-        lm.forward(unfed, [width] * len(prompts))
-        times.append(lm.forward_seconds - before)
-    return statistics.median(times[1:])
+        for width in widths:
+            block = tokens.block(width)
+            unfed = lm.sync([prompt + block for prompt in prompts])
+            assert all(len(fed) == width for fed in unfed), "the cache was not rolled back to the prompts"
+            before = lm.forward_seconds
+            lm.forward(unfed, [width] * len(prompts))
+            times[width].append(lm.forward_seconds - before)
+    return {str(width): statistics.median(taken[1:]) for width, taken in times.items()}
 
 
 def _runner(loaded: LoadedPair, role: str, draft_vocab: int) -> BatchedLM:
@@ -162,8 +169,9 @@ def measure(
     head_vocab: int | None = None,
 ) -> dict[str, Any]:
     """Time target and draft passes of every width at every batch size over `context` cached
-    tokens (median of `runs` after a warm-up), and each model's prefill per token; with `head`,
-    a draft head's step beside them (`pipeline.decode.head.step_seconds`).
+    tokens (median of `runs` after a warm-up, the widths in turn: `_pass_seconds`), and each
+    model's prefill per token; with `head`, a draft head's step beside them
+    (`pipeline.decode.head.step_seconds`).
 
     Batch 1 is always measured: the headline costs and predictions are a lone row's. The
     defaults are cheap enough for an actor's start-up (a few seconds on the 1.5B target).
@@ -185,15 +193,13 @@ def measure(
         lm = _runner(loaded, role, draft_vocab)
         warm_up = [tokens.ids(context)]  # first calls pay for allocations
         _prefill(lm, warm_up, widths[-1])
-        _pass_seconds(lm, warm_up, 1, 1, tokens)
+        _pass_seconds(lm, warm_up, (1,), 1, tokens)
         seconds, fed = 0.0, 0
         for batch in batches:
             prompts = [tokens.ids(context) for _ in range(batch)]
             took, computed = _prefill(lm, prompts, widths[-1])
             seconds, fed = seconds + took, fed + computed
-            passes[role][str(batch)] = {
-                str(width): _pass_seconds(lm, prompts, width, runs, tokens) for width in widths
-            }
+            passes[role][str(batch)] = _pass_seconds(lm, prompts, widths, runs, tokens)
         prefill[role] = seconds / fed
         if isinstance(lm, static_lm.StaticLM):
             graphs[role] = lm.graph_record()
