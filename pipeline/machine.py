@@ -24,8 +24,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
 
 
 # AMD's cores by (family, models): virtual machines often show only "AMD EPYC", and two hosts so
-# named may be generations apart, with the same flags (a 2-token pass 1.33x a 1-token one on one
-# AVX2-only EPYC, 1.08x on another: docs/cpu-kernels.md); the family and model tell them apart.
+# named may be generations apart with the same flags, one paying twice the other for a wide pass
+# (docs/cpu-kernels.md); the family and model tell them apart.
 _AMD_CORES = (
     (23, range(0x00, 0x30), "Zen"),
     (23, range(0x30, 0x100), "Zen 2"),
