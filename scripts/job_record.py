@@ -56,7 +56,8 @@ def _ends(stats: list[dict], n: int = 5) -> list[str]:
     for name, part in ((f"first {n}", ran[:n]), (f"last {n}", ran[-n:])):
         checks = [((s.get("head_online") or {}).get("first_draft") or {}).get("accuracy") for s in part]
         checks = [c for c in checks if c is not None]
-        accepted, drafted = zip(*map(_head_drafts, part))
+        drafts = [_head_drafts(s) for s in part]
+        accepted, drafted = [a for a, _ in drafts], [d for _, d in drafts]
         alphas = [a / d for a, d in zip(accepted, drafted) if d]
         check = f"{sum(checks) / len(checks):.3f}" if checks else "-"
         pooled = f"{sum(accepted) / sum(drafted):.2f}" if sum(drafted) else "-"

@@ -197,19 +197,32 @@ model name\t: other
 
 @pytest.mark.parametrize(
     "family, model, named",
-    [(23, 1, "Zen"), (23, 49, "Zen 2"), (25, 1, "Zen 3"), (25, 17, "Zen 4"), (26, 2, "Zen 5")],
+    [
+        (23, 1, "Zen"),
+        (23, 49, "Zen 2"),
+        (25, 1, "Zen 3"),
+        (25, 17, "Zen 4"),
+        (25, 0x61, "Zen 4"),
+        (25, 0xA0, "Zen 4"),
+    ]
+    + [(25, 0x21, "Zen 3"), (26, 2, "Zen 5")],
 )
-def test_a_cpu_is_named_by_its_family_and_model_and_so_keys_its_calibration(
-    tiny_loaded, monkeypatch, family, model, named
-):
+def test_a_cpu_is_named_by_its_family_and_model(family, model, named):
     """Virtual machines show AMD's cores as "AMD EPYC" alone, and two such hosts with the same
-    flags can be generations apart: the family and model name them (the first processor's), and
-    a calibration measured on one is not applied on the other."""
+    flags can be generations apart: the first processor's family and model name them."""
     name, flags = machine.parse_cpuinfo(CPUINFO.format(family=family, model=model))
     assert name == f"AMD EPYC ({named}, family {family} model {model})"
     assert flags == {"fpu", "avx2", "fma"}
+
+
+def test_a_cpu_without_a_known_core_keeps_its_numbers_or_its_name():
+    intel = "vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+    intel += "model name\t: Intel Xeon\nflags\t: avx2\n"
+    assert machine.parse_cpuinfo(intel) == ("Intel Xeon (family 6 model 143)", {"avx2"})
     assert machine.parse_cpuinfo("model name\t: Some CPU\nflags\t: sse2\n") == ("Some CPU", {"sse2"})
 
+
+def test_a_calibration_measured_on_one_cpu_generation_is_not_applied_on_another(tiny_loaded, monkeypatch):
     keys = set()
     for number in (1, 49):
         info = machine.parse_cpuinfo(CPUINFO.format(family=23, model=number))

@@ -121,6 +121,8 @@ def gpu_check_commands() -> list[DocCommand]:
     flags = re.findall(r'flags="([^"]*)"', text)
     found, pending, start = [], "", 0
     for number, line in enumerate(text.splitlines(), 1):
+        if not pending and line.lstrip().startswith("#"):  # a comment, or a step commented out
+            continue
         if not pending:
             start = number
         if line.rstrip().endswith("\\"):

@@ -35,7 +35,7 @@ from pipeline.models.loading import LoadedPair, pad_id
 from pipeline.models.pairs import cache_dir
 
 # Bumped when what `measure` records, or how, changes: older cache entries are then ignored.
-CALIBRATION_FORMAT = 1
+CALIBRATION_FORMAT = 2  # 2: the widths timed in turn (`_pass_seconds`)
 # Acceptance rates the predictions are given for: a weak draft and a good one.
 ALPHAS = (0.6, 0.8)
 

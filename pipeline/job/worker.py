@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # seconds for the 1.5B target on 2 cores); wider passes are learned as the job runs.
 STARTUP_WIDTHS = (1, 2, 4, 8, 16)
 STARTUP_CONTEXT = 256
+# rounds of every width's pass (`calibration._pass_seconds`): one lets a brief slow spell price a
+# width for as long as the calibration is cached; three cost an actor's start a few seconds more
+STARTUP_RUNS = 3
 
 
 def model_refs(spec: JobSpec) -> tuple[ModelRef, ModelRef | None]:
@@ -176,7 +179,7 @@ def seed_costs(engine: SpeculativeEngine, pair, draft_vocab: int) -> dict:
     cached = data is not None
     if data is None:
         data = calibration.measure(
-            pair, widths=STARTUP_WIDTHS, context=STARTUP_CONTEXT, draft_vocab=draft_vocab
+            pair, widths=STARTUP_WIDTHS, context=STARTUP_CONTEXT, runs=STARTUP_RUNS, draft_vocab=draft_vocab
         )
         calibration.save_cached(key, data)
     engine.costs.seed(data)
