@@ -94,7 +94,7 @@ def main() -> None:
         f"# {title}",
         "",
         f"`python scripts/job_record.py {args.output_url}`, commit {(commit or '?')[:7]}"
-        f"{' (dirty)' if dirty else ''}; {model} ({features}), the job's run "
+        f"{' (dirty)' if dirty else ''}; {model}, {features or 'no AVX2'}, the job's run "
         f"{manifest.get('run_id')} with package {manifest.get('package_version')}.",
         "",
         "Settings: " + ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in settings.items()),

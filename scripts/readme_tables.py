@@ -62,7 +62,7 @@ def _machine(meta: dict) -> str:
     if flags.get("avx512f") and (machine.get("kernels") or {}).get("kernel_isa") == "avx2":
         llama_avx2 = "AVX2" in (meta.get("llama_cpp") or "") and "AVX512" not in meta["llama_cpp"]
         kind += ", both in AVX2 code" if llama_avx2 else ", ours in AVX2 code"
-    return f"{machine['cpu_model']} ({kind}), {machine['threads']} threads"
+    return f"{machine['cpu_model']}, {kind}, {machine['threads']} threads"
 
 
 def _caption(name: str, meta: dict) -> str:
