@@ -36,6 +36,33 @@ block_activations_option = click.option(
 )
 
 
+def pass_path_options(command):
+    """How the passes run, as a job would load them unless told: bench and calibrate take these."""
+    options = (
+        click.option(
+            "--static-passes/--dynamic-passes",
+            default=None,
+            help="Passes through fixed slots and shapes, CUDA graphs on a GPU (default: as a job would "
+            "load it; see models.static_passes).",
+        ),
+        click.option(
+            "--compiled-passes/--eager-passes",
+            default=None,
+            help="The static passes' decoder layers compiled with torch.compile before their graphs are "
+            "captured, or not (default: as a job would load it; see models.compiled_passes).",
+        ),
+        click.option(
+            "--fused-projections",
+            is_flag=True,
+            help="q/k/v and gate/up one matrix product each, in both models where their layers allow "
+            "(pipeline/models/fusion.py; off in jobs until measured on a GPU).",
+        ),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.command()
 @click.option(
     "--pair", default="qwen2.5-coder", show_default=True, help="Named model pair (configs/models.yaml)."
@@ -61,24 +88,7 @@ block_activations_option = click.option(
     help="Target numerics (default: as a job would load it; see models.batch_invariant). HF runs "
     "on the same loaded models.",
 )
-@click.option(
-    "--static-passes/--dynamic-passes",
-    default=None,
-    help="Passes through fixed slots and shapes, CUDA graphs on a GPU (default: as a job would "
-    "load it; see models.static_passes).",
-)
-@click.option(
-    "--compiled-passes/--eager-passes",
-    default=None,
-    help="The static passes' decoder layers compiled with torch.compile before their graphs are "
-    "captured, or not (default: as a job would load it; see models.compiled_passes).",
-)
-@click.option(
-    "--fused-projections",
-    is_flag=True,
-    help="q/k/v and gate/up one matrix product each, in both models where their layers allow "
-    "(pipeline/models/fusion.py; off in jobs until measured on a GPU).",
-)
+@pass_path_options
 @click.option(
     "--draft-int8/--draft-as-loaded",
     default=None,
@@ -204,24 +214,7 @@ def bench(pair, tasks, batches, hf_assistant_tokens, hf_lookup_tokens, drafters,
     default=None,
     help="Target numerics (default: as a job would load it; see models.batch_invariant).",
 )
-@click.option(
-    "--static-passes/--dynamic-passes",
-    default=None,
-    help="Passes through fixed slots and shapes, CUDA graphs on a GPU (default: as a job would "
-    "load it; see models.static_passes).",
-)
-@click.option(
-    "--compiled-passes/--eager-passes",
-    default=None,
-    help="The static passes' decoder layers compiled with torch.compile before their graphs are "
-    "captured, or not (default: as a job would load it; see models.compiled_passes).",
-)
-@click.option(
-    "--fused-projections",
-    is_flag=True,
-    help="q/k/v and gate/up one matrix product each, in both models where their layers allow "
-    "(pipeline/models/fusion.py; off in jobs until measured on a GPU).",
-)
+@pass_path_options
 @click.option("--runs", default=3, show_default=True, help="Timed passes per shape (median reported).")
 @click.option(
     "--head",
