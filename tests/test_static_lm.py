@@ -269,3 +269,62 @@ def test_passes_are_compiled_by_default_only_where_static_passes_run_on_a_gpu():
     assert _compiled_passes(True, "cpu", True)
     with pytest.raises(ModelError, match="static pass path"):
         _compiled_passes(True, "cuda", False)
+
+
+def _admissions(loaded, drafter: str, eos: list[int], batch_size: int) -> tuple[list[list[int]], list[int]]:
+    """Every output, and how many rows each of the target's admissions prefilled."""
+    tokenizer = loaded.tokenizer
+    engine = SpeculativeEngine(
+        loaded.target,
+        loaded.draft,
+        eos_token_ids=eos,
+        pad_token_id=0,
+        config=EngineConfig(drafter=drafter, gamma_max=4),
+        decode_text=tokenizer.decode,
+        encode_text=functools.partial(tokenizer.encode, add_special_tokens=False),
+    )
+    sizes, admit = [], engine.target.admit
+
+    def counted(blocks, wanted):
+        sizes.append(len(blocks))
+        return admit(blocks, wanted)
+
+    engine.target.admit = counted
+    prompts = [tokenizer(t).input_ids for t in TEXTS * 2]
+    done, _ = engine.generate(prompts, MAX_NEW, batch_size=batch_size)
+    return [o.tokens for o in done], sizes
+
+
+@pytest.mark.parametrize("drafter", ["none", "auto"])
+def test_freed_places_wait_for_a_full_prefill_pass_where_a_pass_costs_the_same_whatever_it_holds(
+    pairs, monkeypatch, drafter
+):
+    static, _ = pairs
+    # an end-of-sequence token the target writes in the middle of some outputs, so that rows end
+    # one at a time and their places free one by one
+    outputs, _ = _admissions(static, "none", [1], 3)
+    counts = torch.bincount(torch.tensor([t for out in outputs for t in out[2:-2]]))
+    eos = [int(counts.argmax())]
+    alone, sizes_alone = _admissions(static, drafter, eos, 3)
+    assert sorted(set(map(len, alone))) != [MAX_NEW], "every row ran to the limit: no place freed alone"
+    assert sizes_alone.count(1) > 2, "on a CPU each freed place is filled at once"
+
+    # a prefill pass of 2 prompts' pieces, priced far above the rounds' seconds: places wait for
+    # a pair of rows, except when nothing decodes or every waiting row has its place
+    monkeypatch.setattr(StaticLM, "fixed_prefill", property(lambda self: 2))
+    monkeypatch.setattr(
+        "pipeline.decode.costs.CostModel.observe_prefill_pass",
+        lambda self, passes, seconds: setattr(self, "prefill_pass", 1e9),
+    )
+    grouped, sizes = _admissions(static, drafter, eos, 3)
+    assert grouped == alone, "a row's tokens do not depend on when it joins"
+    assert sum(sizes) == len(alone) and len(sizes) < len(sizes_alone)
+    assert all(n >= 2 for n in sizes[1:-1]), sizes
+
+    # places left empty that have cost what a pass costs are filled
+    monkeypatch.setattr(
+        "pipeline.decode.costs.CostModel.observe_prefill_pass",
+        lambda self, passes, seconds: setattr(self, "prefill_pass", 0.0),
+    )
+    again, sizes = _admissions(static, drafter, eos, 3)
+    assert again == alone and sizes.count(1) > 2, sizes

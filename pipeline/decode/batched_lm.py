@@ -73,6 +73,10 @@ def _common_start(a: list[int], b: list[int]) -> int:
 class BatchedLM:
     """Runs `model` over ragged blocks of tokens for a batch of rows, keeping a slot cache."""
 
+    # Prompt pieces a prefill pass holds where it costs the same whatever it holds (a captured
+    # graph, `StaticLM`); 0: a prefill costs by its tokens, as here.
+    fixed_prefill = 0
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -91,6 +95,7 @@ class BatchedLM:
         self.max_verify_tokens: int | None = None
         self.forward_seconds = 0.0
         self.fed_tokens = 0  # tokens the last `forward` computed (not padding, not reused ones)
+        self.prefill_passes = 0  # passes the last prefill (`admit`, a cold `forward`) took
         # None: one prefill pass per row on a CPU, one padded pass for the batch elsewhere
         self.per_row_prefill = self.device.type == "cpu" if per_row_prefill is None else per_row_prefill
         # None: ragged passes skip their padding on a CPU (see `packing`); a GPU pays no
@@ -275,7 +280,7 @@ class BatchedLM:
         logits: list[torch.Tensor] = [torch.empty(0)] * len(blocks)
         features: list = [None] * len(blocks)
         states = []
-        self.fed_tokens = 0
+        self.fed_tokens, self.prefill_passes = 0, len(groups)
         for group in groups:
             rows = [blocks[i] for i in group]
             wanted = [logits_per_row[i] for i in group]

@@ -247,6 +247,9 @@ class CostModel:
     draft: PassCosts = field(default_factory=PassCosts)
     prefill: dict[str, float] = field(default_factory=dict)  # seconds per token, by model
     round_rate: float | None = None  # tokens per second of recent decoding rounds (all rows)
+    # seconds of an admission's prefill pass where one costs the same whatever it holds (a
+    # replayed graph), the drafters' admission included: what a row admitted alone pays
+    prefill_pass: float | None = None
 
     def observe_target(self, tokens: int, seconds: float) -> None:
         self.target.observe(tokens, seconds)
@@ -256,6 +259,9 @@ class CostModel:
 
     def observe_prefill(self, model: str, tokens: int, seconds: float) -> None:
         self.prefill[model] = ema(self.prefill.get(model), seconds / max(tokens, 1), self.smoothing)
+
+    def observe_prefill_pass(self, passes: int, seconds: float) -> None:
+        self.prefill_pass = ema(self.prefill_pass, seconds / max(passes, 1), self.smoothing)
 
     def seed(self, calibration: dict) -> None:
         """Start from a calibration's measured passes (`pipeline.decode.calibration.measure`) instead of

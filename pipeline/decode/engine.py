@@ -80,6 +80,7 @@ class _Batch:
     stats: BatchStats
     head: HeadDrafter | None = None  # the draft head, when the batch drafts with it
     active: list[_Row] = field(default_factory=list)
+    idle_seconds: float = 0.0  # rounds' seconds times the share of places left free while rows waited
 
 
 @dataclass
@@ -299,6 +300,8 @@ class SpeculativeEngine:
             self.gate.observe(rows, asked, produced, seconds, sum(map(len, drafts.tokens)))
         plain = self.costs.target_time(self.target.pass_tokens([1] * rows))
         batch.stats.priced_plain_seconds += produced * plain / rows
+        if batch.waiting:
+            batch.idle_seconds += seconds * (batch.size - rows) / batch.size
         self._evict(batch)
         self._fill(batch)
 
@@ -440,13 +443,14 @@ class SpeculativeEngine:
     def _fill(self, batch: _Batch) -> None:
         """Prefill waiting rows into free places: one target pass gives each its first token.
         Rows that end at that token free their places again, so this repeats while it can."""
-        while batch.waiting and len(batch.active) < batch.size:
+        while batch.waiting and len(batch.active) < batch.size and self._admits_now(batch):
             new = [
                 batch.waiting.popleft()
                 for _ in range(min(batch.size - len(batch.active), len(batch.waiting)))
             ]
+            began = time.perf_counter()
             for row in new:
-                row.admitted = time.perf_counter()
+                row.admitted = began
             before = self.target.forward_seconds
             logits = self.target.admit([r.seq for r in new], [1] * len(new))
             seconds = self.target.forward_seconds - before
@@ -462,8 +466,29 @@ class SpeculativeEngine:
                 row.stats.target_tokens += 1
             for d in batch.drafters:
                 d.admit([r.seq for r in new])
+            if self.target.fixed_prefill:
+                self.costs.observe_prefill_pass(self.target.prefill_passes, time.perf_counter() - began)
+            batch.idle_seconds = 0.0
             batch.active += new
             self._evict(batch)
+
+    def _admits_now(self, batch: _Batch) -> bool:
+        """Prefill the waiting rows now, or leave the freed places for a few rounds?
+
+        Where a prefill pass replays one captured graph (a GPU's static path), it costs as much
+        for one prompt as for a pass full of them, and rows that finish one at a time would each
+        pay a whole pass, dearer than a decode round of the whole batch (docs/gpu.md). Freed places
+        then wait for company (the ski-rental rule): until the prompts that would
+        fill them make a full pass, or the places left empty have cost what a pass costs (their
+        share of the rounds' seconds), so waiting never costs more than twice what knowing when
+        the next rows finish would have. Nothing waits while no row decodes or when every waiting
+        row has a place. Outputs do not change: a row's tokens do not depend on when it joins."""
+        whole = self.target.fixed_prefill
+        free = min(batch.size - len(batch.active), len(batch.waiting))
+        if not whole or not batch.active or free == len(batch.waiting) or self.costs.prefill_pass is None:
+            return True
+        joining = static_lm.piece_count(len(r.seq) for r in itertools.islice(batch.waiting, free))
+        return joining >= whole or batch.idle_seconds >= self.costs.prefill_pass
 
     def _evict(self, batch: _Batch) -> None:
         """Finished rows leave the batch: the target's cache and every drafter forget them."""

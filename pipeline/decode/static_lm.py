@@ -65,6 +65,12 @@ def runner(model: PreTrainedModel, pad_token_id: int, vocab_size: int | None = N
     return BatchedLM(model, pad_token_id, vocab_size)
 
 
+def piece_count(lengths) -> int:
+    """The prefill pieces of prompts of these lengths (each cut in CHUNK tokens, its last piece
+    padded), before any template start is reused."""
+    return sum(-(-n // CHUNK) for n in lengths)
+
+
 def width_of(tokens: int) -> int | None:
     """The graph width a pass of `tokens` tokens per row runs in (None: wider than any)."""
     return next((w for w in WIDTHS if w >= tokens), None)
@@ -347,6 +353,7 @@ class StaticLM(BatchedLM):
         picked: dict[int, list[torch.Tensor]] = {row: [] for row in rows}
         features: dict[int, list[torch.Tensor]] = {row: [] for row in rows}
         per_pass = max(invariant.PREFILL_ROWS // CHUNK, 1)
+        self.prefill_passes = -(-len(pieces) // per_pass)
         for first in range(0, len(pieces), per_pass):
             group = pieces[first : first + per_pass]
             hidden = self._prefill_pass(group, per_pass, fed)
@@ -483,6 +490,14 @@ class StaticLM(BatchedLM):
             run = _compiled_layer if compiled else _run_layer
             hidden = run(layer, hidden, mask, cos_sin, cache, self.cache_keyword)
         return base.norm(hidden)
+
+    @property
+    def fixed_prefill(self) -> int:
+        """Pieces a prefill pass holds where it replays one captured graph, which costs the same
+        for one prompt's piece as for all of them (0 where prefills run eagerly, over their own
+        pieces only)."""
+        graphed = self.use_graphs and self.graphs_off is None and self.store.prefill_off is None
+        return max(invariant.PREFILL_ROWS // CHUNK, 1) if graphed else 0
 
     def _graph(self, width: int | str) -> _Graph | None:
         """The captured graph of the every-slot pass of `width` tokens per row, or of a prefill
