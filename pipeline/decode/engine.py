@@ -482,7 +482,9 @@ class SpeculativeEngine:
         fill them make a full pass, or the places left empty have cost what a pass costs (their
         share of the rounds' seconds), so waiting never costs more than twice what knowing when
         the next rows finish would have. Nothing waits while no row decodes or when every waiting
-        row has a place. Outputs do not change: a row's tokens do not depend on when it joins."""
+        row has a place. Greedy outputs do not change: with batch-invariant numerics a row's
+        tokens do not depend on when it joins (sampled rows draw in another order, from the same
+        distributions)."""
         whole = self.target.fixed_prefill
         free = min(batch.size - len(batch.active), len(batch.waiting))
         if not whole or not batch.active or free == len(batch.waiting) or self.costs.prefill_pass is None:
