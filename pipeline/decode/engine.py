@@ -287,7 +287,9 @@ class SpeculativeEngine:
         drafters = batch.copiers or batch.model is not None or batch.head is not None
         drafting = self.config.adaptive and drafters
         asked = not drafting or self.gate.asks(rows)  # see `DraftingGate`
+        asking = time.perf_counter()
         drafts = self._draft(batch) if asked else _Drafts.none(rows)
+        asking = time.perf_counter() - asking
         logits = self._verify(batch, drafts)
         produced = self._accept(batch, drafts, logits)
         if batch.head:
@@ -297,7 +299,7 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - began - (batch.head.take_catch_up() if batch.head else 0.0)
         self.costs.observe_round(produced, seconds)
         if drafting:
-            self.gate.observe(rows, asked, produced, seconds, sum(map(len, drafts.tokens)))
+            self.gate.observe(rows, asked, produced, seconds, sum(map(len, drafts.tokens)), asking)
         plain = self.costs.target_time(self.target.pass_tokens([1] * rows))
         batch.stats.priced_plain_seconds += produced * plain / rows
         if batch.waiting:
