@@ -423,6 +423,30 @@ def test_a_plain_rate_timed_in_a_slow_spell_does_not_keep_drafting_on_long_after
     assert gate.off == {1} and rounds < 250, rounds  # 192; at the old weight, 896
 
 
+def test_the_gate_keeps_asking_where_asking_costs_next_to_nothing():
+    """A CPU pass of the 1.5B costs about 70 ms and asking the copying drafters about 0.5 ms
+    (Zen 4 EPYC, license summaries): rounds that drafted in a stretch that did not copy ran
+    slower than plain ones, and the gate turned drafting off through the next stretch that
+    did. Where asking costs under `margin` of a plain round, the gate never stops asking;
+    where asking itself is dear (the tiny pair, a GPU), it stops as before."""
+
+    def run(asking: float) -> DraftingGate:
+        gate = DraftingGate(probe_every=8)
+        for i in range(400):
+            ask = gate.asks(1)
+            drafted = int(ask and i % 2 == 0)  # half the asking rounds find nothing to draft
+            seconds = 0.1 if not ask else 0.1 + asking if not drafted else 0.15  # drafts lose
+            gate.observe(1, ask, 1, seconds, drafted=drafted, asking=asking if ask else None)
+        return gate
+
+    cheap = run(asking=0.0005)
+    assert cheap.asking_is_cheap(1) and not cheap.off and 1 in cheap.judged
+    assert cheap.rate(True, 1) < cheap.rate(False, 1)  # slower, yet asked: the policy's call
+    assert cheap.record()["asking_seconds"] == {1: pytest.approx(0.0005)}
+    dear = run(asking=0.02)  # a fifth of a plain round in the drafters alone
+    assert not dear.asking_is_cheap(1) and dear.off == {1}
+
+
 def test_a_draining_batch_follows_the_batch_size_it_drained_from():
     """Rows that end with no document left to admit leave a round or two at each smaller count:
     too few to judge there. They follow the nearest judged size above, until judged themselves."""

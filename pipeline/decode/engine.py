@@ -287,9 +287,10 @@ class SpeculativeEngine:
         drafters = batch.copiers or batch.model is not None or batch.head is not None
         drafting = self.config.adaptive and drafters
         asked = not drafting or self.gate.asks(rows)  # see `DraftingGate`
-        asking = time.perf_counter()
+        asking, models = time.perf_counter(), self._draft_seconds()
         drafts = self._draft(batch) if asked else _Drafts.none(rows)
-        asking = time.perf_counter() - asking
+        # the drafters' own time: their model passes are priced by the policy (`DraftingGate`)
+        asking = time.perf_counter() - asking - (self._draft_seconds() - models)
         logits = self._verify(batch, drafts)
         produced = self._accept(batch, drafts, logits)
         if batch.head:

@@ -79,14 +79,14 @@ class DraftingGate:
     it keeps the drafting rate current, so a stretch of text that copies well turns drafting back
     on. Not asking is timed again now and then while drafting is on, and, as rare as a probe,
     counts as much.
-    Where asking costs next to nothing (a round that asked and drafted nothing took less than
-    `margin` of a plain round longer: a CPU pass of tens of milliseconds against lookups of
-    a fraction of one), the gate never stops asking: stopping could then save at most that
-    much, and whole rounds compared across stretches of text mostly compare the text. A
-    summary's documents copy their input in turns, and the gate turned drafting off in a
-    stretch that did not copy and kept it off through the next one that did (the 1.5B's license
-    summaries on a Zen 4 EPYC: drafting in a tenth of the rounds, 1.02x target-only, against
-    1.25x where the gate had stayed on; docs/engine.md). Which drafts pay is then the policy's
+    Where asking costs next to nothing (the drafters' own time in a round, their model passes
+    aside, under `margin` of a plain round: a CPU pass of tens of milliseconds against lookups
+    and the policy's search of a fraction of one), the gate never stops asking: stopping could
+    then save at most that much, and whole rounds compared across stretches of text mostly
+    compare the text. A summary's documents copy their input in turns, and the gate turned
+    drafting off in a stretch that did not copy and kept it off through the next one that did
+    (the 1.5B's license summaries on a Zen 4 EPYC: drafting in a tenth of the rounds, 1.02x
+    target-only, against 1.38x asked throughout; docs/engine.md). Which drafts pay is then the policy's
     call, round by round, from each source's measured acceptance and the measured pass costs.
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
@@ -109,8 +109,8 @@ class DraftingGate:
     probing: bool = False  # this round asks only to probe: the policy should try its drafters
     _probe_left: int = 0  # rounds a probe that has drafted nothing yet may still ask
     PROBE_ROUNDS = 3  # the most rounds one probe asks in, waiting for something to draft
-    # rows -> smoothed seconds a round spent asking the drafters where they drafted nothing
-    _idle_asking: dict[int, float] = field(default_factory=dict)
+    # rows -> smoothed seconds a round spent asking the drafters, their model passes aside
+    _asking: dict[int, float] = field(default_factory=dict)
 
     def asks(self, rows: int) -> bool:
         """Should this round of `rows` rows ask the drafters?"""
@@ -155,13 +155,14 @@ class DraftingGate:
         asking: float | None = None,
     ) -> None:
         """A round of `rows` rows that did (or did not) ask the drafters made `tokens`, having
-        verified `drafted` drafts; `asking`: the seconds it spent asking them (None: not timed)."""
+        verified `drafted` drafts; `asking`: the seconds it spent asking them, the draft model's
+        and head's passes aside, which the policy prices (None: not timed)."""
         if self.probing and drafted:
             self._probe_left = 0
         if seconds <= 0:
             return
-        if asked and not drafted and asking is not None:
-            self._idle_asking[rows] = ema(self._idle_asking.get(rows), asking, self.smoothing)
+        if asked and asking is not None:
+            self._asking[rows] = ema(self._asking.get(rows), asking, self.smoothing)
         key = (asked, rows)
         # The rarer kind of round at this batch size counts for more: a probe while drafting is
         # off, or a good stretch would be half over when noticed; a plain re-timing while it is
@@ -194,10 +195,10 @@ class DraftingGate:
             self._probe_gap = self._since_switch = 0
 
     def asking_is_cheap(self, rows: int) -> bool:
-        """Whether a round of `rows` rows that asks and drafts nothing costs less than `margin`
-        of a plain round more (False until both are timed)."""
-        idle, plain = self._idle_asking.get(rows), self._seconds.get((False, rows))
-        return idle is not None and plain is not None and idle < self.margin * plain
+        """Whether asking the drafters takes a round of `rows` rows under `margin` of a plain
+        round (False until both are timed)."""
+        asking, plain = self._asking.get(rows), self._seconds.get((False, rows))
+        return asking is not None and plain is not None and asking < self.margin * plain
 
     def rate(self, asked: bool, rows: int) -> float | None:
         """Tokens per second of rounds of `rows` rows that did (or did not) ask; None: none yet."""
@@ -211,7 +212,7 @@ class DraftingGate:
             "drafting_tokens_per_second": {r: self.rate(a, r) for a, r in keys if a},
             "plain_tokens_per_second": {r: self.rate(a, r) for a, r in keys if not a},
             "off_at_rows": sorted(self.off),
-            "idle_asking_seconds": dict(sorted(self._idle_asking.items())),
+            "asking_seconds": dict(sorted(self._asking.items())),
         }
 
 
