@@ -36,12 +36,12 @@ class Table:
 
 TABLES = {
     "avx512bf16": Table(
-        "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-bf16-prefill-licenses.json",
-        ("ours target-only", DENSE_ROW, "ours auto"),
+        "2026-12-03-bench-avx512bf16-zen4-float32-gguf-blocks-cheap-asking-licenses.json",
+        ("ours target-only", "ours auto"),
     ),
     "avx2": Table(
-        "2026-11-26-bench-avx2-float32-suffix-translate-licenses.json",
-        ("ours target-only", "ours auto", "ours auto warm"),
+        "2026-12-02-llama-cpp-avx2-float32-gguf-blocks-non-temporal-rerun-licenses.json",
+        ("ours target-only", "ours auto"),
     ),
     "h200": Table(
         "2026-11-26-bench-h200-bf16-smollm2-licenses-translate-batch8.json",
@@ -112,7 +112,7 @@ def render_table(table: Table, root: Path = ROOT) -> str:
 # rows at batch 1.
 LLAMA_CPP_REPORTS = (
     "2026-12-02-llama-cpp-avx2-float32-gguf-blocks-non-temporal-rerun-licenses.json",
-    "2026-11-29-llama-cpp-avx512bf16-float32-gguf-blocks-one-chain-licenses.json",
+    "2026-12-03-llama-cpp-avx512bf16-zen4-float32-gguf-blocks-cheap-asking-licenses.json",
 )
 TASK_NOUNS = {"summarize": "summaries", "translate": "translations"}
 
