@@ -85,9 +85,9 @@ class DraftingGate:
     then save at most that much, and whole rounds compared across stretches of text mostly
     compare the text. A summary's documents copy their input in turns, and the gate turned
     drafting off in a stretch that did not copy and kept it off through the next one that did
-    (the 1.5B's license summaries on a Zen 4 EPYC: drafting in a tenth of the rounds, 1.02x
-    target-only, against 1.38x asked throughout; docs/engine.md). Which drafts pay is then the policy's
-    call, round by round, from each source's measured acceptance and the measured pass costs.
+    (the 1.5B's license summaries on a Zen 4 EPYC, measured in docs/engine.md). Which drafts pay
+    is then the policy's call, round by round, from each source's measured acceptance and the
+    measured pass costs.
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
     it, the batch it drained from, rather than drafting its first rounds at each count.
