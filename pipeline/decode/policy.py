@@ -11,6 +11,8 @@ plain decoding while it speculates, and a drafter it has stopped using.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -77,8 +79,8 @@ class DraftingGate:
     rounds: a round without a copy to offer tells nothing) and makes the policy try its drafters
     (a draft head's only where it is near paying: `Policy.head_length`);
     it keeps the drafting rate current, so a stretch of text that copies well turns drafting back
-    on. Not asking is timed again now and then while drafting is on, and, as rare as a probe,
-    counts as much.
+    on. Not asking is timed again now and then while drafting is on (one round in
+    4 × `probe_every`).
     Where asking costs next to nothing (the drafters' own time in a round, their model passes
     aside, under `margin` of a plain round: a CPU pass of tens of milliseconds against lookups
     and the policy's search of a fraction of one), the gate never stops asking: stopping could
@@ -88,6 +90,12 @@ class DraftingGate:
     (the 1.5B's license summaries on a Zen 4 EPYC, measured in docs/engine.md). Which drafts pay
     is then the policy's call, round by round, from each source's measured acceptance and the
     measured pass costs.
+    A plain round does the same work whatever the text (one token per row, one pass), so its
+    rate is the median of the last `PLAIN_KEPT` plain rounds at that batch size: a round that
+    the cores spent elsewhere for a moment (Ray's own processes, a collection) is not news. As
+    one of a smoothed rate, one plain round timed at about 5 times its usual seconds (the rate
+    129 tokens/s against 370-450) kept the tiny pair's gate drafting at one row, where drafting
+    lost, through 9 of a job's 20 shards (docs/engine.md).
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
     it, the batch it drained from, rather than drafting its first rounds at each count.
@@ -99,9 +107,11 @@ class DraftingGate:
     min_rounds: int = 6  # drafting rounds at a batch size before they are judged
     smoothing: float = 0.1
     rounds: dict[tuple[bool, int], int] = field(default_factory=dict)  # (asked, rows) -> rounds
-    # (asked, rows) -> smoothed tokens and seconds of a round, whose ratio is the rate (`rate`)
-    _tokens: dict[tuple[bool, int], float] = field(default_factory=dict)
-    _seconds: dict[tuple[bool, int], float] = field(default_factory=dict)
+    # rows -> smoothed tokens and seconds of a round that asked, whose ratio is the rate (`rate`)
+    _tokens: dict[int, float] = field(default_factory=dict)
+    _seconds: dict[int, float] = field(default_factory=dict)
+    # rows -> the last PLAIN_KEPT plain rounds' seconds per token
+    _plain: dict[int, deque[float]] = field(default_factory=dict)
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
     judged: set[int] = field(default_factory=set)  # batch sizes timed both ways enough to judge
     _since_switch: int = 0  # rounds since the last probe or plain measurement
@@ -109,6 +119,7 @@ class DraftingGate:
     probing: bool = False  # this round asks only to probe: the policy should try its drafters
     _probe_left: int = 0  # rounds a probe that has drafted nothing yet may still ask
     PROBE_ROUNDS = 3  # the most rounds one probe asks in, waiting for something to draft
+    PLAIN_KEPT = 3  # plain rounds whose median is the plain rate
     # rows -> smoothed seconds a round spent asking the drafters, their model passes aside
     _asking: dict[int, float] = field(default_factory=dict)
 
@@ -159,27 +170,27 @@ class DraftingGate:
         and head's passes aside, which the policy prices (None: not timed)."""
         if self.probing and drafted:
             self._probe_left = 0
-        if seconds <= 0:
+        if seconds <= 0 or tokens <= 0:
             return
         if asked and asking is not None:
             self._asking[rows] = ema(self._asking.get(rows), asking, self.smoothing)
         key = (asked, rows)
-        # The rarer kind of round at this batch size counts for more: a probe while drafting is
-        # off, or a good stretch would be half over when noticed; a plain re-timing while it is
-        # on, or a plain rate timed in a slow spell (another process on the cores) would keep
-        # drafting on for thousands of rounds after drafting stopped paying (docs/engine.md).
-        smoothing = 0.5 if asked == self.is_off(rows) else self.smoothing
-        # Tokens over seconds, each smoothed: a round counts by its time, as in a job's own rate.
-        # Smoothing each round's rate instead, over about 5 rounds, let a short stretch that
-        # copies badly turn drafting off (auto on the 1.5B's license summaries, batch 1: off in
-        # 2 of 3 runs, 1.21x target-only against 1.34x with drafting always asked). Over about
-        # 10 rounds it stays on there, and still turns off on the tiny pair, where drafting does
-        # not pay (docs/benchmarks/, 2026-11-29). The first rounds are a plain mean (weight 1/n),
-        # so that the first round does not stand for ten.
         self.rounds[key] = self.rounds.get(key, 0) + 1
-        weight = max(smoothing, 1 / self.rounds[key])
-        self._tokens[key] = ema(self._tokens.get(key), tokens, weight)
-        self._seconds[key] = ema(self._seconds.get(key), seconds, weight)
+        if asked:
+            # Tokens over seconds, each smoothed: a round counts by its time, as in a job's own
+            # rate. Smoothing each round's rate instead, over about 5 rounds, let a short stretch
+            # that copies badly turn drafting off (auto on the 1.5B's license summaries, batch 1:
+            # off in 2 of 3 runs, 1.21x target-only against 1.34x with drafting always asked).
+            # Over about 10 rounds it stays on there, and still turns off on the tiny pair, where
+            # drafting does not pay (docs/benchmarks/, 2026-11-29). The first rounds are a plain
+            # mean (weight 1/n), so that the first round does not stand for ten. A probe while
+            # drafting is off counts for more, or a good stretch would be half over when noticed.
+            smoothing = 0.5 if self.is_off(rows) else self.smoothing
+            weight = max(smoothing, 1 / self.rounds[key])
+            self._tokens[rows] = ema(self._tokens.get(rows), tokens, weight)
+            self._seconds[rows] = ema(self._seconds.get(rows), seconds, weight)
+        else:
+            self._plain.setdefault(rows, deque(maxlen=self.PLAIN_KEPT)).append(seconds / tokens)
         drafting, plain = self.rate(True, rows), self.rate(False, rows)
         if self.rounds.get((True, rows), 0) < self.min_rounds or self.rounds.get((False, rows), 0) < 2:
             return
@@ -197,20 +208,20 @@ class DraftingGate:
     def asking_is_cheap(self, rows: int) -> bool:
         """Whether asking the drafters takes a round of `rows` rows under `margin` of a plain
         round (False until both are timed)."""
-        asking, plain = self._asking.get(rows), self._seconds.get((False, rows))
-        return asking is not None and plain is not None and asking < self.margin * plain
+        asking, plain = self._asking.get(rows), self.rate(False, rows)
+        return asking is not None and plain is not None and asking < self.margin * rows / plain
 
     def rate(self, asked: bool, rows: int) -> float | None:
         """Tokens per second of rounds of `rows` rows that did (or did not) ask; None: none yet."""
-        key = (asked, rows)
-        return self._tokens[key] / self._seconds[key] if key in self._seconds else None
+        if asked:
+            return self._tokens[rows] / self._seconds[rows] if rows in self._seconds else None
+        return 1 / statistics.median(self._plain[rows]) if rows in self._plain else None
 
     def record(self) -> dict:
         """What the gate measured, for stats: rates by batch size, and where it stopped asking."""
-        keys = sorted(self._seconds)
         return {
-            "drafting_tokens_per_second": {r: self.rate(a, r) for a, r in keys if a},
-            "plain_tokens_per_second": {r: self.rate(a, r) for a, r in keys if not a},
+            "drafting_tokens_per_second": {r: self.rate(True, r) for r in sorted(self._seconds)},
+            "plain_tokens_per_second": {r: self.rate(False, r) for r in sorted(self._plain)},
             "off_at_rows": sorted(self.off),
             "asking_seconds": dict(sorted(self._asking.items())),
         }
