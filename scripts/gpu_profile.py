@@ -1,6 +1,7 @@
 """Where decoding's time goes, pass by pass: what `gpu-check.sh probe` runs on a GPU.
 
     python3 scripts/gpu_profile.py PAIR OUT [--batch 1] [--docs 2] [--new 64] [--drafter none]
+        [--static-passes]
 
 Target-only decoding (or `--drafter`'s) of license translations through the job's own loading
 (on a GPU: static, compiled, captured passes), after a warm-up run that captures the graphs:
@@ -38,12 +39,13 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--drafter", default="none")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--static-passes", action="store_true", help="the static path on a CPU too")
     o = parser.parse_args()
     if o.threads:
         torch.set_num_threads(o.threads)
     o.out.mkdir(parents=True, exist_ok=True)
     target, draft = resolve_pair(o.pair)
-    loaded = load_pair(target, draft, batch=o.batch)
+    loaded = load_pair(target, draft, batch=o.batch, static_passes=o.static_passes or None)
     prompts = task_prompts(loaded.tokenizer, "translate", o.docs, 384, corpus="licenses")
     from pipeline.decode.engine import SpeculativeEngine
 
