@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from pipeline.decode.drafters import DraftModelDrafter, PromptLookupDrafter
+from pipeline.decode.drafters import SEPARATOR, DraftModelDrafter, PromptLookupDrafter, RowText
 from pipeline.decode.sampling import SamplingParams
 
 
@@ -67,3 +67,32 @@ def test_prompt_lookup_copies_after_the_most_recent_occurrence_of_the_longest_ng
             proposal = drafter.propose(rows, gamma, greedy, generator)
             expected = [literal(r, gamma, drafter.ngram_max, drafter.ngram_min) for r in rows]
             assert list(zip(proposal.tokens, proposal.depths)) == expected, rows
+
+
+def test_a_rows_text_finds_each_earlier_occurrence_of_its_end_and_how_far_back_it_matches():
+    """`RowText.matches` compares every occurrence at every distance at once; a match runs
+    back while the tokens agree, at most `deepest` tokens and never past the row's own text
+    into its reflowed prompt, though an occurrence may lie there."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])
+        reflowed = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        text = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+        row = RowText(reflowed)
+        row.feed(text)
+        deepest = rng.choice([1, 2, 4, 32])
+        full = [*reflowed, SEPARATOR] if reflowed else []
+        full += text
+        ends, lengths = [], []
+        for end in range(1, len(full)) if text else ():
+            matched = 0
+            while (
+                matched < min(deepest, len(text))
+                and end - 1 - matched >= 0
+                and full[end - 1 - matched] == full[-1 - matched]
+            ):
+                matched += 1
+            if matched:
+                ends.append(end)
+                lengths.append(matched)
+        assert row.matches(deepest) == (ends, lengths)

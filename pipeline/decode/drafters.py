@@ -134,20 +134,20 @@ class RowText:
 
     def matches(self, deepest: int) -> tuple[list[int], list[int]]:
         """Where the text's end occurred before: for each occurrence the index of the token that
-        followed it, and how many of the text's last tokens it matches (at most `deepest`)."""
+        followed it, and how many of the text's last tokens it matches (at most `deepest`).
+
+        The occurrences are compared with the text's last tokens all at once, as a table of
+        occurrences by distance back, rather than a distance at a time while any match lasts:
+        a row that copies its input matches far back, and each distance cost a few array
+        operations (3.2 ms a round for 64 rows of license translations, 1 ms at once)."""
         t, n = self.array, len(self.tokens)
         if n - self.start < 1:
             return [], []
         ends = np.flatnonzero(t[: n - 1] == t[n - 1]) + 1
-        lengths = np.ones(len(ends), dtype=np.int64)
-        alive = np.arange(len(ends))
-        for k in range(1, min(deepest, n - self.start)):
-            at = ends[alive] - 1 - k
-            inside = at >= 0
-            alive = alive[inside][t[at[inside]] == t[n - 1 - k]]
-            if not len(alive):
-                break
-            lengths[alive] += 1
+        back = np.arange(1, min(deepest, n - self.start))  # distances compared past the last
+        at = ends[:, None] - 1 - back  # each occurrence's token at each distance
+        same = (at >= 0) & (t[np.maximum(at, 0)] == t[n - 1 - back])
+        lengths = 1 + np.cumprod(same, axis=1).sum(axis=1)  # the run of equal tokens from the end
         return ends.tolist(), lengths.tolist()
 
 

@@ -242,6 +242,13 @@ def own_continuations(text: RowText, limit: int, min_match: int):
             drafted.append(best)
             score += chance if chance >= MIN_CHANCE else 0.0
             at = [e + 1 for e in at if e < n and tokens[e] == best]
+            if len(at) == 1:  # one occurrence left: it goes on as the text does, chance unchanged
+                run = tokens[at[0] : min(n, at[0] + limit - len(drafted))]
+                run = run[: run.index(SEPARATOR)] if SEPARATOR in run else run
+                for token in run:
+                    drafted.append(token)
+                    score += chance if chance >= MIN_CHANCE else 0.0
+                break
         if drafted:
             yield Continuation(drafted, score, depth)
 
