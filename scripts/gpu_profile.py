@@ -6,8 +6,8 @@
 Target-only decoding (or `--drafter`'s) of license translations through the job's own loading
 (on a GPU: static, compiled, captured passes), after a warm-up run that captures the graphs:
 
-- OUT/profile-batchN.txt: the engine's own split of one run (wall, target passes, prefills,
-  the rest, per token), then the Python functions by their own time (cProfile) in a second run,
+- OUT/profile-batchN.txt: the engine's own split of one run (wall, target passes, prefills, asking
+  the drafters, the rest, per token), then the Python functions by their own time (cProfile) in a second run,
   then PyTorch's profiler over a third: operators by self CPU time and by device time, and
   where the host waited for the device (cudaStreamSynchronize, copies).
 
@@ -83,7 +83,8 @@ def main() -> None:
                 ("target (with prefills)", s.target_seconds),
                 ("target prefills", s.prefill_seconds),
                 ("draft", s.draft_seconds),
-                ("rest", wall - s.target_seconds - s.draft_seconds),
+                ("asking the drafters", s.asking_seconds),
+                ("rest, asking included", wall - s.target_seconds - s.draft_seconds),
             )
         ),
         f"target passes {s.target_passes}: "

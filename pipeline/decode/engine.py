@@ -291,6 +291,7 @@ class SpeculativeEngine:
         drafts = self._draft(batch) if asked else _Drafts.none(rows)
         # the drafters' own time: their model passes are priced by the policy (`DraftingGate`)
         asking = time.perf_counter() - asking - (self._draft_seconds() - models)
+        batch.stats.asking_seconds += asking if asked else 0.0
         logits = self._verify(batch, drafts)
         produced = self._accept(batch, drafts, logits)
         if batch.head:

@@ -74,6 +74,9 @@ class BatchStats:
     prefill_seconds: float = 0.0  # the target's prefill pass, part of target_seconds
     draft_prefill_seconds: float = 0.0  # the draft's cold catch-up passes, part of draft_seconds
     wall_seconds: float = 0.0
+    # the drafters' own time in the rounds (lookups, automata, the policy's choice), their
+    # model passes aside: where a pass costs a millisecond it decides (docs/engine.md)
+    asking_seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
     gamma_histogram: dict[int, int] = field(default_factory=dict)
@@ -142,6 +145,7 @@ class BatchStats:
             "prefill_seconds",
             "draft_prefill_seconds",
             "wall_seconds",
+            "asking_seconds",
             "priced_seconds",
             "priced_plain_seconds",
         ):

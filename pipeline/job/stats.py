@@ -128,6 +128,7 @@ _COUNTERS = (
     ("prefill_seconds", "prefill_seconds"),
     ("prefill_tokens", "prefill_tokens"),
     ("draft_prefill_seconds", "draft_prefill_seconds"),
+    ("asking_seconds", "asking_seconds"),
     ("decode_seconds", "wall_seconds"),
 )
 
