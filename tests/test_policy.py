@@ -425,7 +425,23 @@ def test_a_plain_round_timed_in_a_slow_spell_does_not_keep_drafting_on():
         rounds += 1
         ask = gate.asks(1)
         gate.observe(1, ask, 1, 1 / (90.0 if ask else 100.0), drafted=int(ask))
-    assert gate.off == {1} and rounds <= 2 * 4 * 8 + 1, rounds  # two plain re-timings
+    assert gate.off == {1} and rounds <= 3 * 4 * 8 + 1, rounds  # three plain re-timings (of 5)
+
+
+def test_each_batch_size_re_times_its_plain_rounds_while_another_is_probed():
+    """A shard's rows drain 3, 2, 1: the gate turned drafting off at 2 rows, and its probes
+    there kept resetting the clock that re-timed plain rounds at 1 row, where drafting stayed
+    on against a plain rate timed once, low, for 13 of a job's 20 shards. Each batch size now
+    re-times its own plain rounds, one in 4 x probe_every of its asking rounds."""
+    gate = DraftingGate(probe_every=8)
+    _run_gate(gate, 1, 40, drafting_rate=150.0, plain_rate=100.0)
+    _run_gate(gate, 2, 40, drafting_rate=70.0, plain_rate=100.0)
+    assert gate.off == {2} and gate.judged == {1, 2}
+    plain_at_one = 0
+    for _ in range(40):  # rounds alternate: 3 at 2 rows (off, probed now and then), 1 at 1 row
+        _run_gate(gate, 2, 3, drafting_rate=70.0, plain_rate=100.0)
+        plain_at_one += _run_gate(gate, 1, 1, drafting_rate=150.0, plain_rate=100.0).count(False)
+    assert plain_at_one == 40 // (4 * 8)  # one in 32 of the 1-row rounds
 
 
 def test_the_gate_keeps_asking_where_asking_costs_next_to_nothing():

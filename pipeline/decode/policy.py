@@ -79,8 +79,8 @@ class DraftingGate:
     rounds: a round without a copy to offer tells nothing) and makes the policy try its drafters
     (a draft head's only where it is near paying: `Policy.head_length`);
     it keeps the drafting rate current, so a stretch of text that copies well turns drafting back
-    on. Not asking is timed again now and then while drafting is on (one round in
-    4 × `probe_every`).
+    on. Not asking is timed again now and then while drafting is on: one round in
+    4 × `probe_every` of those at each batch size.
     Where asking costs next to nothing (the drafters' own time in a round, their model passes
     aside, under `margin` of a plain round: a CPU pass of tens of milliseconds against lookups
     and the policy's search of a fraction of one), the gate never stops asking: stopping could
@@ -95,7 +95,8 @@ class DraftingGate:
     the cores spent elsewhere for a moment (Ray's own processes, a collection) is not news. As
     one of a smoothed rate, one plain round timed at about 5 times its usual seconds (the rate
     129 tokens/s against 370-450) kept the tiny pair's gate drafting at one row, where drafting
-    lost, through 9 of a job's 20 shards (docs/engine.md).
+    lost, through 9 of a job's 20 shards (docs/engine.md). Of the last 3, two were often slow
+    there (a one-row round of 2-6 ms on 2 cores shared with Ray's own processes): 5.
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
     it, the batch it drained from, rather than drafting its first rounds at each count.
@@ -114,12 +115,13 @@ class DraftingGate:
     _plain: dict[int, deque[float]] = field(default_factory=dict)
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
     judged: set[int] = field(default_factory=set)  # batch sizes timed both ways enough to judge
-    _since_switch: int = 0  # rounds since the last probe or plain measurement
+    _since_switch: int = 0  # rounds since the last probe
+    _since_plain: dict[int, int] = field(default_factory=dict)  # rows -> asking rounds since a plain one
     _probe_gap: int = 0  # rounds between probes while off: doubles after each that finds no gain
     probing: bool = False  # this round asks only to probe: the policy should try its drafters
     _probe_left: int = 0  # rounds a probe that has drafted nothing yet may still ask
     PROBE_ROUNDS = 3  # the most rounds one probe asks in, waiting for something to draft
-    PLAIN_KEPT = 3  # plain rounds whose median is the plain rate
+    PLAIN_KEPT = 5  # plain rounds whose median is the plain rate
     # rows -> smoothed seconds a round spent asking the drafters, their model passes aside
     _asking: dict[int, float] = field(default_factory=dict)
 
@@ -140,7 +142,12 @@ class DraftingGate:
             return False
         if self.rounds.get((True, rows), 0) >= self.min_rounds and self.rounds.get((False, rows), 0) < 2:
             return False  # time plain rounds at this batch size, to judge drafting against
-        return not self._switch(4 * self.probe_every)
+        # Re-time a plain round after 4 x probe_every asking rounds of this batch size: counted
+        # on the probes' clock, which another batch size's probes reset, a batch size kept its
+        # plain rate for good (the tiny pair's one-row rounds, 13 of a job's 20 shards).
+        since = self._since_plain.get(rows, 0) + 1
+        self._since_plain[rows] = since % (4 * self.probe_every)
+        return since < 4 * self.probe_every
 
     def is_off(self, rows: int) -> bool:
         """Whether rounds of `rows` rows do not ask: as judged at that batch size, or, not judged
