@@ -244,3 +244,31 @@ def test_a_quote_of_a_hard_wrapped_prompt_is_drafted_across_its_line_breaks():
     # the row's text grows from where the last round left it, apart from the reflowed prompt
     row += proposal.tokens[0][:2]
     assert reflowed.propose([row], 8, greedy, generator).tokens[0][:6] == proposal.tokens[0][2:8]
+
+
+def test_a_lookup_stops_at_a_sure_continuation_and_proposes_what_weighing_all_would():
+    """A row that copies its input matches deep, once, and its continuation is sure all the way
+    (score = limit): no shallower match of its own text can score more or tie deeper, so the
+    lookup stops there. It proposes what weighing every continuation would."""
+    rng = random.Random(0)
+    for _ in range(1500):
+        vocab = rng.choice([3, 5, 20])
+        outputs = rng.randint(0, 3)
+        earlier = [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(outputs)]
+        copied = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        row = copied + [rng.randrange(vocab) for _ in range(rng.randint(0, 5))] + copied[: rng.randint(1, 25)]
+        drafter = SuffixDrafter(max_tokens=1 << 12, min_match=rng.choice([1, 2]))
+        drafter.evict([], earlier)
+        drafter.start([row])
+        own = RowText()
+        own.feed(row)
+        limit = rng.choice([1, 3, 8])
+        every = list(own_continuations(own, limit, drafter.min_match))
+        deepest = max((c.depth for c in every), default=0)
+        for block in drafter.corpus.blocks:
+            matched = continuations(block, *block.match(row[-32:]), limit, drafter.min_match)
+            every += [c for c in matched if c.depth > deepest]
+        best = max(every, key=lambda c: (c.score, c.depth), default=None)
+        mine = drafter._own(0)
+        mine.feed(row)
+        assert drafter.lookup(mine, row, limit) == best

@@ -388,7 +388,11 @@ class SuffixDrafter:
         tie."""
         if limit <= 0:
             return None
-        found = list(own_continuations(own, limit, self.min_match))
+        found = []
+        for continuation in own_continuations(own, limit, self.min_match):  # deepest first
+            found.append(continuation)
+            if continuation.score >= limit:  # sure all the way: no shallower match scores more
+                break
         deepest_own = max((c.depth for c in found), default=0)
         context = seq[-MAX_DEPTH:]
         for block in self.corpus.blocks:
