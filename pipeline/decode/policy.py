@@ -93,10 +93,10 @@ class DraftingGate:
     A plain round does the same work whatever the text (one token per row, one pass), so its
     rate is the median of the last `PLAIN_KEPT` plain rounds at that batch size: a round that
     the cores spent elsewhere for a moment (Ray's own processes, a collection) is not news. As
-    one of a smoothed rate, one plain round timed at about 5 times its usual seconds (the rate
-    129 tokens/s against 370-450) kept the tiny pair's gate drafting at one row, where drafting
-    lost, through 9 of a job's 20 shards (docs/engine.md). Of the last 3, two were often slow
-    there (a one-row round of 2-6 ms on 2 cores shared with Ray's own processes): 5.
+    one of a smoothed rate, one plain round timed at about 5 times its usual seconds kept the
+    tiny pair's gate drafting at one row, where drafting lost, for half a job; of the last 3,
+    two were often slow there, a one-row round being a few milliseconds on 2 cores shared with
+    Ray (docs/engine.md).
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
     it, the batch it drained from, rather than drafting its first rounds at each count.
@@ -143,8 +143,8 @@ class DraftingGate:
         if self.rounds.get((True, rows), 0) >= self.min_rounds and self.rounds.get((False, rows), 0) < 2:
             return False  # time plain rounds at this batch size, to judge drafting against
         # Re-time a plain round after 4 x probe_every asking rounds of this batch size: counted
-        # on the probes' clock, which another batch size's probes reset, a batch size kept its
-        # plain rate for good (the tiny pair's one-row rounds, 13 of a job's 20 shards).
+        # on the probes' clock, which another batch size's probes reset, a batch size could keep
+        # its plain rate for good (the tiny pair's one-row rounds, docs/engine.md).
         since = self._since_plain.get(rows, 0) + 1
         self._since_plain[rows] = since % (4 * self.probe_every)
         return since < 4 * self.probe_every
