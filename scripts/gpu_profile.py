@@ -6,10 +6,10 @@
 Target-only decoding (or `--drafter`'s) of license translations through the job's own loading
 (on a GPU: static, compiled, captured passes), after a warm-up run that captures the graphs:
 
-- OUT/profile-batchN.txt: the engine's own split of one run (wall, target passes, prefills, asking
-  the drafters, the rest, per token), then the Python functions by their own time (cProfile) in a second run,
-  then PyTorch's profiler over a third: operators by self CPU time and by device time, and
-  where the host waited for the device (cudaStreamSynchronize, copies).
+- OUT/profile-batchN.txt: the engine's own split of one run (wall, target passes, prefills,
+  asking the drafters, the rest, per token), then the Python functions by their own time
+  (cProfile) in a second run, then PyTorch's profiler over a third: operators by self CPU time
+  and by device time, and where the host waited for the device (cudaStreamSynchronize, copies).
 
 A bench row says how fast; this says which part of a round to make cheaper.
 """
