@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from pipeline.decode.drafters import SEPARATOR, DraftModelDrafter, PromptLookupDrafter, RowText
+from pipeline.decode.drafters import SEPARATOR, DraftModelDrafter, PromptLookupDrafter, RowText, texts_matches
 from pipeline.decode.sampling import SamplingParams
 
 
@@ -70,17 +70,12 @@ def test_prompt_lookup_copies_after_the_most_recent_occurrence_of_the_longest_ng
 
 
 def test_a_rows_text_finds_each_earlier_occurrence_of_its_end_and_how_far_back_it_matches():
-    """`RowText.matches` compares every occurrence at every distance at once; a match runs
-    back while the tokens agree, at most `deepest` tokens and never past the row's own text
-    into its reflowed prompt, though an occurrence may lie there."""
+    """`texts_matches` compares every occurrence at every distance at once, for every row of a
+    batch at once; a match runs back while the tokens agree, at most `deepest` tokens and never
+    past the row's own text into its reflowed prompt, though an occurrence may lie there."""
     rng = random.Random(0)
-    for _ in range(3000):
-        vocab = rng.choice([2, 3, 5, 50])
-        reflowed = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
-        text = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
-        row = RowText(reflowed)
-        row.feed(text)
-        deepest = rng.choice([1, 2, 4, 32])
+
+    def plain(reflowed: list[int], text: list[int], deepest: int) -> tuple[list[int], list[int]]:
         full = [*reflowed, SEPARATOR] if reflowed else []
         full += text
         ends, lengths = [], []
@@ -95,4 +90,18 @@ def test_a_rows_text_finds_each_earlier_occurrence_of_its_end_and_how_far_back_i
             if matched:
                 ends.append(end)
                 lengths.append(matched)
-        assert row.matches(deepest) == (ends, lengths)
+        return ends, lengths
+
+    for _ in range(1500):
+        vocab = rng.choice([2, 3, 5, 50])
+        deepest = rng.choice([1, 2, 4, 32])
+        rows, expected = [], []
+        for _ in range(rng.choice([1, 1, 2, 5])):
+            reflowed = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+            text = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+            row = RowText(reflowed)
+            row.feed(text)
+            rows.append(row)
+            expected.append(plain(reflowed, text, deepest))
+        assert texts_matches(rows, deepest) == expected
+        assert [row.matches(deepest) for row in rows] == expected

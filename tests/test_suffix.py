@@ -249,15 +249,17 @@ def test_a_quote_of_a_hard_wrapped_prompt_is_drafted_across_its_line_breaks():
 def test_a_lookup_stops_at_a_sure_continuation_and_proposes_what_weighing_all_would():
     """A row that copies its input matches deep, once, and its continuation is sure all the way
     (score = limit): no shallower match of its own text can score more or tie deeper, so the
-    lookup stops there. It proposes what weighing every continuation would."""
+    lookup stops there, and in each corpus block at its first sure continuation, matched
+    deeper than the row's own text. It proposes what weighing every continuation would."""
     rng = random.Random(0)
     for _ in range(1500):
         vocab = rng.choice([3, 5, 20])
-        outputs = rng.randint(0, 3)
-        earlier = [[rng.randrange(vocab) for _ in range(rng.randint(1, 20))] for _ in range(outputs)]
+        outputs = rng.randint(0, 6)
+        earlier = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(outputs)]
         copied = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
         row = copied + [rng.randrange(vocab) for _ in range(rng.randint(0, 5))] + copied[: rng.randint(1, 25)]
-        drafter = SuffixDrafter(max_tokens=1 << 12, min_match=rng.choice([1, 2]))
+        # a small corpus keeps its outputs in several blocks, each weighed on its own
+        drafter = SuffixDrafter(max_tokens=rng.choice([1 << 12, 48]), min_match=rng.choice([1, 2]))
         drafter.evict([], earlier)
         drafter.start([row])
         own = RowText()

@@ -91,6 +91,9 @@ class Drafter(Protocol):
         """Keep only the rows `keep`; `finished` are the outputs of the rows that ended."""
 
 
+# A row's matches (`RowText.matches`): each occurrence's following index, and its match length.
+Matches = tuple[list[int], list[int]]
+
 # Between a row's reflowed prompt and its text in `RowText`: no token equals it, so no match spans it.
 SEPARATOR = -1
 
@@ -99,8 +102,7 @@ class RowText:
     """A row's own text as the copying drafters match it: for the suffix drafter its prompt
     reflowed first and a separator, then the row's prompt and output as they grow.
 
-    Each lookup scans it: one vectorized comparison finds where the text's last token occurred,
-    and those matches lengthen a token at a time while any lasts. An index kept per token (a
+    Each lookup scans it (`texts_matches`, every row of a batch at once). An index kept per token (a
     dict of n-grams, an automaton) costs Python work for every prompt token of every row a batch
     admits, though a gated engine may never ask for the row's drafts: where passes take a few
     milliseconds that work outweighed the drafts (docs/engine.md, at batch 64).
@@ -132,23 +134,43 @@ class RowText:
         self.array[n : n + len(new)] = new
         self.tokens += new
 
-    def matches(self, deepest: int) -> tuple[list[int], list[int]]:
+    def matches(self, deepest: int) -> Matches:
         """Where the text's end occurred before: for each occurrence the index of the token that
         followed it, and how many of the text's last tokens it matches (at most `deepest`).
+        One row's `texts_matches`."""
+        return texts_matches([self], deepest)[0]
 
-        The occurrences are compared with the text's last tokens all at once, as a table of
-        occurrences by distance back, rather than a distance at a time while any match lasts:
-        a row that copies its input matches far back, and each distance cost a few array
-        operations, at batch 64 more than a captured GPU pass in all (docs/engine.md)."""
-        t, n = self.array, len(self.tokens)
-        if n - self.start < 1:
-            return [], []
-        ends = np.flatnonzero(t[: n - 1] == t[n - 1]) + 1
-        back = np.arange(1, min(deepest, n - self.start))  # distances compared past the last
-        at = ends[:, None] - 1 - back  # each occurrence's token at each distance
-        same = (at >= 0) & (t[np.maximum(at, 0)] == t[n - 1 - back])
-        lengths = 1 + np.cumprod(same, axis=1).sum(axis=1)  # the run of equal tokens from the end
-        return ends.tolist(), lengths.tolist()
+
+def texts_matches(texts: list[RowText], deepest: int) -> list[Matches]:
+    """`RowText.matches` of every row at once: the rows' texts laid end to end, each occurrence
+    of a row's last token compared with that row's end at every distance back in one table.
+
+    A row at a time, or a distance at a time while any match lasted, each was a few array
+    operations: at batch 64, more than a captured GPU pass in all (docs/engine.md)."""
+    sizes = np.array([len(t.tokens) for t in texts], dtype=np.int64)
+    if not sizes.sum():
+        return [([], []) for _ in texts]
+    held = [t.array[:n] for t, n in zip(texts, sizes.tolist())]
+    flat = np.concatenate(held) if len(held) > 1 else held[0]
+    offsets = np.cumsum(sizes) - sizes
+    lasts = offsets + sizes - 1  # each row's last token
+    fed = sizes - np.array([t.start for t in texts], dtype=np.int64)
+    row_of = np.repeat(np.arange(len(texts)), sizes)
+    same_as_last = flat == flat[np.maximum(lasts, 0)][row_of]
+    same_as_last[lasts[fed > 0]] = False  # a row's end is not an occurrence of itself
+    same_as_last &= (fed > 0)[row_of]  # a row with none of its own text yet matches nothing
+    at_end = np.flatnonzero(same_as_last)
+    rows = row_of[at_end]
+    back = np.arange(1, max(deepest, 1))  # distances compared past the last token
+    at = at_end[:, None] - back  # each occurrence's token at each distance
+    mine = lasts[rows][:, None] - back  # the row's own token there
+    # never past a row's own text (nor `deepest`), never before the row's first token
+    inside = (back < np.minimum(deepest, fed[rows])[:, None]) & (at >= offsets[rows][:, None])
+    same = inside & (flat[np.maximum(at, 0)] == flat[np.maximum(mine, 0)])
+    lengths = (1 + np.cumprod(same, axis=1).sum(axis=1)).tolist()
+    ends = (at_end + 1 - offsets[rows]).tolist()
+    cuts = np.cumsum(np.bincount(rows, minlength=len(texts))).tolist()
+    return [(ends[a:b], lengths[a:b]) for a, b in zip([0, *cuts], cuts)]
 
 
 @dataclass
@@ -184,7 +206,7 @@ class PromptLookupDrafter:
         tokens, depths = [], []
         for text, seq in zip(self._rows, seqs, strict=True):
             text.feed(seq)
-            ends, lengths = text.matches(self.ngram_max)
+        for seq, (ends, lengths) in zip(seqs, texts_matches(self._rows, self.ngram_max)):
             # the longest n-gram, then its most recent occurrence
             matched, follower = max(zip(lengths, ends, strict=True), default=(0, 0))
             if matched < self.ngram_min:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.decode.drafters import SEPARATOR, KeepRule, Proposal, RowText
+from pipeline.decode.drafters import SEPARATOR, KeepRule, Matches, Proposal, RowText, texts_matches
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import SUFFIX, SUFFIX_MAX_DEPTH
 
@@ -220,12 +220,13 @@ def continuations(automaton: SuffixAutomaton, state: int, matched: int, limit: i
         matched = length[state]
 
 
-def own_continuations(text: RowText, limit: int, min_match: int):
+def own_continuations(text: RowText, limit: int, min_match: int, matches: Matches | None = None):
     """The most frequent continuation after each match of a row's own text at least
     `min_match` long, deepest first, as `continuations` finds them in an automaton of that text:
     each distinct match length is a state of it, its occurrences those matching at least that
-    long (a test compares the two)."""
-    ends, lengths = text.matches(MAX_DEPTH)
+    long (a test compares the two). `matches`: the text's `matches(MAX_DEPTH)`, where the caller
+    took them for a batch at once."""
+    ends, lengths = matches or text.matches(MAX_DEPTH)
     tokens, n = text.tokens, len(text.tokens)
     for depth in sorted({d for d in lengths if d >= min_match}, reverse=True):
         at = [e for e, d in zip(ends, lengths, strict=True) if d >= depth]
@@ -374,33 +375,37 @@ class SuffixDrafter:
         guess: list[int] | None = None,
     ) -> Proposal:
         tokens, depths = [], []
-        for row, seq in enumerate(seqs):
-            own = self._own(row)
+        owns = [self._own(row) for row in range(len(seqs))]
+        for own, seq in zip(owns, seqs, strict=True):
             own.feed(seq)
-            found = self.lookup(own, seq, gamma)
+        every = texts_matches(owns, MAX_DEPTH) if gamma > 0 else [None] * len(seqs)
+        for own, seq, matches in zip(owns, seqs, every):
+            found = self.lookup(own, seq, gamma, matches)
             tokens.append(found.tokens if found else [])
             depths.append(depth_class(found.depth) if found else 0)
         return Proposal(tokens=tokens, probs=[None] * len(seqs), depths=depths)
 
-    def lookup(self, own: RowText, seq: list[int], limit: int) -> Continuation | None:
-        """The best continuation of `seq`'s end: in its own text and in each corpus block,
-        matched on the text's last `MAX_DEPTH` tokens. A higher score wins, a deeper match on a
-        tie."""
+    def lookup(
+        self, own: RowText, seq: list[int], limit: int, matches: Matches | None = None
+    ) -> Continuation | None:
+        """The best continuation of `seq`'s end: in its own text (`matches`: its matches, where
+        taken for a batch at once) and in each corpus block, matched on the text's last
+        `MAX_DEPTH` tokens. A higher score wins, a deeper match on a tie."""
         if limit <= 0:
             return None
         found = []
-        for continuation in own_continuations(own, limit, self.min_match):  # deepest first
+        for continuation in own_continuations(own, limit, self.min_match, matches):  # deepest first
             found.append(continuation)
             if continuation.score >= limit:  # sure all the way: no shallower match scores more
                 break
-        deepest_own = max((c.depth for c in found), default=0)
+        # the corpus counts where it matches deeper than the row's own text
+        deeper = max(self.min_match, 1 + max((c.depth for c in found), default=0))
         context = seq[-MAX_DEPTH:]
-        for block in self.corpus.blocks:
-            found += (
-                c
-                for c in continuations(block, *block.match(context), limit, self.min_match)
-                if c.depth > deepest_own
-            )
+        for block in self.corpus.blocks if deeper <= len(context) else ():
+            for continuation in continuations(block, *block.match(context), limit, deeper):
+                found.append(continuation)
+                if continuation.score >= limit:
+                    break
         return max(found, key=lambda c: (c.score, c.depth), default=None)
 
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
