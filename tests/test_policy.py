@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from decode_case import (
     BATCH8_DRAFT,
@@ -14,7 +16,13 @@ from decode_case import (
 )
 
 from pipeline.decode.batched_lm import BatchedLM
-from pipeline.decode.costs import AcceptanceByPosition, CostModel, RunningRate, iid_survival
+from pipeline.decode.costs import (
+    AcceptanceByPosition,
+    CostModel,
+    RunningRate,
+    expected_drain_advance,
+    iid_survival,
+)
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.policy import DraftingGate, Offer, Policy, RoundOptions
 from pipeline.decode.settings import DRAFT_MODEL, HEAD, PROMPT_LOOKUP, SUFFIX, EngineConfig
@@ -498,3 +506,94 @@ def test_a_gated_engine_stays_lossless(case):
     outputs, stats = engine.generate(prompts, MAX_NEW, batch_size=3)
     assert [o.tokens for o in outputs] == refs
     assert engine.gate.rounds.get((False, 3), 0) > 0  # rounds that asked nothing ran
+
+
+def _best_row_by_row(policy: Policy, options: RoundOptions, from_model: list[float]) -> tuple:
+    """`Policy.best` as it was written before it weighed every row at once: a plain reference."""
+    offers, gamma_cap, rows = options.offers, options.gamma_cap, len(options.offers)
+    draft_time = policy.costs.draft_time(rows) or 0.0
+    plain_seconds = policy.costs.target_time(rows)
+    per_token = 0.0
+    if policy.target.pack and rows > 1:
+        per_token = max((policy.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
+    budgets = options.drain_budgets if rows > 1 else None
+    to_limit = policy.runs_to_limit.value if budgets else 0.0
+    leads = [max(budgets) - b for b in budgets] if budgets else [0] * rows
+    best, best_rate = (0, 0, [None] * rows), rows / plain_seconds * (1 + policy.config.min_gain)
+    copies = [[(o, policy._survival(o, gamma_cap)) for o in row] for row in offers]
+    longest = max((min(o.tokens, gamma_cap) for row in offers for o in row), default=0)
+    for cap in range((gamma_cap if budgets else longest) + 1) if any(offers) else range(1):
+        for gamma in range(gamma_cap + 1) if options.use_model else [0]:
+            model_survival = from_model[: gamma + 1]
+            model_tokens = sum(model_survival)
+            reach = max(cap, gamma)
+            near = sum(lead < reach for lead in leads)
+            tokens, lengths, sources, drains = 0.0, [], [], []
+            price = best_rate * per_token
+            for row, lead in zip(copies, leads):
+                weight = 1.0 - to_limit + (to_limit * rows / near if lead < reach else 0.0)
+                chosen, value = (1.0, 0, None, [1.0]), weight
+                if gamma and weight * model_tokens - price * gamma > value:
+                    chosen, value = (
+                        (model_tokens, gamma, DRAFT_MODEL, model_survival),
+                        weight * model_tokens - price * gamma,
+                    )
+                for o, survival in row if cap else ():
+                    d = min(o.tokens, cap)
+                    copy = (sum(survival[: d + 1]), d, o.source, survival[: d + 1])
+                    if weight * copy[0] - price * copy[1] > value:
+                        chosen, value = copy, weight * copy[0] - price * copy[1]
+                tokens += chosen[0]
+                lengths.append(chosen[1] + 1)
+                sources.append(chosen[2])
+                drains.append((lead, chosen[3]))
+            if gamma and DRAFT_MODEL not in sources:
+                continue
+            seconds = gamma * draft_time + policy.costs.target_time(policy.target.pass_tokens(lengths))
+            if gamma:
+                seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
+            worth = tokens
+            if budgets:
+                worth = (1.0 - to_limit) * tokens + to_limit * rows * expected_drain_advance(drains)
+            if worth / seconds > best_rate * 1.0001:
+                best, best_rate = (cap, gamma, sources), worth / seconds
+    return best
+
+
+def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case):
+    """`Policy.best` weighs every row's offers at each cap as arrays (at batch 64 a row at a
+    time cost more than a captured GPU pass); it chooses as the row-by-row reference does, on
+    random rounds: 1 to 64 rows, lookup, suffix and head offers, the draft model or not,
+    draining or not, packed passes or padded."""
+    rng = random.Random(0)
+    costs = measured_costs(
+        {1: 0.15, 2: 0.152, 4: 0.156, 8: 0.186, 64: 0.3, 192: 0.5, 600: 1.2}, {1: 0.02, 64: 0.06}
+    )
+    for trial in range(400):
+        policy = _policy_with_costs(case, costs, alpha=rng.random(), min_gain=rng.choice([0.0, 0.02]))
+        policy.target.pack = rng.random() < 0.5
+        for source, depth in [(PROMPT_LOOKUP, d) for d in (1, 2, 3, 4)] + [
+            (SUFFIX, d) for d in (1, 2, 4, 8, 16)
+        ]:
+            policy.copy_rates[(source, depth)] = AcceptanceByPosition(prior=rng.random(), weight=1e6)
+        policy.runs_to_limit = RunningRate(prior=rng.random(), weight=1e6)
+        rows, gamma_cap = rng.choice([1, 2, 3, 8, 64]), rng.randint(1, 8)
+
+        def offer() -> Offer:
+            kind = rng.choice([PROMPT_LOOKUP, SUFFIX, HEAD])
+            tokens = rng.randint(1, 10)
+            if kind == HEAD:
+                chances, chance = [], 1.0
+                for _ in range(rng.randint(0, tokens)):
+                    chance *= rng.random()
+                    chances.append(chance)
+                return Offer(HEAD, tokens, 0, tuple(chances))
+            return Offer(kind, tokens, rng.choice([1, 2, 4]) if kind == SUFFIX else rng.randint(1, 4))
+
+        offers = [[offer() for _ in range(rng.choice([0, 1, 1, 2, 3]))] for _ in range(rows)]
+        budgets = [rng.randint(1, 40) for _ in range(rows)] if rng.random() < 0.3 else None
+        options = RoundOptions(
+            offers, rng.random() < 0.5, gamma_cap, rows * 30, rng.choice([0.0, 0.5]), budgets
+        )
+        from_model = iid_survival(rng.random(), gamma_cap)
+        assert tuple(policy.best(options, from_model)) == _best_row_by_row(policy, options, from_model), trial

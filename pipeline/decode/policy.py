@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 from pipeline.decode.costs import (
     AcceptanceByPosition,
     CostModel,
@@ -483,67 +485,103 @@ class Policy:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
         budgets = options.drain_budgets if rows > 1 else None
         to_limit = self.runs_to_limit.value if budgets else 0.0
-        leads = [max(budgets) - b for b in budgets] if budgets else [0] * rows
+        leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows)
         best = Choice(0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
-        # P(at least k tokens) by drafts verified, by position for the draft model and each copy
-        from_copies = [[(o, self._survival(o, gamma_cap)) for o in row_offers] for row_offers in offers]
-        longest = max((min(o.tokens, gamma_cap) for row_offers in offers for o in row_offers), default=0)
+        copies = _Copies(offers, gamma_cap, self._survival)
         # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
         # choices would repeat, each costing a pass over every row.
-        caps = range((gamma_cap if budgets else longest) + 1) if any(offers) else range(1)
-        # each row's copies truncated at each cap: (expected tokens, drafts, source, survival)
-        by_cap = [
-            [
-                [
-                    (
-                        sum(survival[: min(o.tokens, cap) + 1]),
-                        min(o.tokens, cap),
-                        o.source,
-                        survival[: min(o.tokens, cap) + 1],
-                    )
-                    for o, survival in copies
-                ]
-                if cap
-                else []
-                for copies in from_copies
-            ]
-            for cap in caps
-        ]
-        plain_choice = (1.0, 0, None, [1.0])
+        caps = range((gamma_cap if budgets else copies.longest) + 1) if any(offers) else range(1)
         for cap in caps:
+            # each row's copies truncated at the cap: drafts and expected tokens [rows, copies]
+            drafts = np.minimum(copies.tokens, cap)
+            expected = np.take_along_axis(copies.expected, drafts[:, :, None], axis=2)[:, :, 0]
             for gamma in range(gamma_cap + 1) if options.use_model else [0]:
                 model_survival = from_model[: gamma + 1]
                 model_tokens = sum(model_survival)
                 # In a drain only rows within `reach` of the one furthest behind can hold its end
                 # back this round; they share what the round is worth, the rows ahead get nothing.
                 reach = max(cap, gamma)
-                near = sum(lead < reach for lead in leads)
-                tokens, lengths, sources, drains = 0.0, [], [], []
-                model_choice = (model_tokens, gamma, DRAFT_MODEL, model_survival) if gamma else None
+                holding = leads < reach
+                near = int(holding.sum())
+                weight = 1.0 - to_limit + np.where(holding, to_limit * rows / max(near, 1), 0.0)
                 price = best_rate * per_token  # of a verify token
-                for copies, lead in zip(by_cap[cap], leads):
-                    weight = 1.0 - to_limit + (to_limit * rows / near if lead < reach else 0.0)
-                    # the first choice worth most: plain, the draft model, then the copies
-                    chosen, value = plain_choice, weight
-                    if model_choice and weight * model_tokens - price * gamma > value:
-                        chosen, value = model_choice, weight * model_tokens - price * gamma
-                    for copy in copies:
-                        if weight * copy[0] - price * copy[1] > value:
-                            chosen, value = copy, weight * copy[0] - price * copy[1]
-                    expected, drafts, source, survival = chosen
-                    tokens += expected
-                    lengths.append(drafts + 1)
-                    sources.append(source)
-                    drains.append((lead, survival))
-                if gamma and DRAFT_MODEL not in sources:
-                    continue  # the draft model would run for nobody
+                # each row's choice: the first worth most of plain, the draft model, its copies
+                values = np.full((rows, 2 + copies.width), -np.inf)
+                values[:, 0] = weight
+                if gamma:
+                    values[:, 1] = weight * model_tokens - price * gamma
+                if cap:
+                    values[:, 2:] = np.where(
+                        copies.held, weight[:, None] * expected - price * drafts, -np.inf
+                    )
+                chosen = values.argmax(axis=1)
+                column = np.maximum(chosen - 2, 0)[:, None]
+                picked = chosen >= 2
+                row_drafts = np.where(picked, np.take_along_axis(drafts, column, 1)[:, 0], 0)
+                row_tokens = np.where(picked, np.take_along_axis(expected, column, 1)[:, 0], 1.0)
+                by_model = chosen == 1
+                if gamma:
+                    if not by_model.any():
+                        continue  # the draft model would run for nobody
+                    row_drafts = np.where(by_model, gamma, row_drafts)
+                    row_tokens = np.where(by_model, model_tokens, row_tokens)
+                tokens = sum(row_tokens.tolist())  # summed in row order, as a choice is compared
+                lengths = (row_drafts + 1).tolist()
                 seconds = gamma * draft_time + self.costs.target_time(self.target.pass_tokens(lengths))
                 if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
                     seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
                 worth = tokens
                 if budgets:
+                    drains = [
+                        (lead, model_survival if c == 1 else copies.survival(i, c - 2, d) if c else [1.0])
+                        for i, (lead, c, d) in enumerate(zip(leads.tolist(), chosen.tolist(), lengths))
+                    ]
                     worth = (1.0 - to_limit) * tokens + to_limit * rows * expected_drain_advance(drains)
                 if worth / seconds > best_rate * 1.0001:
+                    sources = [
+                        copies.source(i, c - 2) if c >= 2 else DRAFT_MODEL if c else None
+                        for i, c in enumerate(chosen.tolist())
+                    ]
                     best, best_rate = Choice(cap, gamma, sources), worth / seconds
         return best
+
+
+class _Copies:
+    """A round's copies as arrays for `Policy.best`, which weighs every row at each cap at once
+    (a row at a time, at batch 64, cost more than a captured GPU pass): per row and offer, the
+    drafts offered up to `gamma_cap` and the expected tokens of its first k drafts, k = 0..."""
+
+    def __init__(self, offers: list[list[Offer]], gamma_cap: int, survival):
+        rows, self.width = len(offers), max([1, *map(len, offers)])  # a column held by none: no offers
+        self.offers = offers
+        self.tokens = np.zeros((rows, self.width), dtype=np.int64)
+        self.expected = np.ones((rows, self.width, gamma_cap + 1))
+        self.held = np.zeros((rows, self.width), dtype=bool)
+        self._survivals: list[list[list[float]]] = []
+        known: dict[tuple[str, int, int], tuple[list[float], np.ndarray]] = {}
+        for i, row in enumerate(offers):
+            kept = []
+            for j, offer in enumerate(row):
+                drafts = min(offer.tokens, gamma_cap)
+                key = (offer.source, offer.depth, drafts)
+                if offer.chances or key not in known:  # rows share a source's rates
+                    chances = survival(offer, gamma_cap)
+                    found = (chances, np.cumsum(chances))  # summed in order, as `sum` would
+                    if not offer.chances:
+                        known[key] = found
+                chances, sums = known.get(key) if not offer.chances else found
+                kept.append(chances)
+                self.tokens[i, j] = drafts
+                self.expected[i, j, : len(sums)] = sums
+                self.expected[i, j, len(sums) :] = sums[-1]  # chances known fewer deep: no more
+                self.held[i, j] = True
+            self._survivals.append(kept)
+        self.longest = int(self.tokens.max(initial=0))
+
+    def survival(self, row: int, offer: int, length: int) -> list[float]:
+        """The chances of the row's offer verified `length` - 1 drafts deep."""
+        return self._survivals[row][offer][:length]
+
+    def source(self, row: int, offer: int) -> str:
+        return self.offers[row][offer].source
