@@ -32,6 +32,7 @@ TOOLS = (
     "scale-run",
     "llama-cpp",
     "gpu-check",
+    "profile",  # scripts/gpu_profile.py: where a round's time goes
     "history",
     "notes",
 )
@@ -195,6 +196,8 @@ def describe(entry: Entry) -> None:
         headline = (
             f"console output of scripts/{entry.tool}.sh" if entry.tool == "gpu-check" else "console output"
         )
+        if entry.tool == "profile":  # its second line names the pair, the batch and the drafter
+            headline = "gpu_profile.py: " + by_ext[".log"].read_text().splitlines()[1]
     entry.machine = machine or md.get("machine") or entry.machine
     entry.commit = commit or md.get("commit") or NONE
     entry.headline = clip(headline or md.get("title") or NONE)

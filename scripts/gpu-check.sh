@@ -145,6 +145,9 @@ smol)
     docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
     NAME=smollm2-licenses-batch64 step 200 bench smollm2 --tasks translate --corpus licenses --docs "$docs" --batches 64 \
         --max-new-tokens 64 --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
+    echo "== a round's host parts, auto at batch 64 ($(date +%T))"
+    timeout 90 python3 scripts/gpu_profile.py smollm2 "$res" --batch 64 --docs "$docs" --new 64 --drafter auto \
+        --split-only 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
     echo "== done ($(date +%T))"
     pack
     ;;

@@ -1,15 +1,18 @@
 """Where decoding's time goes, pass by pass: what `gpu-check.sh probe` runs on a GPU.
 
     python3 scripts/gpu_profile.py PAIR OUT [--batch 1] [--docs 2] [--new 64] [--drafter none]
-        [--static-passes]
+        [--static-passes] [--split-only]
 
 Target-only decoding (or `--drafter`'s) of license translations through the job's own loading
 (on a GPU: static, compiled, captured passes), after a warm-up run that captures the graphs:
 
 - OUT/profile-batchN.txt: the engine's own split of one run (wall, target passes, prefills,
-  asking the drafters, the rest, per token), then the Python functions by their own time
+  asking the drafters, the rest, per token), the host's parts of a round with every place
+  taken (median milliseconds: asking the drafters, of it each copying drafter and the policy's
+  choice, rolling the cache back, accepting), then the Python functions by their own time
   (cProfile) in a second run, then PyTorch's profiler over a third: operators by self CPU time
   and by device time, and where the host waited for the device (cudaStreamSynchronize, copies).
+  `--split-only` stops after the split.
 
 A bench row says how fast; this says which part of a round to make cheaper.
 """
@@ -20,12 +23,15 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from pipeline.lab.bench import bench_config, task_prompts
+from pipeline.machine import describe_machine
 from pipeline.models.loading import eos_ids, load_pair, pad_id
 from pipeline.models.pairs import resolve_pair
 
@@ -40,6 +46,7 @@ def main() -> None:
     parser.add_argument("--drafter", default="none")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--static-passes", action="store_true", help="the static path on a CPU too")
+    parser.add_argument("--split-only", action="store_true", help="no cProfile, no PyTorch profiler")
     o = parser.parse_args()
     if o.threads:
         torch.set_num_threads(o.threads)
@@ -69,8 +76,13 @@ def main() -> None:
         return time.perf_counter() - began, sum(len(d.tokens) for d in done), stats
 
     run()  # graphs captured, layers compiled, caches sized
+    parts = host_parts(engine, o.batch)
     wall, tokens, s = run()
+    machine = describe_machine(loaded)
+    dirty = " (uncommitted changes)" if machine["git_dirty"] else ""
     lines = [
+        f"machine: {machine['gpu'] or machine['cpu_model']}, {machine['threads']} threads, "
+        f"commit {(machine['git_commit'] or '?')[:7]}{dirty}",
         f"{o.pair}, {loaded.device}, {loaded.dtype}, batch {o.batch}, {o.docs} docs, {o.new} new tokens, "
         f"drafter {o.drafter}, static {loaded.static_passes}, compiled {loaded.compiled_passes}",
         f"prompt tokens {sum(map(len, prompts))}, new tokens {tokens}, wall {wall:.3f} s, "
@@ -89,8 +101,16 @@ def main() -> None:
         ),
         f"target passes {s.target_passes}: "
         f"{1e3 * (s.target_seconds - s.prefill_seconds) / max(s.target_passes, 1):.3f} ms each (no prefills)",
+        f"a round of {o.batch} rows on the host, median ms: "
+        + (
+            ", ".join(f"{name} {1e3 * statistics.median(t):.3f} ({len(t)})" for name, t in parts.items())
+            or "-"
+        ),
         "",
     ]
+    if o.split_only:
+        write(o, lines)
+        return
     profile = cProfile.Profile()
     profile.enable()
     run()
@@ -107,10 +127,50 @@ def main() -> None:
     lines += [averages.table(sort_by="self_cpu_time_total", row_limit=30)]
     if cuda:
         lines += ["## by device time", averages.table(sort_by="self_cuda_time_total", row_limit=30)]
+    write(o, lines)
+
+
+def write(o: argparse.Namespace, lines: list[str]) -> None:
     path = o.out / f"profile-batch{o.batch}{'' if o.drafter == 'none' else '-' + o.drafter}.txt"
     path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:5]))
+    print("\n".join(lines[:7]))
     print(f"wrote {path}")
+
+
+def host_parts(engine, rows: int) -> dict[str, list[float]]:
+    """Times the host's parts of every round of `rows` rows from now on: seconds per round, by
+    part (the drafters' and the policy's methods wrapped on the instance; the round's own code
+    runs unchanged). Asking holds the drafters and the policy; `sync` rolls the target's cache
+    back to the accepted tokens; accepting reads the pass's choices and keeps the drafts."""
+    parts: dict[str, list[float]] = defaultdict(list)
+    full = [False]
+    round_ = engine._round
+
+    def whole(batch):
+        full[0] = len(batch.active) == rows
+        return round_(batch)
+
+    engine._round = whole
+    timed = [
+        ("asking", engine, "_draft"),
+        ("prompt lookup", engine.lookup, "propose"),
+        ("suffix", engine.suffix, "propose"),
+        ("policy", engine.policy, "choose"),
+        ("sync", engine.target, "sync"),
+        ("accept", engine, "_accept"),
+    ]
+    for name, owner, method in timed:
+        inner = getattr(owner, method)
+
+        def wrapped(*args, _inner=inner, _name=name, **kwargs):
+            began = time.perf_counter()
+            result = _inner(*args, **kwargs)
+            if full[0]:
+                parts[_name].append(time.perf_counter() - began)
+            return result
+
+        setattr(owner, method, wrapped)
+    return parts
 
 
 if __name__ == "__main__":
