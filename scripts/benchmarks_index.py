@@ -196,8 +196,10 @@ def describe(entry: Entry) -> None:
         headline = (
             f"console output of scripts/{entry.tool}.sh" if entry.tool == "gpu-check" else "console output"
         )
-        if entry.tool == "profile":  # its second line names the pair, the batch and the drafter
-            headline = "gpu_profile.py: " + by_ext[".log"].read_text().splitlines()[1]
+        if entry.tool == "profile":  # its first line names the commit, its second the run
+            first, second = by_ext[".log"].read_text().splitlines()[:2]
+            headline = "gpu_profile.py: " + second
+            commit = (re.findall(r"commit (\w+)", first) or [None])[0]
     entry.machine = machine or md.get("machine") or entry.machine
     entry.commit = commit or md.get("commit") or NONE
     entry.headline = clip(headline or md.get("title") or NONE)
