@@ -133,7 +133,8 @@ job)
     ;;
 smol)
     # SmolLM2-135M with real weights (issue 37's SmolLM2 lines): license translations at batch 1,
-    # ours beside Hugging Face's prompt lookup (k=3), then at batch 64 with 4 documents a slot.
+    # ours beside Hugging Face's prompt lookup (k=3), then at batch 64 with 4 documents a slot,
+    # then a round's host parts for auto at batch 64 (gpu_profile.py --split-only).
     # Its GGUF travels in two parts (`gpu_models.py prepare`): part-0 beside the `all` call's
     # carry, part-1 in this one's, on a machine still warm from it (no one call carries both).
     setup

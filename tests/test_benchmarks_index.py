@@ -83,6 +83,9 @@ def test_machine_commit_and_headline_come_from_each_record(tmp_path):
         "manifest": {"totals": totals, "spec": {"drafter": {"kind": "auto"}}},
     }
     (tmp_path / "2026-01-03-tiny-job-avx512bf16-auto.json").write_text(json.dumps(tiny))
+    (tmp_path / "2026-01-04-profile-avx512bf16-zen4-smollm2.log").write_text(
+        "machine: AMD EPYC, 2 threads, commit 1234567\nsmollm2, cpu, batch 64, drafter auto\nwall 1 s\n"
+    )
     (tmp_path / "bench-old-name.md").write_text("# Old\n")
 
     entries, strays = index.collect(tmp_path)
@@ -92,8 +95,9 @@ def test_machine_commit_and_headline_come_from_each_record(tmp_path):
         "2026-01-02-bench-avx2-float32-docs",
         "2026-01-03-gpu-check-h200-abc1234",
         "2026-01-03-tiny-job-avx512bf16-auto",
+        "2026-01-04-profile-avx512bf16-zen4-smollm2",
     ]
-    notes, bench, log, tiny_job = entries
+    notes, bench, log, tiny_job, profile = entries
     assert (notes.machine, notes.commit, notes.headline) == (
         "two CPUs",
         "as each section names",
@@ -107,6 +111,10 @@ def test_machine_commit_and_headline_come_from_each_record(tmp_path):
     assert tiny_job.machine == "AMD EPYC, AVX-512 bf16"
     assert tiny_job.commit == "fedcba9"
     assert tiny_job.headline == "4 shards, auto: 0.90× [0.80, 1.01], no measurable difference"
+    assert (profile.commit, profile.headline) == (
+        "1234567",
+        "gpu_profile.py: smollm2, cpu, batch 64, drafter auto",
+    )
     assert strays == ["bench-old-name.md"]
     text = index.render(entries, strays)
     assert text.index("## 2026-01-01") < text.index("## 2026-01-02") < text.index("## 2026-01-03")
