@@ -564,13 +564,11 @@ class _Copies:
             kept = []
             for j, offer in enumerate(row):
                 drafts = min(offer.tokens, gamma_cap)
-                key = (offer.source, offer.depth, drafts)
-                if offer.chances or key not in known:  # rows share a source's rates
+                key = (offer.source, offer.depth, drafts)  # rows share a source's rates, not a head's chances
+                if offer.chances or key not in known:
                     chances = survival(offer, gamma_cap)
-                    found = (chances, np.cumsum(chances))  # summed in order, as `sum` would
-                    if not offer.chances:
-                        known[key] = found
-                chances, sums = known.get(key) if not offer.chances else found
+                    known[key] = (chances, np.cumsum(chances))  # summed in order, as `sum` would
+                chances, sums = known.pop(key) if offer.chances else known[key]
                 kept.append(chances)
                 self.tokens[i, j] = drafts
                 self.expected[i, j, : len(sums)] = sums
