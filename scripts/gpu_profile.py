@@ -140,15 +140,21 @@ def write(o: argparse.Namespace, lines: list[str]) -> None:
 def host_parts(engine, rows: int) -> dict[str, list[float]]:
     """Times the host's parts of every round of `rows` rows from now on: seconds per round, by
     part (the drafters' and the policy's methods wrapped on the instance; the round's own code
-    runs unchanged). Asking holds the drafters and the policy; `sync` rolls the target's cache
-    back to the accepted tokens; accepting reads the pass's choices and keeps the drafts."""
+    runs unchanged), and the whole round besides its passes. Asking holds the drafters and the
+    policy; `sync` rolls the target's cache back to the accepted tokens; accepting reads the
+    pass's choices and keeps the drafts."""
     parts: dict[str, list[float]] = defaultdict(list)
     full = [False]
     round_ = engine._round
 
     def whole(batch):
         full[0] = len(batch.active) == rows
-        return round_(batch)
+        began, passes = time.perf_counter(), engine.target.forward_seconds + engine._draft_seconds()
+        result = round_(batch)
+        if full[0]:  # the round's own time besides its passes (the target's, the draft model's)
+            passes = engine.target.forward_seconds + engine._draft_seconds() - passes
+            parts["round, no passes"].append(time.perf_counter() - began - passes)
+        return result
 
     engine._round = whole
     timed = [

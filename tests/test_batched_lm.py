@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.batched_lm import BatchedLM, agreeing
 
 
 def test_logits_that_are_more_than_the_output_layer_come_from_the_models_own_forward(tiny_models):
@@ -48,3 +50,23 @@ def test_rows_admitted_into_a_running_batch_keep_no_autograd_graph(tiny_models):
     logits = lm.admit([list(range(5, 20)), list(range(7, 12))], [1, 1])
     assert len(lm.tokens) == 3 and not any(t.requires_grad for t in logits)
     assert not any(layer.keys.requires_grad or layer.values.requires_grad for layer in lm.cache.layers)
+
+
+def test_a_cache_keeps_exactly_the_longest_prefix_that_agrees_with_the_row():
+    """`agreeing` skips a rejected tail token by token and then checks the whole prefix once:
+    against a plain walk from the start, over tails rejected, disagreements further in, and
+    rows shorter than their caches."""
+    rng = random.Random(3)
+
+    def reference(cached, seq):
+        n = 0
+        while n < min(len(cached), len(seq) - 1) and cached[n] == seq[n]:
+            n += 1
+        return n
+
+    for _ in range(3000):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        cached = seq[: rng.randrange(len(seq) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(6))]
+        if cached and rng.random() < 0.3:  # a disagreement further in
+            cached[rng.randrange(len(cached))] = rng.randrange(4)
+        assert agreeing(cached, seq) == reference(cached, seq), (cached, seq)

@@ -233,6 +233,7 @@ def test_target_only_mode_equals_reference(case):
     outputs, batch = engine.generate(prompts, MAX_NEW, drafter="none")
     assert [o.tokens for o in outputs] == refs
     assert batch.drafted == 0 and batch.draft_passes == 0
+    assert batch.asking_seconds == 0.0  # nobody to ask, not even the policy
     assert all(o.stats.tau == 1.0 for o in outputs)
     # gamma 0 through the config is the same thing
     engine0 = SpeculativeEngine(

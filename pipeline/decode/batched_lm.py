@@ -70,6 +70,20 @@ def _common_start(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def agreeing(cached: list[int], seq: list[int]) -> int:
+    """How many leading tokens of `cached` agree with `seq`, never `seq`'s last token (which
+    must be fed again for its logits)."""
+    keep = min(len(cached), len(seq) - 1)
+    # disagreement sits at the tail (rejected drafts): shorten from the end past every token
+    # that differs, then compare the whole prefix at C speed (no copy of a whole cache), rather
+    # than walking every token from the start in Python
+    while keep and cached[keep - 1] != seq[keep - 1]:
+        keep -= 1
+    if keep and (cached if keep == len(cached) else cached[:keep]) != seq[:keep]:
+        keep = _common_start(cached[:keep], seq)  # a disagreement further in
+    return keep
+
+
 class BatchedLM:
     """Runs `model` over ragged blocks of tokens for a batch of rows, keeping a slot cache."""
 
@@ -247,13 +261,7 @@ class BatchedLM:
     def _agreeing(self, row: int, seq: list[int]) -> int:
         """Leading cached tokens of `row` that agree with `seq`; never its last token, which
         must be fed again for its logits."""
-        cached = self.tokens[row]
-        keep = min(len(cached), len(seq) - 1)
-        # disagreement sits at the tail (rejected drafts): shorten from the end, comparing whole
-        # prefixes at C speed, rather than walking every token from the start in Python
-        while keep and cached[:keep] != seq[:keep]:
-            keep -= 1
-        return keep
+        return agreeing(self.tokens[row], seq)
 
     @torch.no_grad()
     def forward(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
