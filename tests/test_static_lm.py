@@ -328,3 +328,71 @@ def test_freed_places_wait_for_a_full_prefill_pass_where_a_pass_costs_the_same_w
     )
     again, sizes = _admissions(static, drafter, eos, 3)
     assert again == alone and sizes.count(1) > 2, sizes
+
+
+@pytest.mark.parametrize("path", ["static", "dynamic"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_passes_back_to_back_choose_what_rounds_one_at_a_time_do(pairs, path, batch):
+    """`greedy_steps` (each pass's choices fed to the next without the host, on a static
+    runner) against the same passes made one `forward` at a time with the choices read between
+    them: the same choices, and the cache they leave gives the pass after them the same logits
+    bit for bit. Rows of unequal lengths in slots out of order (a row left before)."""
+    model = pairs[0 if path == "static" else 1].target
+    lm = StaticLM(model, 0) if path == "static" else BatchedLM(model, 0)
+    seen = []
+    for together in (False, True):
+        rng = random.Random(batch)
+        seqs = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 60))] for _ in range(batch + 1)]
+        lm.reset(len(seqs))
+        lm.forward([list(s) for s in seqs], [1] * len(seqs))
+        seqs = seqs[1:]  # the first row leaves: the others' slots no longer start at 0
+        lm.select(list(range(1, batch + 1)))
+        firsts = [rng.randrange(3, 300) for _ in seqs]
+        if together:
+            chosen = lm.greedy_steps(firsts, 5)
+        else:
+            chosen, texts, tokens = [[] for _ in seqs], [list(s) for s in seqs], firsts
+            for _ in range(5):
+                texts = [text + [token] for text, token in zip(texts, tokens)]
+                logits = lm.forward(lm.sync(texts), [1] * batch)
+                tokens = torch.argmax(torch.cat(logits), dim=-1).tolist()
+                for row, token in zip(chosen, tokens):
+                    row.append(token)
+        drafts = [[rng.randrange(3, 300) for _ in range(3)] for _ in seqs]
+        whole = [s + [f] + c + d for s, f, c, d in zip(seqs, firsts, chosen, drafts)]
+        blocks = lm.sync(whole)
+        assert all(len(b) == 4 for b in blocks)  # the last choice and the drafts: the rest is cached
+        seen.append((chosen, lm.forward(blocks, [4] * batch)))
+    (one, one_logits), (together, together_logits) = seen
+    assert together == one
+    _same([together_logits, one_logits])
+
+
+@pytest.mark.parametrize("path", ["static", "dynamic"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_rounds_without_drafts_run_their_passes_back_to_back_with_the_same_outputs(pairs, path, batch_size):
+    """A greedy round that drafts nothing makes `plain_steps` passes back to back: target-only
+    and `auto` give the outputs of one pass a round, with rows ending at an EOS inside the
+    passes (an EOS the one-pass run emits early), in fewer rounds."""
+    loaded = pairs[0 if path == "static" else 1]
+    prompts = [loaded.tokenizer(t).input_ids for t in TEXTS]
+
+    def run(drafter, steps, eos):
+        config = EngineConfig(drafter=drafter, gamma_max=6, plain_steps=steps)
+        engine = SpeculativeEngine(
+            loaded.target, loaded.draft, eos_token_ids=eos, pad_token_id=0, config=config
+        )
+        rounds, round_ = [0], engine._round
+        engine._round = lambda batch: (rounds.__setitem__(0, rounds[0] + 1), round_(batch))
+        done, stats = engine.generate(prompts, MAX_NEW, batch_size=batch_size)
+        assert stats.new_tokens == sum(len(o.tokens) for o in done)
+        return [(o.tokens, o.finish_reason) for o in done], rounds[0], stats
+
+    early = run("none", 1, [1])[0][0][0][2]  # the first row's third token ends rows now
+    for drafter in ("none", "auto"):
+        one, one_rounds, _ = run(drafter, 1, [early])
+        together, together_rounds, stats = run(drafter, 4, [early])
+        assert together == one and any(reason == "eos" for _, reason in one)
+        assert together_rounds < one_rounds
+        if drafter == "none":
+            assert stats.target_passes >= stats.new_tokens / batch_size and stats.asking_seconds == 0

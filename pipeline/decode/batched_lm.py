@@ -277,6 +277,18 @@ class BatchedLM:
         self.fed_tokens = sum(map(len, blocks))
         return self._append(blocks, logits_per_row)
 
+    def greedy_steps(self, tokens: list[int], steps: int) -> list[list[int]]:
+        """`steps` one-token passes, each row fed `tokens[i]` first, then its own greedy choice
+        of the pass before: each row's `steps` choices. The passes `forward` makes one round at
+        a time, without the rounds around them; a static runner keeps them on the device."""
+        chosen: list[list[int]] = [[] for _ in tokens]
+        for _ in range(steps):
+            logits = self.forward([[t] for t in tokens], [1] * len(tokens))
+            tokens = torch.argmax(torch.cat(logits), dim=-1).tolist()
+            for row, token in zip(chosen, tokens):
+                row.append(token)
+        return chosen
+
     def _prefill(self, blocks: list[list[int]], logits_per_row: list[int]) -> list[torch.Tensor]:
         """The first pass of a batch: per row or all together, each from its template start.
         Marked as a prefill for the kernels (`streamed.prefilling`)."""

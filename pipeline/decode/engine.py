@@ -294,8 +294,12 @@ class SpeculativeEngine:
         # the drafters' own time: their model passes are priced by the policy (`DraftingGate`)
         asking = time.perf_counter() - asking - (self._draft_seconds() - models)
         batch.stats.asking_seconds += asking if asked else 0.0
-        logits = self._verify(batch, drafts)
-        produced = self._accept(batch, drafts, logits)
+        steps = 1 if asked else self._plain_steps(batch)
+        if steps > 1:
+            produced = self._greedy_steps(batch, steps)
+        else:
+            logits = self._verify(batch, drafts)
+            produced = self._accept(batch, drafts, logits)
         if batch.head:
             batch.head.follow([r.seq for r in batch.active])
         # a head's catch-up feeding (a prompt's pairs) is a cost of following the rows, not
@@ -383,6 +387,42 @@ class SpeculativeEngine:
         widest = max(map(len, drafts.tokens))
         batch.stats.gamma_histogram[widest] = batch.stats.gamma_histogram.get(widest, 0) + 1
         return logits
+
+    def _plain_steps(self, batch: _Batch) -> int:
+        """Passes a round without drafts makes back to back: greedy rows whose last token alone
+        is unfed, a few passes, never past the nearest row's token limit (1: a plain round)."""
+        if not batch.sampling.greedy or batch.head is not None:
+            return 1
+        left = min(batch.max_new_tokens - r.stats.new_tokens for r in batch.active)
+        return max(1, min(self.config.plain_steps, left))
+
+    def _greedy_steps(self, batch: _Batch, steps: int) -> int:
+        """`steps` target passes of one token a row, back to back (`BatchedLM.greedy_steps`);
+        each row keeps its choices up to its EOS, limit or stop string, as that many plain
+        rounds would. A row that ends early rode the remaining passes: a graph pass computes
+        every slot anyway. Returns the tokens produced."""
+        unfed = self.target.sync([r.seq for r in batch.active])
+        if any(len(u) != 1 for u in unfed):  # a row catching up: one plain round
+            drafts = _Drafts.none(len(unfed))
+            return self._accept(batch, drafts, self._verify(batch, drafts))
+        before = self.target.forward_seconds
+        chosen = self.target.greedy_steps([u[0] for u in unfed], steps)
+        cost = self.target.pass_tokens([1] * len(unfed))
+        seconds = (self.target.forward_seconds - before) / steps
+        for _ in range(steps):
+            self.costs.observe_target(cost, seconds)
+        batch.stats.priced_seconds += steps * self.costs.target_time(cost)
+        batch.stats.target_passes += steps
+        batch.stats.gamma_histogram[0] = batch.stats.gamma_histogram.get(0, 0) + steps
+        produced = 0
+        for row, tokens in zip(batch.active, chosen):
+            kept = self._append(row, tokens, batch)
+            produced += kept
+            row.stats.target_passes += kept
+            row.stats.target_tokens += kept
+            batch.stats.row_passes += kept
+            batch.stats.rounds.observe(None, 0, 0, kept, rounds=kept)
+        return produced
 
     def _accept(self, batch: _Batch, drafts: _Drafts, logits: list[torch.Tensor]) -> int:
         """Each row keeps the drafts the target agrees with plus one token of the target's own;

@@ -86,9 +86,12 @@ class Rounds:
     undrafted: int = 0  # rounds whose row took the target's token only
     by_drafter: dict[str, DrafterRounds] = field(default_factory=dict)
 
-    def observe(self, drafter: str | None, drafted: int, accepted: int, produced: int) -> None:
+    def observe(
+        self, drafter: str | None, drafted: int, accepted: int, produced: int, rounds: int = 1
+    ) -> None:
+        """A row's round (`rounds` of them alike where nothing was drafted: passes back to back)."""
         if not drafted:
-            self.undrafted += 1
+            self.undrafted += rounds
             return
         self.by_drafter.setdefault(drafter, DrafterRounds()).observe(drafted, accepted, produced)
 

@@ -94,9 +94,15 @@ class EngineConfig:
     # this many seconds per second of decoding (`OnlineHead`).
     head_online: bool = False
     head_online_share: float = 0.25
+    # A greedy round that drafts nothing runs this many target passes back to back (fewer near
+    # the rows' token limit), each row fed its own last choice without the host in between
+    # (`BatchedLM.greedy_steps`): a captured GPU pass costs about what the round around it does.
+    plain_steps: int = 4
 
     def __post_init__(self) -> None:
         check(self)
+        if self.plain_steps < 1:
+            raise ValueError(f"plain_steps must be >= 1, got {self.plain_steps}")
 
     @classmethod
     def from_spec(cls, section, drafter: str | None = None) -> EngineConfig:

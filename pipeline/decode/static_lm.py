@@ -331,6 +331,40 @@ class StaticLM(BatchedLM):
         self.features = [self._collected[r] for r in range(len(blocks))] if self.keep_features else []
         return logits
 
+    @torch.no_grad()
+    def greedy_steps(self, tokens: list[int], steps: int) -> list[list[int]]:
+        """As `BatchedLM.greedy_steps`, the passes back to back on the device: each pass's
+        choices are written into the next pass's input there and read once at the end, as
+        gpt-fast's decode loop does, so a GPU never waits for the host between them. The same
+        width-1 every-slot passes and the same output layer over the same rows as `forward`'s,
+        so the same choices."""
+        if self.cold or self.keep_features:
+            return super().greedy_steps(tokens, steps)
+        rows = list(range(len(tokens)))
+        self._take(0, max(len(t) for t in self.tokens) + steps)
+        every = list(range(self.capacity))
+        ids, positions = self._layout(every, rows, [[t] for t in tokens], 1, every_slot=True)
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        slots = _on_device([self.row_slots[r] for r in rows], self.device)
+        moving = torch.zeros_like(positions)  # the rows' slots move on a position a pass; the rest stay
+        moving[slots] = 1
+        graph = self._graph(1)
+        chosen = []
+        began = time.perf_counter()
+        for _ in range(steps):
+            hidden = graph.replay(ids, positions) if graph else self._layers(ids, positions, None, 0)
+            choice = torch.argmax(self._head_logits(hidden[slots, 0]), dim=-1)
+            chosen.append(choice)
+            ids = ids.index_put((slots, torch.zeros_like(slots)), choice)
+            positions = torch.clamp(positions + moving, max=self.total - 1)
+        self._timed(began)
+        self.fed_tokens = len(rows) * steps
+        self.features = []
+        choices = torch.stack(chosen, dim=1).tolist()
+        for row, token, row_choices in zip(rows, tokens, choices):
+            self.tokens[row] += [token, *row_choices[:-1]]
+        return choices
+
     def _prefill_rows_at(
         self, rows: list[int], blocks: list[list[int]], wanted: list[int]
     ) -> list[torch.Tensor]:
