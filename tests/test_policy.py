@@ -366,13 +366,19 @@ def test_the_draft_model_and_copies_are_priced_by_the_drafts_the_target_tested(c
     assert as_before.sources == [SUFFIX]
 
 
-def _run_gate(gate: DraftingGate, rows: int, rounds: int, drafting_rate: float, plain_rate: float) -> list:
-    """`rounds` rounds through the gate, each making `rows` tokens at the rate of its kind."""
+def _run_gate(
+    gate: DraftingGate, rows: int, rounds: int, drafting_rate: float, plain_rate: float, plain_passes: int = 1
+) -> list:
+    """`rounds` rounds through the gate, each making `rows` tokens a pass at the rate of its
+    kind; a plain round makes `plain_passes` passes back to back."""
     asked = []
     for _ in range(rounds):
         ask = gate.asks(rows)
         asked.append(ask)
-        gate.observe(rows, ask, rows, rows / (drafting_rate if ask else plain_rate), drafted=int(ask))
+        passes = 1 if ask else plain_passes
+        tokens = rows * passes
+        seconds = tokens / (drafting_rate if ask else plain_rate)
+        gate.observe(rows, ask, tokens, seconds, drafted=int(ask), passes=passes)
     return asked
 
 
@@ -397,6 +403,18 @@ def test_the_gate_stops_asking_where_drafting_rounds_are_slower_and_probes_now_a
     _run_gate(gate, 3, 40, drafting_rate=200.0, plain_rate=100.0)
     assert 3 not in gate.off
     assert sum(_run_gate(gate, 3, 32, drafting_rate=200.0, plain_rate=100.0)) >= 31  # one plain re-timing
+
+
+def test_plain_rounds_of_several_passes_move_the_probes_clock_by_their_passes():
+    """Drafting off, a probe comes after as many target passes whether the plain rounds make
+    one pass or four back to back (`EngineConfig.plain_steps`)."""
+    first_probe = {}
+    for passes in (1, 4):
+        gate = DraftingGate(probe_every=8)
+        asked = _run_gate(gate, 3, 200, drafting_rate=70.0, plain_rate=100.0, plain_passes=passes)
+        rounds = [i for i, a in enumerate(asked) if a and i > gate.min_rounds + 2]
+        first_probe[passes] = sum(1 if asked[i] else passes for i in range(gate.min_rounds + 2, rounds[0]))
+    assert first_probe[4] - first_probe[1] <= 3  # the same clock, give or take a round's passes
 
 
 def test_the_gate_keeps_asking_where_drafting_pays_and_times_plain_rounds_rarely():

@@ -307,7 +307,7 @@ class SpeculativeEngine:
         seconds = time.perf_counter() - began - (batch.head.take_catch_up() if batch.head else 0.0)
         self.costs.observe_round(produced, seconds)
         if drafting:
-            self.gate.observe(rows, asked, produced, seconds, sum(map(len, drafts.tokens)), asking)
+            self.gate.observe(rows, asked, produced, seconds, sum(map(len, drafts.tokens)), asking, steps)
         plain = self.costs.target_time(self.target.pass_tokens([1] * rows))
         batch.stats.priced_plain_seconds += produced * plain / rows
         if batch.waiting:
@@ -390,8 +390,11 @@ class SpeculativeEngine:
 
     def _plain_steps(self, batch: _Batch) -> int:
         """Passes a round without drafts makes back to back: greedy rows whose last token alone
-        is unfed, a few passes, never past the nearest row's token limit (1: a plain round)."""
+        is unfed, a few passes, never past the nearest row's token limit, never while a free
+        place waits for a row (1: a plain round)."""
         if not batch.sampling.greedy or batch.head is not None:
+            return 1
+        if batch.waiting and len(batch.active) < batch.size:
             return 1
         left = min(batch.max_new_tokens - r.stats.new_tokens for r in batch.active)
         return max(1, min(self.config.plain_steps, left))

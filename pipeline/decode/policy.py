@@ -92,7 +92,7 @@ class DraftingGate:
     (the 1.5B's license summaries on a Zen 4 EPYC, measured in docs/engine.md). Which drafts pay
     is then the policy's call, round by round, from each source's measured acceptance and the
     measured pass costs.
-    A plain round does the same work whatever the text (one token per row, one pass), so its
+    A plain round does the same work whatever the text (one token per row a pass), so its
     rate is the median of the last `PLAIN_KEPT` plain rounds at that batch size: a round that
     the cores spent elsewhere for a moment (Ray's own processes, a collection) is not news. As
     one of a smoothed rate, one plain round timed at about 5 times its usual seconds kept the
@@ -173,10 +173,15 @@ class DraftingGate:
         seconds: float,
         drafted: int = 0,
         asking: float | None = None,
+        passes: int = 1,
     ) -> None:
         """A round of `rows` rows that did (or did not) ask the drafters made `tokens`, having
         verified `drafted` drafts; `asking`: the seconds it spent asking them, the draft model's
-        and head's passes aside, which the policy prices (None: not timed)."""
+        and head's passes aside, which the policy prices (None: not timed). `passes`: the target
+        passes it made; a plain round's passes back to back (`EngineConfig.plain_steps`) move the
+        probes' clock as that many rounds would, so that drafting off is retried as soon, in
+        tokens, as with one pass a round."""
+        self._since_switch += passes - 1
         if self.probing and drafted:
             self._probe_left = 0
         if seconds <= 0 or tokens <= 0:
