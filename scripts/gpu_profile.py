@@ -1,7 +1,7 @@
 """Where decoding's time goes, pass by pass: what `gpu-check.sh probe` runs on a GPU.
 
     python3 scripts/gpu_profile.py PAIR OUT [--batch 1] [--docs 2] [--new 64] [--drafter none]
-        [--static-passes] [--split-only]
+        [--static-passes] [--split-only] [--plain-steps 1,4 [--runs 5]]
 
 Target-only decoding (or `--drafter`'s) of license translations through the job's own loading
 (on a GPU: static, compiled, captured passes), after a warm-up run that captures the graphs:
@@ -13,6 +13,9 @@ Target-only decoding (or `--drafter`'s) of license translations through the job'
   (cProfile) in a second run, then PyTorch's profiler over a third: operators by self CPU time
   and by device time, and where the host waited for the device (cudaStreamSynchronize, copies).
   `--split-only` stops after the split.
+
+`--plain-steps A,B` instead alternates runs with `EngineConfig.plain_steps` A and B in one process
+(OUT/profile-batchN[-drafter]-plain-steps-A-B.txt): what passes back to back save.
 
 A bench row says how fast; this says which part of a round to make cheaper.
 """
@@ -26,6 +29,7 @@ import pstats
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,6 +51,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--static-passes", action="store_true", help="the static path on a CPU too")
     parser.add_argument("--split-only", action="store_true", help="no cProfile, no PyTorch profiler")
+    parser.add_argument(
+        "--plain-steps",
+        default=None,
+        help="A,B: instead, runs with EngineConfig.plain_steps A and B alternated (--runs each)",
+    )
+    parser.add_argument("--runs", type=int, default=5)
     o = parser.parse_args()
     if o.threads:
         torch.set_num_threads(o.threads)
@@ -56,15 +66,25 @@ def main() -> None:
     prompts = task_prompts(loaded.tokenizer, "translate", o.docs, 384, corpus="licenses")
     from pipeline.decode.engine import SpeculativeEngine
 
-    engine = SpeculativeEngine(
-        loaded.target,
-        loaded.draft,
-        eos_token_ids=eos_ids(loaded.tokenizer, loaded.target),
-        pad_token_id=pad_id(loaded.tokenizer, loaded.target),
-        vocab_size=loaded.vocab_size,
-        config=bench_config(o.drafter, 32768),
-    )
+    def make(**config):
+        return SpeculativeEngine(
+            loaded.target,
+            loaded.draft,
+            eos_token_ids=eos_ids(loaded.tokenizer, loaded.target),
+            pad_token_id=pad_id(loaded.tokenizer, loaded.target),
+            vocab_size=loaded.vocab_size,
+            config=replace(bench_config(o.drafter, 32768), **config),
+        )
+
+    engine = make()
     cuda = loaded.device.startswith("cuda")
+    if o.plain_steps:
+        write(
+            o,
+            compare_plain_steps(o, loaded, prompts, make, cuda),
+            f"plain-steps-{o.plain_steps.replace(',', '-')}",
+        )
+        return
 
     def run():
         if cuda:
@@ -78,13 +98,8 @@ def main() -> None:
     run()  # graphs captured, layers compiled, caches sized
     parts = host_parts(engine, o.batch)
     wall, tokens, s = run()
-    machine = describe_machine(loaded)
-    dirty = " (uncommitted changes)" if machine["git_dirty"] else ""
     lines = [
-        f"machine: {machine['gpu'] or machine['cpu_model']}, {machine['threads']} threads, "
-        f"commit {(machine['git_commit'] or '?')[:7]}{dirty}",
-        f"{o.pair}, {loaded.device}, {loaded.dtype}, batch {o.batch}, {o.docs} docs, {o.new} new tokens, "
-        f"drafter {o.drafter}, static {loaded.static_passes}, compiled {loaded.compiled_passes}",
+        *header(o, loaded),
         f"prompt tokens {sum(map(len, prompts))}, new tokens {tokens}, wall {wall:.3f} s, "
         f"{tokens / wall:.1f} tok/s",
         "per new token, ms: "
@@ -130,8 +145,57 @@ def main() -> None:
     write(o, lines)
 
 
-def write(o: argparse.Namespace, lines: list[str]) -> None:
-    path = o.out / f"profile-batch{o.batch}{'' if o.drafter == 'none' else '-' + o.drafter}.txt"
+def compare_plain_steps(o: argparse.Namespace, loaded, prompts, make, cuda: bool) -> list[str]:
+    """Tokens per second with each `--plain-steps` value, their runs alternated in one process
+    after a warm-up each (the same slots and graphs: they are the model's), and whether the
+    outputs agree: what passes back to back save, measured against one pass a round."""
+    values = [int(v) for v in o.plain_steps.split(",")]
+    engines = {v: make(plain_steps=v) for v in values}
+    seconds: dict[int, list[float]] = {v: [] for v in values}
+    outputs = {}
+    for run in range(o.runs + 1):  # the first: warm-up
+        for v, engine in engines.items():
+            if cuda:
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            done, _ = engine.generate(prompts, o.new, batch_size=o.batch)
+            if cuda:
+                torch.cuda.synchronize()
+            if run:
+                seconds[v].append(time.perf_counter() - began)
+            outputs[v] = [d.tokens for d in done]
+    tokens = sum(map(len, outputs[values[0]]))
+    rates = {v: tokens / statistics.median(t) for v, t in seconds.items()}
+    return [
+        *header(o, loaded),
+        f"plain_steps {o.plain_steps}, runs alternated, {o.runs} each after a warm-up: "
+        + ", ".join(
+            f"{v}: {rates[v]:.1f} tok/s (median; runs {', '.join(f'{tokens / t:.0f}' for t in seconds[v])})"
+            for v in values
+        ),
+        f"ratio {values[-1]} / {values[0]}: {rates[values[-1]] / rates[values[0]]:.3f}; "
+        f"outputs identical: {all(outputs[v] == outputs[values[0]] for v in values)}",
+        "",
+    ]
+
+
+def header(o: argparse.Namespace, loaded) -> list[str]:
+    """The machine and commit, then the run: the first two lines of every log this writes."""
+    machine = describe_machine(loaded)
+    dirty = " (uncommitted changes)" if machine["git_dirty"] else ""
+    return [
+        f"machine: {machine['gpu'] or machine['cpu_model']}, {machine['threads']} threads, "
+        f"commit {(machine['git_commit'] or '?')[:7]}{dirty}",
+        f"{o.pair}, {loaded.device}, {loaded.dtype}, batch {o.batch}, {o.docs} docs, {o.new} new tokens, "
+        f"drafter {o.drafter}, static {loaded.static_passes}, compiled {loaded.compiled_passes}",
+    ]
+
+
+def write(o: argparse.Namespace, lines: list[str], kind: str = "") -> None:
+    name = (
+        f"profile-batch{o.batch}{'' if o.drafter == 'none' else '-' + o.drafter}{'-' + kind if kind else ''}"
+    )
+    path = o.out / f"{name}.txt"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:7]))
     print(f"wrote {path}")
