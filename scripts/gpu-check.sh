@@ -88,6 +88,12 @@ EOF
     # captured before the timed runs (`StaticLM.reserve`), so the runs should now be even.
     NAME=$pair-batch1 step 110 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \
         --runs 3 --drafters prompt_lookup,draft_model,auto --no-hf
+    # target-only with one pass a round against four back to back (EngineConfig.plain_steps:
+    # each pass's choices fed to the next on the device), runs alternated in one process
+    echo "== plain_steps 1 against 4, target-only, batch 1 ($(date +%T))"
+    timeout 60 python3 scripts/gpu_profile.py $pair "$res" --batch 1 --docs 2 --new 64 --plain-steps 1,4 --runs 3 \
+        2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
+    pack
     # passes compiled per layer, then captured (models.compiled_passes, on by default on GPUs);
     # then the same with q/k/v and gate/up fused (--fused-projections, off by default until this
     # A/B says otherwise)
