@@ -90,6 +90,9 @@ class BatchedLM:
     # Prompt pieces a prefill pass holds where it costs the same whatever it holds (a captured
     # graph, `StaticLM`); 0: a prefill costs by its tokens, as here.
     fixed_prefill = 0
+    # Passes a round without drafts makes back to back by default (`EngineConfig.plain_steps`):
+    # one here, where a pass costs far more than the engine's round around it.
+    plain_steps = 1
 
     def __init__(
         self,

@@ -397,7 +397,7 @@ class SpeculativeEngine:
         if batch.waiting and len(batch.active) < batch.size:
             return 1
         left = min(batch.max_new_tokens - r.stats.new_tokens for r in batch.active)
-        return max(1, min(self.config.plain_steps, left))
+        return max(1, min(self.config.plain_steps or self.target.plain_steps, left))
 
     def _greedy_steps(self, batch: _Batch, steps: int) -> int:
         """`steps` target passes of one token a row, back to back (`BatchedLM.greedy_steps`);

@@ -96,12 +96,14 @@ class EngineConfig:
     head_online_share: float = 0.25
     # A greedy round that drafts nothing runs this many target passes back to back (fewer near
     # the rows' token limit), each row fed its own last choice without the host in between
-    # (`BatchedLM.greedy_steps`): a captured GPU pass costs about what the round around it does.
-    plain_steps: int = 4
+    # (`BatchedLM.greedy_steps`). None: the target runner's choice (`plain_steps` there: several
+    # where passes are captured graphs, whose cost is about the round's around them; one on a
+    # CPU, whose passes dwarf the round).
+    plain_steps: int | None = None
 
     def __post_init__(self) -> None:
         check(self)
-        if self.plain_steps < 1:
+        if self.plain_steps is not None and self.plain_steps < 1:
             raise ValueError(f"plain_steps must be >= 1, got {self.plain_steps}")
 
     @classmethod

@@ -51,6 +51,10 @@ from pipeline.models.architecture import ADDITIVE, static_support
 WIDTHS = (1, 2, 4, 8, 12, 16)
 # Prompt tokens per piece: a prefill pass holds `invariant.PREFILL_ROWS // CHUNK` pieces.
 CHUNK = 128
+# Passes a round without drafts makes back to back on captured graphs (`greedy_steps`): the
+# engine's round around a pass (~0.5 ms at 64 rows on a Zen 4 core, docs/engine.md) and the
+# wait for the device come once per this many passes.
+PLAIN_STEPS = 4
 
 
 def wanted(model: PreTrainedModel) -> bool:
@@ -175,6 +179,8 @@ class StaticLM(BatchedLM):
         super().__init__(model, pad_token_id, vocab_size, pack=False)
         self._collected: dict[int, tuple[int, torch.Tensor]] = {}  # row -> features, within a pass
         self.use_graphs = self.device.type == "cuda"
+        # a replayed pass costs about what the engine's round around it does: several back to back
+        self.plain_steps = PLAIN_STEPS if self.use_graphs else 1
         if self.compiled and getattr(model, "_batch_invariant", False):
             # a wider pass would run eagerly, whose kernels round otherwise than the compiled ones
             self.max_verify_tokens = WIDTHS[-1]
