@@ -225,9 +225,9 @@ def test_a_heads_catch_up_feeding_is_not_charged_to_the_round_that_pays_it(case,
     monkeypatch.setattr(HeadChain, "flush", slow_flush)
     seen = []
     real_observe = engine.gate.observe
-    engine.gate.observe = lambda rows, asked, tokens, seconds, drafted=0, asking=None: (
+    engine.gate.observe = lambda rows, asked, tokens, seconds, drafted=0, asking=None, passes=1: (
         seen.append((asked, seconds)),
-        real_observe(rows, asked, tokens, seconds, drafted, asking),
+        real_observe(rows, asked, tokens, seconds, drafted, asking, passes),
     )
     for start in range(0, 6, 2):
         outputs, _ = engine.generate(prompts[start : start + 2], MAX_NEW)
