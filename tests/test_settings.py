@@ -63,12 +63,14 @@ def test_from_spec_copies_every_shared_field():
         head="heads/mine",
         head_online=True,
         head_online_share=1.5,
+        plain_steps=2,
     )
     config = EngineConfig.from_spec(spec)
     shared = [f.name for f in fields(EngineConfig) if f.name in DrafterSpec.model_fields]
-    assert len(shared) == 11  # every drafter setting but `kind`, the head's and the warm start's URLs
+    assert len(shared) == 12  # every drafter setting but `kind`, the head's and the warm start's URLs
     for name in shared:
         expected = getattr(spec, name)
         assert getattr(config, name) == (tuple(expected) if isinstance(expected, list) else expected)
-    assert config.drafter == "auto" and config.head_online_share == 1.5
+    assert config.drafter == "auto" and config.head_online_share == 1.5 and config.plain_steps == 2
+    assert EngineConfig.from_spec(DrafterSpec()).plain_steps is None  # unset: the runner's choice
     assert EngineConfig.from_spec(spec, "none").drafter == "none"  # the target-only twin

@@ -36,6 +36,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "suffix_max_tokens": (0, None),
     "suffix_min_match": (1, SUFFIX_MAX_DEPTH),
     "head_online_share": (0, 4),
+    "plain_steps": (1, 64),  # None: the target runner's choice
 }
 
 
@@ -52,6 +53,8 @@ def check(settings: object) -> None:
         raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
     for name, (low, high) in BOUNDS.items():
         value = getattr(settings, name)
+        if value is None:  # left to the engine
+            continue
         if (low is not None and value < low) or (high is not None and value > high):
             shown = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
             raise ValueError(f"{name} must be in {shown}, got {value}")
@@ -103,8 +106,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        if self.plain_steps is not None and self.plain_steps < 1:
-            raise ValueError(f"plain_steps must be >= 1, got {self.plain_steps}")
 
     @classmethod
     def from_spec(cls, section, drafter: str | None = None) -> EngineConfig:

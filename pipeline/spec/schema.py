@@ -539,6 +539,14 @@ class DrafterSpec(_Section):
         description="The suffix drafter proposes nothing where no suffix of the text this long matches "
         "(1, as prompt lookup: a short match's acceptance is measured apart and prices its drafts).",
     )
+    plain_steps: int | None = Field(
+        None,
+        **field_bounds("plain_steps"),
+        description="A greedy round that drafts nothing makes this many target passes back to back, each "
+        "row fed its own last choice on the device without the host in between (the same tokens). "
+        "Unset: 4 where passes are captured CUDA graphs (models.static_passes on a GPU), 1 elsewhere, "
+        "where a pass costs far more than the round around it: see docs/engine.md.",
+    )
     auto_sources: list[Literal[AUTO_CHOICES]] = Field(
         list(AUTO_SOURCES),
         min_length=1,
