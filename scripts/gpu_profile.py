@@ -87,13 +87,8 @@ def main() -> None:
         return
 
     def run():
-        if cuda:
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        done, stats = engine.generate(prompts, o.new, batch_size=o.batch)
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - began, sum(len(d.tokens) for d in done), stats
+        seconds, done, stats = timed(engine, prompts, o, cuda)
+        return seconds, sum(len(d.tokens) for d in done), stats
 
     run()  # graphs captured, layers compiled, caches sized
     parts = host_parts(engine, o.batch)
@@ -145,6 +140,17 @@ def main() -> None:
     write(o, lines)
 
 
+def timed(engine, prompts, o: argparse.Namespace, cuda: bool):
+    """One `generate` of every prompt, timed to the device's end: (seconds, outputs, stats)."""
+    if cuda:
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    done, stats = engine.generate(prompts, o.new, batch_size=o.batch)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - began, done, stats
+
+
 def compare_plain_steps(o: argparse.Namespace, loaded, prompts, make, cuda: bool) -> list[str]:
     """Tokens per second with each `--plain-steps` value, their runs alternated in one process
     after a warm-up each (the same slots and graphs: they are the model's), and whether the
@@ -155,14 +161,9 @@ def compare_plain_steps(o: argparse.Namespace, loaded, prompts, make, cuda: bool
     outputs = {}
     for run in range(o.runs + 1):  # the first: warm-up
         for v, engine in engines.items():
-            if cuda:
-                torch.cuda.synchronize()
-            began = time.perf_counter()
-            done, _ = engine.generate(prompts, o.new, batch_size=o.batch)
-            if cuda:
-                torch.cuda.synchronize()
+            took, done, _ = timed(engine, prompts, o, cuda)
             if run:
-                seconds[v].append(time.perf_counter() - began)
+                seconds[v].append(took)
             outputs[v] = [d.tokens for d in done]
     tokens = sum(map(len, outputs[values[0]]))
     rates = {v: tokens / statistics.median(t) for v, t in seconds.items()}
