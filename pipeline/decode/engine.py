@@ -381,12 +381,17 @@ class SpeculativeEngine:
         before = self.target.forward_seconds
         logits = self.target.forward(blocks, [len(d) + 1 for d in drafts.tokens])
         cost = self.target.pass_tokens([len(b) for b in blocks])
-        self.costs.observe_target(cost, self.target.forward_seconds - before)
-        batch.stats.priced_seconds += self.costs.target_time(cost)
-        batch.stats.target_passes += 1
-        widest = max(map(len, drafts.tokens))
-        batch.stats.gamma_histogram[widest] = batch.stats.gamma_histogram.get(widest, 0) + 1
+        self._count_passes(batch, cost, self.target.forward_seconds - before, max(map(len, drafts.tokens)))
         return logits
+
+    def _count_passes(self, batch: _Batch, cost: int, seconds: float, widest: int, passes: int = 1) -> None:
+        """`passes` target passes of `cost` tokens each (`BatchedLM.pass_tokens`), `seconds` in
+        all, the widest row verifying `widest` drafts: the costs learn each, the stats count them."""
+        for _ in range(passes):
+            self.costs.observe_target(cost, seconds / passes)
+        batch.stats.priced_seconds += passes * self.costs.target_time(cost)
+        batch.stats.target_passes += passes
+        batch.stats.gamma_histogram[widest] = batch.stats.gamma_histogram.get(widest, 0) + passes
 
     def _plain_steps(self, batch: _Batch) -> int:
         """Passes a round without drafts makes back to back: greedy rows whose last token alone
@@ -411,12 +416,7 @@ class SpeculativeEngine:
         before = self.target.forward_seconds
         chosen = self.target.greedy_steps([u[0] for u in unfed], steps)
         cost = self.target.pass_tokens([1] * len(unfed))
-        seconds = (self.target.forward_seconds - before) / steps
-        for _ in range(steps):
-            self.costs.observe_target(cost, seconds)
-        batch.stats.priced_seconds += steps * self.costs.target_time(cost)
-        batch.stats.target_passes += steps
-        batch.stats.gamma_histogram[0] = batch.stats.gamma_histogram.get(0, 0) + steps
+        self._count_passes(batch, cost, self.target.forward_seconds - before, 0, steps)
         produced = 0
         for row, tokens in zip(batch.active, chosen):
             kept = self._append(row, tokens, batch)
