@@ -13,6 +13,7 @@ from decode_case import DEVICE, MAX_NEW, TEXTS
 from pipeline.decode import static_lm
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.sampling import RowLogits, greedy_choices
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.static_lm import StaticLM
 from pipeline.models import invariant
@@ -101,6 +102,26 @@ def _same(pair: list[list[torch.Tensor]]) -> None:
     assert len(ours) == len(theirs)
     for row, (a, b) in enumerate(zip(ours, theirs)):
         assert torch.equal(a, b), f"row {row}: {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("path", ["static", "dynamic"])
+def test_a_pass_hands_its_logits_over_as_one_tensor_the_choices_are_read_from(pairs, path):
+    """A verify pass's rows' logits are views of one tensor, and the batch's greedy choices
+    (with their confidence) read from it equal those read row by row, as before (a runner that
+    joined or rebuilt the rows would copy every logit again)."""
+    model = pairs[0 if path == "static" else 1].target
+    lm = StaticLM(model, 0) if path == "static" else BatchedLM(model, 0)
+    rng = random.Random(7)
+    seqs = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 40))] for _ in range(5)]
+    lm.reset(len(seqs))
+    lm.forward([list(s) for s in seqs], [1] * len(seqs))
+    drafts = [[rng.randrange(3, 300) for _ in range(n)] for n in (0, 3, 1, 7, 2)]
+    logits = lm.forward([[s[-1]] + d for s, d in zip(seqs, drafts)], [len(d) + 1 for d in drafts])
+    assert isinstance(logits, RowLogits) and [len(x) for x in logits] == [len(d) + 1 for d in drafts]
+    assert torch.equal(torch.cat(list(logits)), logits.whole)
+    for confident in (False, True):
+        assert greedy_choices(logits, confident) == greedy_choices(list(logits), confident)
+    assert [len(x) for x in greedy_choices(logits, False)[0]] == [len(d) + 1 for d in drafts]
 
 
 @pytest.mark.parametrize("drafter", ["none", "draft_model", "prompt_lookup", "suffix", "auto"])

@@ -38,6 +38,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from pipeline.decode.sampling import RowLogits, greedy_choices
 from pipeline.models import invariant, packing, streamed
 from pipeline.models.architecture import plain_head
 from pipeline.models.streamed import StreamedLinear
@@ -287,7 +288,7 @@ class BatchedLM:
         chosen: list[list[int]] = [[] for _ in tokens]
         for _ in range(steps):
             logits = self.forward([[t] for t in tokens], [1] * len(tokens))
-            tokens = torch.argmax(torch.cat(logits), dim=-1).tolist()
+            tokens = [row[0] for row in greedy_choices(logits, False)[0]]
             for row, token in zip(chosen, tokens):
                 row.append(token)
         return chosen
@@ -393,7 +394,7 @@ class BatchedLM:
         for i, block in enumerate(blocks):
             self.tokens[i].extend(block)
             self.slots[i].extend(range(base, base + len(block)))
-        return list(logits.split(logits_per_row))
+        return RowLogits(logits, logits_per_row)
 
     def _logits(self, inputs: dict, wanted: torch.Tensor, layout: packing.Layout | None) -> torch.Tensor:
         """Float logits [len(wanted), vocab] at the flat positions `wanted` of the pass.

@@ -31,7 +31,7 @@ from pipeline.decode.costs import CostModel
 from pipeline.decode.drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, Proposal
 from pipeline.decode.head import DraftHead, HeadDrafter, OnlineHead
 from pipeline.decode.policy import Choice, DraftingGate, Offer, Policy, RoundOptions
-from pipeline.decode.sampling import SamplingParams, choose, verify
+from pipeline.decode.sampling import SamplingParams, choose, greedy_choices, verify
 from pipeline.decode.settings import DRAFT_MODEL, DRAFTERS, HEAD, PROMPT_LOOKUP, EngineConfig
 from pipeline.decode.stats import BatchStats, RowStats
 from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
@@ -434,9 +434,7 @@ class SpeculativeEngine:
         produced = 0
         argmax: list[list[int] | None] = [None] * len(logits)
         if batch.sampling.greedy and logits:  # one read of the whole batch's choices
-            flat = torch.argmax(torch.cat(logits), dim=-1).tolist()
-            ends = list(itertools.accumulate(len(x) for x in logits))
-            argmax = [flat[end - len(x) : end] for x, end in zip(logits, ends)]
+            argmax = greedy_choices(logits, False)[0]
         rows = zip(batch.active, drafts.tokens, drafts.probs, drafts.keys, logits, argmax)
         for row, draft, draft_probs, key, row_logits, row_argmax in rows:
             accepted, token = verify(
@@ -508,8 +506,13 @@ class SpeculativeEngine:
             self.costs.observe_prefill("target", self.target.fed_tokens, seconds)
             batch.stats.target_passes += 1
             batch.stats.row_passes += len(new)
-            for row, row_logits in zip(new, logits):
-                token, _ = choose(row_logits[-1], batch.sampling, batch.generator)
+            # greedy: the batch's first tokens in one read (one a row costs a GPU round trip each)
+            firsts = greedy_choices(logits, False)[0] if batch.sampling.greedy else None
+            for n, (row, row_logits) in enumerate(zip(new, logits)):
+                if firsts:
+                    token = firsts[n][-1]
+                else:
+                    token, _ = choose(row_logits[-1], batch.sampling, batch.generator)
                 self._append(row, [token], batch)
                 row.stats.target_passes += 1
                 row.stats.target_tokens += 1

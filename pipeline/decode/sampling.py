@@ -69,16 +69,30 @@ def confidence(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
     return float(probs.max())
 
 
+class RowLogits(list):
+    """Rows' logits ([positions, V] each) split from one pass's logits `whole` [all positions,
+    V], as a runner returns them: a batch's choices then come from one op over `whole`, neither
+    joining the rows again (a copy of every logit, dearer than the argmax itself on a CPU) nor
+    one op a row (a launch each on a GPU)."""
+
+    def __init__(self, whole: torch.Tensor, counts: list[int]):
+        super().__init__(whole.split(counts))
+        self.whole = whole
+
+
 def greedy_choices(logits: list[torch.Tensor], confident: bool) -> tuple[list[list[int]], list[list[float]]]:
     """Per row of `logits` ([positions, V] each): the argmax at each position, and with
     `confident` the `confidence` there (else empty lists), all rows read back at once.
 
     A GPU answers each read only after everything queued before it: one read a position would
     cost a round trip per row and draft step (128 of them a step at batch 64)."""
-    # per row, then the small results joined: joining the logits would copy them all
-    tokens = torch.cat([torch.argmax(row, dim=-1) for row in logits]).tolist()
+    if isinstance(logits, RowLogits):
+        rows = [logits.whole]
+    else:  # per row, then the small results joined: joining the logits would copy them all
+        rows = list(logits)
+    tokens = torch.cat([torch.argmax(row, dim=-1) for row in rows]).tolist()
     sure = (
-        torch.cat([torch.softmax(row.float(), dim=-1).amax(dim=-1) for row in logits]).tolist()
+        torch.cat([torch.softmax(row.float(), dim=-1).amax(dim=-1) for row in rows]).tolist()
         if confident
         else []
     )

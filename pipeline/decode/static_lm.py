@@ -43,6 +43,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.decode.batched_lm import BatchedLM, _cache_keyword, _Prefix
+from pipeline.decode.sampling import RowLogits
 from pipeline.models import invariant, streamed
 from pipeline.models.architecture import ADDITIVE, static_support
 
@@ -333,6 +334,8 @@ class StaticLM(BatchedLM):
                 got = run(rows, [blocks[i] for i in rows], [logits_per_row[i] for i in rows])
                 for i, row_logits in zip(rows, got):
                     logits[i] = row_logits
+                if len(rows) == len(blocks):  # every row in one pass: its logits as they came
+                    logits = got
         self._timed(began)
         self.features = [self._collected[r] for r in range(len(blocks))] if self.keep_features else []
         return logits
@@ -507,7 +510,7 @@ class StaticLM(BatchedLM):
                 features = hidden[a, : len(block)].to(torch.float32, copy=True)
                 self._collected[row] = (len(self.tokens[row]), features)
             self.tokens[row].extend(block)
-        return list(logits.split(wanted))
+        return RowLogits(logits, wanted)
 
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None, seen: int):
         """The model's decoder stack over [rows, width] tokens at `positions`, writing the slots
