@@ -206,19 +206,23 @@ def host_parts(engine, rows: int) -> dict[str, list[float]]:
     """Times the host's parts of every round of `rows` rows from now on: seconds per round, by
     part (the drafters' and the policy's methods wrapped on the instance; the round's own code
     runs unchanged), and the whole round besides its passes. Asking holds the drafters and the
-    policy; `sync` rolls the target's cache back to the accepted tokens; accepting reads the
-    pass's choices and keeps the drafts."""
+    policy; `sync` rolls the target's cache back to the accepted tokens; verifying lays out and
+    starts the pass (`sync` included, the pass not); accepting reads the pass's choices and keeps
+    the drafts; evicting and filling frees finished rows' places and admits new rows (their
+    prefill passes not counted)."""
     parts: dict[str, list[float]] = defaultdict(list)
     full = [False]
     round_ = engine._round
 
+    def passes() -> float:  # seconds of the target's and the draft model's passes so far
+        return engine.target.forward_seconds + engine._draft_seconds()
+
     def whole(batch):
         full[0] = len(batch.active) == rows
-        began, passes = time.perf_counter(), engine.target.forward_seconds + engine._draft_seconds()
+        began, before = time.perf_counter(), passes()
         result = round_(batch)
         if full[0]:  # the round's own time besides its passes (the target's, the draft model's)
-            passes = engine.target.forward_seconds + engine._draft_seconds() - passes
-            parts["round, no passes"].append(time.perf_counter() - began - passes)
+            parts["round, no passes"].append(time.perf_counter() - began - (passes() - before))
         return result
 
     engine._round = whole
@@ -228,16 +232,19 @@ def host_parts(engine, rows: int) -> dict[str, list[float]]:
         ("suffix", engine.suffix, "propose"),
         ("policy", engine.policy, "choose"),
         ("sync", engine.target, "sync"),
+        ("verify, no pass", engine, "_verify"),
         ("accept", engine, "_accept"),
+        ("evict", engine, "_evict"),
+        ("fill, no prefills", engine, "_fill"),
     ]
     for name, owner, method in timed:
         inner = getattr(owner, method)
 
         def wrapped(*args, _inner=inner, _name=name, **kwargs):
-            began = time.perf_counter()
+            began, before = time.perf_counter(), passes()
             result = _inner(*args, **kwargs)
             if full[0]:
-                parts[_name].append(time.perf_counter() - began)
+                parts[_name].append(time.perf_counter() - began - (passes() - before))
             return result
 
         setattr(owner, method, wrapped)
