@@ -58,6 +58,29 @@ def _prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(3, 300, (count, length), generator=gen).tolist()
 
 
+@pytest.mark.skipif(
+    DEVICE != "cpu" or streamed.library() is None, reason="the kernel's attention is a CPU kernel"
+)
+def test_a_bf16_target_on_a_cpu_attends_in_the_kernel_not_in_float64(tiny_pair_dirs, monkeypatch):
+    """A bf16 target on a CPU attends in the kernel, in float32 over a float32 cache, prefills
+    and decode passes alike: float64 products, softmax and mask were some 70% of a bf16 prefill.
+    (The tests around this one hold its bits the same in every pass.)"""
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[0], dtype=torch.bfloat16).eval()
+    invariant.make_batch_invariant(target)
+    assert invariant.cache_dtype(target) == torch.float32
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("float64 attention ran")
+
+    monkeypatch.setattr(invariant, "float64_attention", refuse)
+    p = _prompts(2, 40)
+    lm = BatchedLM(target, pad_token_id=0)
+    lm.reset(2)
+    first = lm.forward([p[0], p[1][:30]], [1, 1])
+    then = lm.forward([[5, 6, 7], [8]], [3, 1])
+    assert all(torch.isfinite(x).all() for x in [*first, *then])
+
+
 def test_a_token_gets_the_same_logits_alone_in_a_wide_pass_and_in_a_ragged_batch(invariant_pair):
     """A generated token's logits, whatever pass verifies it. Prompts are always prefilled and
     generated tokens never are, so each side is compared with its own kind: on a GPU a prefill

@@ -11,9 +11,10 @@ bf16 two kernels break that promise at near-ties, even though the model is the s
    slower than the 1-row one.
 2. Attention. The fused kernel's result for one query depends on how many queries share the
    call and how many masked key slots surround its keys (the speculative cache has holes and
-   padding). For float32 models on CPUs with the streamed kernel, attention is the kernel's
-   (`streamed.attention`): each query one fixed chain over the keys it sees, so its bits cannot
-   depend on the pass. Elsewhere it runs in float64 and is rounded back to the model's dtype:
+   padding). For float32 and bf16 models on CPUs with the streamed kernel, attention is the
+   kernel's (`streamed.attention`, in float32 over a float32 cache): each query one fixed chain
+   over the keys it sees, so its bits cannot depend on the pass. Elsewhere it runs in float64
+   and is rounded back to the model's dtype:
    the summation order then moves the result by ~1e-16, which survives the rounding to bf16
    only if it straddles a rounding boundary (odds ~2^-40 per value).
 
@@ -56,8 +57,8 @@ QUERY_BLOCK = 64
 
 def cache_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype a model's KV cache keeps its keys and values in (None: as they come): float32
-    where the kernel's attention reads them (a float32 batch-invariant model on a CPU with the
-    streamed kernel), float64 for the float64 attention of other batch-invariant models, so that
+    where the kernel's attention reads them (a float32 or bf16 batch-invariant model on a CPU
+    with the streamed kernel), float64 for the float64 attention of other batch-invariant models, so that
     a pass converts only its own keys, never the whole cache again."""
     if getattr(model.config, "_attn_implementation", None) != NAME:
         return None
@@ -67,29 +68,30 @@ def cache_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def kernel_attends(dtype: torch.dtype, device: str) -> bool:
-    """Does attention over keys of `dtype` on `device` run in the kernel (`streamed.attention`)?"""
-    return dtype == torch.float32 and device == "cpu" and streamed.library() is not None
+    """Does attention for a model of `dtype` on `device` run in the kernel (`streamed.attention`,
+    in float32)?"""
+    return dtype in (torch.float32, torch.bfloat16) and device == "cpu" and streamed.library() is not None
 
 
 def invariant_attention(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs
 ) -> tuple[torch.Tensor, None]:
-    """Attention whose result for a query does not depend on the pass: the kernel's where the
-    keys are float32 on a CPU (`cache_dtype`), else `float64_attention`."""
+    """Attention whose result for a query does not depend on the pass: the kernel's, in float32,
+    for a float32 or bf16 model on a CPU (a bf16 model's tensors converted: in a bf16 prefill
+    the float64 products were some 70% of the time), else `float64_attention`."""
     scaling = kwargs.get("scaling")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if (
-        attention_mask is not None
-        and key.dtype == query.dtype
-        and query.shape[-1] % 8 == 0
-        and kernel_attends(key.dtype, key.device.type)
-    ):
+    kernel = kernel_attends(query.dtype, key.device.type) and query.shape[-1] % 8 == 0
+    if attention_mask is not None and kernel:
         layout = packing.current()
         rows = None  # a ragged pass: each row's real queries only
         if layout is not None and layout.width == query.shape[2] and len(layout.lengths) == query.shape[0]:
             rows = layout.lengths
-        mask = attention_mask[:, :, :, : key.shape[2]]
-        return streamed.attention(query, key, value, mask, scale, rows), None
+        mask = attention_mask[:, :, :, : key.shape[2]].float()
+        # keys and values come in float32 from the runners' caches, in the model's dtype from a
+        # pass without one (`architecture.plain_head`'s check, Hugging Face's generate)
+        out = streamed.attention(query.float(), key.float(), value.float(), mask, scale, rows)
+        return out.to(query.dtype), None
     return float64_attention(module, query, key, value, attention_mask, **kwargs)
 
 

@@ -400,7 +400,7 @@ class ModelsSpec(_Section):
         description="Target numerics that do not depend on how many tokens or rows share a pass, so "
         "speculative output is bitwise the target's own (on a CPU 1-row matrix products run as 2 "
         "rows, on a GPU Linear and RMSNorm inputs run in fixed blocks of rows; attention in float64, "
-        "or for float32 on a CPU in the streamed kernel, one fixed chain per query). "
+        "or for float32 and bfloat16 on a CPU in the streamed kernel, one fixed chain per query). "
         "Default (null): on for bfloat16/float16 on CPU and for every dtype on GPU, off otherwise.",
     )
     draft_int8: bool | None = Field(
