@@ -11,6 +11,7 @@ plain decoding while it speculates, and a drafter it has stopped using.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -497,35 +498,41 @@ class Policy:
         # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
         # choices would repeat, each costing a pass over every row.
         caps = range((gamma_cap if budgets else copies.longest) + 1) if any(offers) else range(1)
+        gammas = range(gamma_cap + 1) if options.use_model else range(1)
+        model_sums = list(itertools.accumulate(from_model[: gamma_cap + 1]))  # summed in order
         for cap in caps:
             # each row's copies truncated at the cap: drafts and expected tokens [rows, copies]
             drafts = np.minimum(copies.tokens, cap)
             expected = np.take_along_axis(copies.expected, drafts[:, :, None], axis=2)[:, :, 0]
-            for gamma in range(gamma_cap + 1) if options.use_model else [0]:
+            weighed = None  # (reach, price) the rows' best copies below were weighed at
+            for gamma in gammas:
                 model_survival = from_model[: gamma + 1]
-                model_tokens = sum(model_survival)
+                model_tokens = model_sums[gamma]
                 # In a drain only rows within `reach` of the one furthest behind can hold its end
                 # back this round; they share what the round is worth, the rows ahead get nothing.
                 reach = max(cap, gamma)
-                holding = leads < reach
-                near = int(holding.sum())
-                weight = 1.0 - to_limit + np.where(holding, to_limit * rows / max(near, 1), 0.0)
                 price = best_rate * per_token  # of a verify token
-                # each row's choice: the first worth most of plain, the draft model, its copies
-                values = np.full((rows, 2 + copies.width), -np.inf)
-                values[:, 0] = weight
-                if gamma:
-                    values[:, 1] = weight * model_tokens - price * gamma
-                if cap:
-                    values[:, 2:] = np.where(
-                        copies.held, weight[:, None] * expected - price * drafts, -np.inf
+                if weighed != (reach, price):  # each row's best copy changes only with these
+                    weighed = (reach, price)
+                    holding = leads < reach
+                    near = max(int(holding.sum()), 1)
+                    weight = 1.0 - to_limit + np.where(holding, to_limit * rows / near, 0.0)
+                    values = (
+                        np.where(copies.held, weight[:, None] * expected - price * drafts, -np.inf)
+                        if cap
+                        else np.full(expected.shape, -np.inf)
                     )
-                chosen = values.argmax(axis=1)
-                column = np.maximum(chosen - 2, 0)[:, None]
-                picked = chosen >= 2
-                row_drafts = np.where(picked, np.take_along_axis(drafts, column, 1)[:, 0], 0)
-                row_tokens = np.where(picked, np.take_along_axis(expected, column, 1)[:, 0], 1.0)
-                by_model = chosen == 1
+                    column = values.argmax(axis=1)[:, None]
+                    copy_value = np.take_along_axis(values, column, 1)[:, 0]
+                    copy_drafts = np.take_along_axis(drafts, column, 1)[:, 0]
+                    copy_tokens = np.take_along_axis(expected, column, 1)[:, 0]
+                # each row's choice: the first worth most of plain, the draft model, its copies
+                model_value = weight * model_tokens - price * gamma if gamma else np.full(rows, -np.inf)
+                picked = copy_value > np.maximum(weight, model_value)
+                by_model = (model_value > weight) & ~picked
+                chosen = np.where(picked, 2 + column[:, 0], by_model.astype(np.int64))
+                row_drafts = np.where(picked, copy_drafts, 0)
+                row_tokens = np.where(picked, copy_tokens, 1.0)
                 if gamma:
                     if not by_model.any():
                         continue  # the draft model would run for nobody
