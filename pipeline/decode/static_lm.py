@@ -551,8 +551,12 @@ class StaticLM(BatchedLM):
             return None
         return self.graphs.get(width) or self._capture(width)
 
+    @torch.no_grad()
     def _capture(self, width: int | str) -> _Graph | None:
-        """Capture the pass `_graph` names as a CUDA graph (once)."""
+        """Capture the pass `_graph` names as a CUDA graph (once). Without autograd, whoever
+        asks (`reserve` runs outside the passes' `no_grad`): a graph captured with it keeps
+        every activation its backward would need, and `torch.compile` compiles a forward that
+        saves them, for as long as the graph lives (docs/gpu.md)."""
         began = time.perf_counter()
         free = torch.cuda.mem_get_info(self.device)[0]
         try:
