@@ -43,6 +43,8 @@ step() {
     timeout "$limit" "$0" "$res" "$@"
     pack
 }
+# a direct call (not a step of `all`): the carried packages, the pair's config, the reports' names
+case $what in tests | calibrate | bench) [ -n "${MACHINE:-}" ] || { setup; rmdir "$res" 2>/dev/null; } ;; esac
 case $what in
 tests)
     PIPELINE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -o addopts= "$@" \
@@ -84,25 +86,27 @@ EOF
     [ -z "${SKIP_TESTS:-}" ] && echo "== static path and fusion tests ($(date +%T))" &&
     PIPELINE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts= $xdist \
         tests/test_static_lm.py tests/test_fusion.py 2>&1 | tee "$res/tests-static.log" | tail -15
+    # passes first: their cost, the bandwidth achieved and what the captured graphs hold (the
+    # 2026-12-04 call found 26.7 GB for one slot: graphs captured with autograd on)
+    NAME=$pair-batch1 step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3
     # HF's eager rows (~30 tok/s) would take the step's whole time: ours only. Every graph is
     # captured before the timed runs (`StaticLM.reserve`), so the runs should now be even.
     NAME=$pair-batch1 step 110 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \
         --runs 3 --drafters prompt_lookup,draft_model,auto --no-hf
+    # 4 documents a slot where the machine has that many license sections (222 here and on the H200)
+    docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
+    NAME=$pair-batch64 step 150 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
+        --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
     # target-only with one pass a round against four back to back (EngineConfig.plain_steps:
     # each pass's choices fed to the next on the device), runs alternated in one process
     echo "== plain_steps 1 against 4, target-only, batch 1 ($(date +%T))"
     timeout 60 python3 scripts/gpu_profile.py $pair "$res" --batch 1 --docs 2 --new 64 --plain-steps 1,4 --runs 3 \
         2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
     pack
-    # passes compiled per layer, then captured (models.compiled_passes, on by default on GPUs);
-    # then the same with q/k/v and gate/up fused (--fused-projections, off by default until this
-    # A/B says otherwise)
-    step 130 calibrate $pair --batch 1,64 --widths 1,8,16 --runs 3
+    # q/k/v and gate/up fused (--fused-projections, off by default until this A/B says otherwise),
+    # then the passes at batch 64 (every width's graph compiled and captured for 64 slots)
     NAME=$pair-fused step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --fused-projections
-    # 4 documents a slot where the machine has that many license sections (222 on the CPU machines)
-    docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
-    NAME=$pair-batch64 step 130 bench $pair --tasks translate --corpus licenses --docs "$docs" --batches 64 --max-new-tokens 64 \
-        --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
+    NAME=$pair-batch64 step 150 calibrate $pair --batch 64 --widths 1,8,16 --runs 3
     # a draft head's step on the GPU beside a width-1 pass (issue 39: the head drafts where a
     # verify pass costs the same at width 1 and 16), with as many output rows as the 1.5B's
     # distilled head (2026-11-29-distill-head-...-chained3-6epochs: the training completions' tokens)
