@@ -500,10 +500,12 @@ class Policy:
         caps = range((gamma_cap if budgets else copies.longest) + 1) if any(offers) else range(1)
         gammas = range(gamma_cap + 1) if options.use_model else range(1)
         model_sums = list(itertools.accumulate(from_model[: gamma_cap + 1]))  # summed in order
+        every = np.arange(rows)
+        pass_seconds: dict[int, float | None] = {}  # a pass's seconds by its cost in tokens
         for cap in caps:
             # each row's copies truncated at the cap: drafts and expected tokens [rows, copies]
             drafts = np.minimum(copies.tokens, cap)
-            expected = np.take_along_axis(copies.expected, drafts[:, :, None], axis=2)[:, :, 0]
+            expected = copies.expected[every[:, None], copies.columns, drafts]
             weighed = None  # (reach, price) the rows' best copies below were weighed at
             for gamma in gammas:
                 model_survival = from_model[: gamma + 1]
@@ -512,8 +514,9 @@ class Policy:
                 # back this round; they share what the round is worth, the rows ahead get nothing.
                 reach = max(cap, gamma)
                 price = best_rate * per_token  # of a verify token
-                if weighed != (reach, price):  # each row's best copy changes only with these
-                    weighed = (reach, price)
+                # each row's best copy changes only with these (the reach only in a drain)
+                if weighed != (reach if budgets else 0, price):
+                    weighed = (reach if budgets else 0, price)
                     holding = leads < reach
                     near = max(int(holding.sum()), 1)
                     weight = 1.0 - to_limit + np.where(holding, to_limit * rows / near, 0.0)
@@ -522,25 +525,28 @@ class Policy:
                         if cap
                         else np.full(expected.shape, -np.inf)
                     )
-                    column = values.argmax(axis=1)[:, None]
-                    copy_value = np.take_along_axis(values, column, 1)[:, 0]
-                    copy_drafts = np.take_along_axis(drafts, column, 1)[:, 0]
-                    copy_tokens = np.take_along_axis(expected, column, 1)[:, 0]
+                    column = values.argmax(axis=1)
+                    copy_value = values[every, column]
+                    copy_drafts = drafts[every, column]
+                    copy_tokens = expected[every, column]
                 # each row's choice: the first worth most of plain, the draft model, its copies
                 model_value = weight * model_tokens - price * gamma if gamma else np.full(rows, -np.inf)
                 picked = copy_value > np.maximum(weight, model_value)
                 by_model = (model_value > weight) & ~picked
-                chosen = np.where(picked, 2 + column[:, 0], by_model.astype(np.int64))
+                if gamma and not by_model.any():
+                    continue  # the draft model would run for nobody
+                chosen = np.where(picked, 2 + column, by_model.astype(np.int64))
                 row_drafts = np.where(picked, copy_drafts, 0)
                 row_tokens = np.where(picked, copy_tokens, 1.0)
                 if gamma:
-                    if not by_model.any():
-                        continue  # the draft model would run for nobody
                     row_drafts = np.where(by_model, gamma, row_drafts)
                     row_tokens = np.where(by_model, model_tokens, row_tokens)
                 tokens = sum(row_tokens.tolist())  # summed in row order, as a choice is compared
                 lengths = (row_drafts + 1).tolist()
-                seconds = gamma * draft_time + self.costs.target_time(self.target.pass_tokens(lengths))
+                cost = self.target.pass_tokens(lengths)
+                if cost not in pass_seconds:
+                    pass_seconds[cost] = self.costs.target_time(cost)
+                seconds = gamma * draft_time + pass_seconds[cost]
                 if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
                     seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
                 worth = tokens
@@ -570,6 +576,7 @@ class _Copies:
         self.tokens = np.zeros((rows, self.width), dtype=np.int64)
         self.expected = np.ones((rows, self.width, gamma_cap + 1))
         self.held = np.zeros((rows, self.width), dtype=bool)
+        self.columns = np.arange(self.width)  # an offer's column, for indexing [rows, offers, k]
         self._survivals: list[list[list[float]]] = []
         known: dict[tuple[str, int, int], tuple[list[float], np.ndarray]] = {}
         for i, row in enumerate(offers):
