@@ -153,6 +153,24 @@ def test_a_prefill_from_a_template_or_row_by_row_gives_the_logits_of_one_padded_
     assert lm.prefill_tokens([prompts[3], prompts[0]]) == len(prompts[3]) + len(prompts[0]) - 2 * shared
 
 
+def test_in_a_prefill_the_output_layer_keeps_the_decode_passes_row_block(tiny_pair_dirs, monkeypatch):
+    """A GPU's row blocks: a prefill's layers take PREFILL_ROWS rows a call, its output layer,
+    which sees only the rows that want logits, the decode passes' GPU_ROWS (a 2,048-row block
+    computed the whole vocabulary 2,048 times over for each admission)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair_dirs[0], dtype=torch.float32).eval()
+    invariant.make_batch_invariant(model, row_blocks=True)
+    seen = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: seen.append(len(x)) or linear(x, *a))
+    head, layer = model.get_output_embeddings(), model.base_model.layers[0].mlp.down_proj
+    with torch.no_grad(), streamed.prefilling():
+        head(torch.zeros(3, head.in_features))
+        layer(torch.zeros(3, layer.in_features))
+    with torch.no_grad():
+        head(torch.zeros(3, head.in_features))
+    assert seen == [invariant.GPU_ROWS, invariant.PREFILL_ROWS, invariant.GPU_ROWS]
+
+
 def test_float64_attention_computes_the_same_attention(tiny_pair_dirs):
     """Same function as the stock attention, to float64 precision rather than bitwise."""
     target_dir, _ = tiny_pair_dirs

@@ -193,12 +193,13 @@ def _narrow(linear: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor |
     return None
 
 
-def _in_row_blocks(forward):
-    """`forward` (row-wise over the last dimension) computed GPU_ROWS rows at a time (PREFILL_ROWS
-    in a prefill), the last block padded with zeros, so every call runs the kernels of one shape."""
+def _in_row_blocks(forward, prefill_rows: int = PREFILL_ROWS):
+    """`forward` (row-wise over the last dimension) computed GPU_ROWS rows at a time
+    (`prefill_rows` in a prefill), the last block padded with zeros, so every call runs the
+    kernels of one shape."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        size = PREFILL_ROWS if streamed.is_prefilling() else GPU_ROWS
+        size = prefill_rows if streamed.is_prefilling() else GPU_ROWS
         rows = x.reshape(-1, x.shape[-1])
         n = len(rows)
         rows = nn.functional.pad(rows, (0, 0, 0, -n % size))
@@ -240,11 +241,15 @@ def make_batch_invariant(model: nn.Module, row_blocks: bool | None = None) -> nn
         return model
     if row_blocks is None:
         row_blocks = next(model.parameters()).device.type == "cuda"
+    # The output layer sees, in a prefill, only the rows that want logits (the prompts' last
+    # tokens, a few), never a whole prompt: in a prefill's block it computed 2,048 rows of the
+    # whole vocabulary for each admission. Its decode passes' block serves it in prefills too.
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in model.modules():
         if getattr(module, "_fused_into", None):
             continue  # a part of a fused product (`fusion`): the product itself is wrapped
         if row_blocks and (isinstance(module, nn.Linear) or type(module).__name__.endswith("RMSNorm")):
-            module.forward = _in_row_blocks(module.forward)
+            module.forward = _in_row_blocks(module.forward, GPU_ROWS if module is head else PREFILL_ROWS)
         elif isinstance(module, nn.Linear):
             module._widened = False
             module.register_forward_pre_hook(_widen)
