@@ -7,13 +7,23 @@ Timings of tiny models mean nothing; this proves the harness, not a speedup.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import torch
 from click.testing import CliRunner
 from pipeline_helpers import write_models_config
 
 from pipeline.cli import main
 from pipeline.decode.stats import BatchStats
-from pipeline.lab.bench import HEADER, Benchmark, Row, job_prediction, markdown_table, write_report
+from pipeline.lab.bench import (
+    HEADER,
+    Benchmark,
+    Row,
+    describe_gpu_memory,
+    job_prediction,
+    markdown_table,
+    write_report,
+)
 from pipeline.machine import describe_machine
 from pipeline.models.loading import resolve_dtype
 
@@ -119,6 +129,15 @@ def _row(task: str, method: str, batch: int, speedup: float, alpha: float | None
         tokens=24,
         peak_rss_mb=512.0,
     )
+
+
+def test_the_gpu_memory_line_names_the_benchs_peak_beside_the_cards_memory(monkeypatch):
+    rows = [_row("translate", "ours target-only", 1, 1.0, None), _row("translate", "ours auto", 1, 1.2, 0.7)]
+    assert describe_gpu_memory(rows) is None  # no GPU: no line
+    rows[0].peak_gpu_mb, rows[1].peak_gpu_mb = 5_000.0, 26_747.4
+    card = SimpleNamespace(total_memory=140 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
+    assert describe_gpu_memory(rows) == "GPU memory allocated at most 26,747 MB of the card's 143,360 MB"
 
 
 def test_the_report_records_command_machine_pair_settings_and_a_table_per_task(tmp_path):

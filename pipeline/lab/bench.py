@@ -66,6 +66,8 @@ class Row:
     acceptance_by_position: dict[str, list[float]] = field(default_factory=dict)
     # tokens/s over llama.cpp target-only's on the same documents (None: no llama.cpp rows)
     vs_llama_cpp: float | None = None
+    # the GPU memory torch had allocated at most by the end of this row's runs (None: no GPU)
+    peak_gpu_mb: float | None = None
     # how far the outputs follow ours target-only at batch 1: the mean share of each output's
     # tokens before the first difference (1.0: identical)
     agreement: float | None = None
@@ -99,6 +101,20 @@ def task_prompts(
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _peak_gpu_mb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def describe_gpu_memory(rows: list[Row]) -> str | None:
+    """The GPU memory the bench took at most (the static path's slots and captured graphs
+    included), beside the card's: what decides the batch a GPU can hold."""
+    peak = max((r.peak_gpu_mb for r in rows if r.peak_gpu_mb is not None), default=None)
+    if peak is None:
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory / 2**20
+    return f"GPU memory allocated at most {peak:,.0f} MB of the card's {total:,.0f} MB"
 
 
 def hf_generate(target, prompts, max_new: int, eos: list[int], pad: int, **kwargs):
@@ -558,6 +574,7 @@ def _row(
         seconds_runs=c.times,
         tokens=tokens,
         peak_rss_mb=_peak_rss_mb(),
+        peak_gpu_mb=_peak_gpu_mb(),
         **_engine_columns(c.stats, base_stats),
     )
 
@@ -727,6 +744,8 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
     for task in dict.fromkeys(r.task for r in result.rows):
         body += ["", f"### {task}", "", markdown_table([r for r in result.rows if r.task == task])]
     body += ["", "Measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]) + "."]
+    memory = describe_gpu_memory(result.rows)
+    body += [f"{memory}."] if memory else []
     title = f"Benchmark: {meta['pair']}, {_setting(meta['tasks'])}, batch {_setting(meta['batches'])}"
     write_record(
         path,
@@ -943,6 +962,9 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
     )
     meta = _meta(o, loaded, started, runner, gguf)
     echo("measured by the auto engine, seconds: " + describe_costs(result.costs["auto"]))
+    memory = describe_gpu_memory(result.rows)
+    if memory:
+        echo(memory)
     for path in (out_path, o.report_path or out_path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json(result, out_path, meta)
