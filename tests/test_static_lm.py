@@ -37,6 +37,8 @@ def pairs(tiny_pair_dirs):
 def test_the_loader_marks_the_models_and_the_engine_picks_the_runner(pairs):
     static, dynamic = pairs
     assert static.static_passes and not dynamic.static_passes
+    # served, never trained: no pass builds what a backward would need
+    assert not any(p.requires_grad for p in static.target.parameters())
     assert static.manifest()["static_passes"] is True
     engine = SpeculativeEngine(static.target, static.draft, eos_token_ids=[1], pad_token_id=0)
     assert isinstance(engine.target, StaticLM) and isinstance(engine.draft.lm, StaticLM)
@@ -217,8 +219,11 @@ def test_graphs_are_captured_without_autograd_whoever_asks(pairs, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
     lm = StaticLM(model, 0)
     lm.use_graphs = True
-    assert torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
-    lm.reserve(2, 40)
+    assert torch.is_grad_enabled()
+    with monkeypatch.context() as m:  # a model loaded otherwise than by `load_pair`, which trains
+        for p in model.parameters():
+            m.setattr(p, "requires_grad", True)
+        lm.reserve(2, 40)
     assert seen and set(seen) == {(False, False)}
 
 

@@ -723,6 +723,9 @@ def load_pair(
     for model in (target_model, draft_model) if compiled_passes else ():
         if getattr(model, "_static_passes", False):
             model._compiled_passes = True
+    for model in (target_model, draft_model):
+        if model is not None:  # served, never trained here: no pass keeps what a backward would need
+            model.requires_grad_(False)
     return LoadedPair(
         tokenizer=tokenizer,
         target=target_model,
