@@ -149,6 +149,7 @@ def test_the_cache_reads_back_what_was_saved_under_a_key_of_the_settings(tiny_lo
         calibration_key(dataclasses.replace(tiny_loaded, draft_ref=ModelRef("/elsewhere")), threads=1),
         calibration_key(tiny_loaded, threads=1, draft_vocab=64),
         *(calibration_key(static, threads=1) for static in (static_path, compiled_path)),
+        calibration_key(dataclasses.replace(tiny_loaded, fused_projections=("target",)), threads=1),
     ]
     assert len({key, *others}) == len(others) + 1
 
