@@ -31,6 +31,11 @@ setup() {
 }
 prepare() {
     setup
+    if [ -n "${DRY:-}" ]; then # the script's own check on a CPU: the tests' tiny pair, same steps
+        python3 scripts/tiny_job.py /tmp/gpu --pair-only 2>&1 | tee "$res/models.log"
+        pair=tiny
+        return
+    fi
     python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
     pair=qwen2.5-coder-shaped-random
 }
