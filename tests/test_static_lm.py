@@ -424,6 +424,123 @@ def test_passes_back_to_back_choose_what_rounds_one_at_a_time_do(pairs, path, ba
     _same([together_logits, one_logits])
 
 
+def test_prompt_lookup_as_tensor_ops_drafts_what_follows_the_latest_longest_match():
+    history = torch.tensor(
+        [
+            [5, 6, 7, 8, 5, 6, 9, 5, 6, -1, -1],  # "5 6" last occurred before "9": drafts 9 5 6
+            [1, 2, 3, 4, 2, 3, -1, -1, -1, -1, -1],  # "2 3" occurred at 1: 4 2 3 (3 of 3)
+            [1, 2, 3, 9, 9, 9, 9, 9, 9, 2, 3],  # "9 2 3" nowhere, "2 3" at 1: 9 9 9
+            [4, 4, 7, -1, -1, -1, -1, -1, -1, -1, -1],  # "7" never before: no draft
+            [-1] * 11,  # a free slot
+            [1, 2, 1, 2, -1, -1, -1, -1, -1, -1, -1],  # "1 2" at 0, followed by "1 2": 2 of 3
+        ]
+    )
+    known = torch.tensor([9, 6, 11, 3, 0, 4])
+    drafts, counts = static_lm._lookup(history, known, 3, (3, 2, 1))
+    assert counts.tolist() == [3, 3, 3, 0, 0, 2]
+    assert drafts.tolist() == [[9, 5, 6], [4, 2, 3], [9, 9, 9], [-1] * 3, [-1] * 3, [1, 2, -1]]
+
+
+@pytest.mark.parametrize("drafts", ["looked up", "the target's own, some spoilt"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_lookup_rounds_on_the_device_keep_the_targets_greedy_tokens(pairs, batch, drafts, monkeypatch):
+    """`lookup_steps` (drafts verified and accepted on the device, the passes back to back)
+    against the target's greedy choices one token a pass: the same tokens, and a cache that gives
+    the pass after them the one-at-a-time run's logits bit for bit. The tiny target seldom
+    repeats itself, so its lookups are seldom accepted: the second case drafts the target's own
+    next tokens instead, spoilt at one place in some rounds and absent in others, so that whole,
+    partial and no acceptance all run. Rows in slots out of order (a row left before)."""
+    lm = StaticLM(pairs[0].target, 0)  # one runner at a time: the model owns the slots
+    rng = random.Random(batch)
+    seqs = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 40))] for _ in range(batch + 1)]
+    firsts = [rng.randrange(3, 300) for _ in range(batch)]
+    gamma, steps = 3, 6
+
+    def start() -> None:
+        lm.reset(len(seqs))
+        lm.forward([list(s) for s in seqs], [1] * len(seqs))
+        lm.select(list(range(1, batch + 1)))  # the first row leaves: the others' slots move on
+
+    def one_at_a_time(count: int) -> list[list[int]]:
+        texts, out = [s + [f] for s, f in zip(seqs[1:], firsts)], [[] for _ in firsts]
+        for _ in range(count):
+            logits = lm.forward(lm.sync(texts), [1] * batch)
+            for text, row, token in zip(texts, out, torch.argmax(torch.cat(logits), dim=-1).tolist()):
+                row.append(token)
+                text.append(token)
+        return out
+
+    def after(made: list[list[int]]) -> list[torch.Tensor]:
+        """A pass after: each row's tokens but its last, then another token and two more."""
+        whole = [s + [f] + m[:-1] + [3 + (m[-1] + 1) % 297, 7, 8] for s, f, m in zip(seqs[1:], firsts, made)]
+        blocks = lm.sync(whole)
+        assert all(len(b) == 3 for b in blocks)
+        return lm.forward(blocks, [3] * batch)
+
+    start()
+    reference = one_at_a_time(steps * (gamma + 1))
+    if drafts != "looked up":
+        texts = {lm.row_slots[r]: s + [f] + o for r, (s, f, o) in enumerate(zip(seqs[1:], firsts, reference))}
+        calls = []
+
+        def own(history, known, gamma, ngrams):
+            calls.append(None)
+            drafted = torch.full((len(known), gamma), -1, dtype=torch.long)
+            for slot, text in texts.items():
+                k, turn = int(known[slot]), (len(calls) + slot) % 3
+                if turn:  # turn 0: no drafts
+                    drafted[slot] = torch.tensor(text[k : k + gamma])
+                    drafted[slot, 1] += turn == 1  # spoilt at the second draft
+            return drafted, (drafted >= 0).sum(dim=1)
+
+        monkeypatch.setattr(static_lm, "_lookup", own)
+    start()
+    budgets = [steps * (gamma + 1)] * batch if drafts == "looked up" else [10 + 4 * r for r in range(batch)]
+    made, rounds = lm.lookup_steps(firsts, gamma, steps, budgets)
+    assert made == [row[: len(m)] for row, m in zip(reference, made)]
+    assert all(len(m) == sum(a + 1 for _, a in r) for m, r in zip(made, rounds))
+    # a row runs every round, or stops once it has its budget (its slot's room), at most a pass past it
+    assert all(len(r) == steps or b <= len(m) < b + gamma + 1 for m, r, b in zip(made, rounds, budgets))
+    if drafts != "looked up":
+        assert {a for r in rounds for _, a in r} == {0, 1, gamma}
+    looped = after(made)
+    start()
+    one_at_a_time(max(map(len, made)))
+    _same([looped, after(made)])
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_an_engine_with_lookup_rounds_on_the_device_gives_target_only_outputs(pairs, batch_size):
+    """`EngineConfig.lookup_steps`: greedy prompt lookup runs its rounds on the device, back to
+    back: the outputs of target-only decoding, rows ending at an EOS or their limit inside the
+    rounds, more rows than places (rows admitted between loops), in fewer engine rounds; the
+    counters add up as the host rounds' do. Other drafters keep their host rounds."""
+    loaded = pairs[0]
+    prompts = [loaded.tokenizer(t).input_ids for t in TEXTS] * 2
+
+    def run(drafter, steps, eos):
+        config = EngineConfig(drafter=drafter, gamma_max=6, lookup_steps=steps)
+        engine = SpeculativeEngine(
+            loaded.target, loaded.draft, eos_token_ids=eos, pad_token_id=0, config=config
+        )
+        rounds, round_, loops, loop_ = [0], engine._round, [0], engine._lookup_rounds
+        engine._round = lambda batch: (rounds.__setitem__(0, rounds[0] + 1), round_(batch))
+        engine._lookup_rounds = lambda batch, n: (loops.__setitem__(0, loops[0] + 1), loop_(batch, n))[1]
+        done, stats = engine.generate(prompts, MAX_NEW, batch_size=batch_size)
+        assert stats.new_tokens == sum(len(o.tokens) for o in done)
+        assert stats.accepted <= stats.drafted and stats.row_passes >= stats.new_tokens - stats.accepted
+        return [(o.tokens, o.finish_reason) for o in done], rounds[0], loops[0], stats
+
+    early = run("none", 1, [1])[0][0][0][2]  # the first row's third token ends rows now
+    target_only = run("none", 1, [early])[0]
+    hosted, host_rounds, no_loops, _ = run("prompt_lookup", 1, [early])
+    looped, loop_rounds, loops, stats = run("prompt_lookup", 4, [early])
+    assert looped == hosted == target_only and {reason for _, reason in looped} == {"eos", "length"}
+    assert no_loops == 0 < loops and loop_rounds < host_rounds
+    assert stats.drafted_by.get("prompt_lookup", 0) > 0
+    assert run("suffix", 4, [early])[2] == 0  # other drafters keep their rounds on the host
+
+
 @pytest.mark.parametrize("path", ["static", "dynamic"])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_rounds_without_drafts_run_their_passes_back_to_back_with_the_same_outputs(pairs, path, batch_size):

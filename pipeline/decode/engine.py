@@ -83,6 +83,11 @@ class _Batch:
     idle_seconds: float = 0.0  # rounds' seconds times the share of places left free while rows waited
 
 
+# Drafts a prompt-lookup round on the device verifies (`EngineConfig.lookup_steps`): a pass of
+# width 4, one of the captured widths (`static_lm.WIDTHS`)
+LOOKUP_GAMMA = 3
+
+
 @dataclass
 class _Drafts:
     """One round's drafts, per row: tokens, their distributions (sampled drafts, else None) and
@@ -285,17 +290,20 @@ class SpeculativeEngine:
         began = time.perf_counter()
         rows = len(batch.active)
         drafters = batch.copiers or batch.model is not None or batch.head is not None
-        drafting = self.config.adaptive and drafters
+        loop = self._lookup_steps(batch)  # rounds of prompt lookup on the device (0: on the host)
+        drafting = self.config.adaptive and drafters and not loop
         # target-only asks nobody: a policy weighing no offers costs ~0.3 ms at 64 rows, a
         # tenth of a captured GPU pass
-        asked = drafters and (not drafting or self.gate.asks(rows))  # see `DraftingGate`
+        asked = drafters and not loop and (not drafting or self.gate.asks(rows))  # see `DraftingGate`
         asking, models = time.perf_counter(), self._draft_seconds()
         drafts = self._draft(batch) if asked else _Drafts.none(rows)
         # the drafters' own time: their model passes are priced by the policy (`DraftingGate`)
         asking = time.perf_counter() - asking - (self._draft_seconds() - models)
         batch.stats.asking_seconds += asking if asked else 0.0
-        steps = 1 if asked else self._plain_steps(batch)
-        if steps > 1:
+        steps = 1 if asked or loop else self._plain_steps(batch)
+        if loop:
+            produced = self._lookup_rounds(batch, loop)
+        elif steps > 1:
             produced = self._greedy_steps(batch, steps)
         else:
             logits = self._verify(batch, drafts)
@@ -427,6 +435,74 @@ class SpeculativeEngine:
             batch.stats.rounds.observe(None, 0, 0, kept, rounds=kept)
         return produced
 
+    def _lookup_steps(self, batch: _Batch) -> int:
+        """Rounds of prompt lookup the device runs back to back now (`EngineConfig.
+        lookup_steps`; 0: a round on the host): greedy prompt lookup alone, on a runner with
+        such rounds (`StaticLM.lookup_steps`), never while a free place waits for a row."""
+        if self.config.lookup_steps < 2 or [d.name for d in batch.copiers] != [PROMPT_LOOKUP]:
+            return 0
+        if not batch.sampling.greedy or batch.head is not None or batch.model is not None:
+            return 0
+        if not hasattr(self.target, "lookup_steps") or (batch.waiting and len(batch.active) < batch.size):
+            return 0
+        return self.config.lookup_steps
+
+    def _lookup_rounds(self, batch: _Batch, steps: int) -> int:
+        """`steps` rounds of prompt lookup drafted, verified and accepted on the device
+        (`StaticLM.lookup_steps`), each row keeping its tokens up to its EOS, limit or stop
+        string as that many rounds would, and counted round by round. Returns the tokens produced."""
+        unfed = self.target.sync([r.seq for r in batch.active])
+        if any(len(u) != 1 for u in unfed):  # a row catching up: one plain round
+            drafts = _Drafts.none(len(unfed))
+            return self._accept(batch, drafts, self._verify(batch, drafts))
+        budgets = [batch.max_new_tokens - r.stats.new_tokens for r in batch.active]
+        before = self.target.forward_seconds
+        made, rounds = self.target.lookup_steps([u[0] for u in unfed], LOOKUP_GAMMA, steps, budgets)
+        cost = self.target.pass_tokens([LOOKUP_GAMMA + 1] * len(unfed))
+        self._count_passes(batch, cost, self.target.forward_seconds - before, LOOKUP_GAMMA, steps)
+        produced = 0
+        for row, tokens, row_rounds in zip(batch.active, made, rounds):
+            left = self._append(row, tokens, batch)
+            produced += left
+            for drafted, accepted in row_rounds:
+                if left <= 0:
+                    break
+                kept = min(accepted + 1, left)
+                left -= kept
+                self._count_row(batch, row, PROMPT_LOOKUP if drafted else None, drafted, accepted, kept)
+        return produced
+
+    def _count_row(
+        self,
+        batch: _Batch,
+        row: _Row,
+        source: str | None,
+        drafted: int,
+        accepted: int,
+        kept: int,
+        draft_passes: int = 0,
+    ) -> None:
+        """A row's verify pass in the counters: `drafted` drafts of `source`, `accepted` of
+        them, `kept` tokens kept (fewer where the row ended inside them)."""
+        stats = row.stats
+        stats.target_passes += 1
+        stats.draft_passes += draft_passes
+        stats.drafted += drafted
+        stats.accepted += min(accepted, kept)
+        stats.target_tokens += kept - min(accepted, kept)
+        if source:
+            for by, count in (
+                (stats.drafted_by, drafted),
+                (stats.accepted_by, min(accepted, kept)),
+                (batch.stats.drafted_by, drafted),
+                (batch.stats.accepted_by, accepted),
+            ):
+                by[source] = by.get(source, 0) + count
+        batch.stats.drafted += drafted
+        batch.stats.accepted += accepted
+        batch.stats.row_passes += 1
+        batch.stats.rounds.observe(source, drafted, accepted, kept)
+
     def _accept(self, batch: _Batch, drafts: _Drafts, logits: list[torch.Tensor]) -> int:
         """Each row keeps the drafts the target agrees with plus one token of the target's own;
         the counters and the policy learn how each source did. Returns the tokens produced."""
@@ -442,25 +518,10 @@ class SpeculativeEngine:
             )
             kept = self._append(row, draft[:accepted] + [token], batch)
             produced += kept
-            stats = row.stats
-            stats.target_passes += 1
-            stats.draft_passes += drafts.model_passes
-            stats.drafted += len(draft)
-            stats.accepted += min(accepted, kept)
-            stats.target_tokens += kept - min(accepted, kept)
+            source = key[0] if key else None
+            self._count_row(batch, row, source, len(draft), accepted, kept, drafts.model_passes)
             if key:
-                for by, count in (
-                    (stats.drafted_by, len(draft)),
-                    (stats.accepted_by, min(accepted, kept)),
-                    (batch.stats.drafted_by, len(draft)),
-                    (batch.stats.accepted_by, accepted),
-                ):
-                    by[key[0]] = by.get(key[0], 0) + count
                 outcomes[key].append((accepted, len(draft)))
-            batch.stats.drafted += len(draft)
-            batch.stats.accepted += accepted
-            batch.stats.row_passes += 1
-            batch.stats.rounds.observe(key[0] if key else None, len(draft), accepted, kept)
         self.policy.observe(outcomes)
         return produced
 

@@ -103,9 +103,16 @@ class EngineConfig:
     # where passes are captured graphs, whose cost is about the round's around them; one on a
     # CPU, whose passes dwarf the round).
     plain_steps: int | None = None
+    # Greedy prompt lookup alone (the drafter `prompt_lookup`) drafts, verifies and accepts this
+    # many rounds back to back on the device, the host reading once (`StaticLM.lookup_steps`);
+    # 1: every round on the host. Not a job setting yet: at 1 until a GPU measures the loop
+    # against host rounds (scripts/gpu_profile.py --lookup-steps, docs/gpu.md).
+    lookup_steps: int = 1
 
     def __post_init__(self) -> None:
         check(self)
+        if not 1 <= self.lookup_steps <= 64:
+            raise ValueError(f"lookup_steps must be in 1..64, got {self.lookup_steps}")
 
     @classmethod
     def from_spec(cls, section, drafter: str | None = None) -> EngineConfig:

@@ -36,6 +36,7 @@ logits and greedy outputs.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -374,6 +375,90 @@ class StaticLM(BatchedLM):
             self.tokens[row] += [token, *row_choices[:-1]]
         return choices
 
+    @torch.no_grad()
+    def lookup_steps(
+        self,
+        tokens: list[int],
+        gamma: int,
+        steps: int,
+        budgets: list[int] | None = None,
+        ngrams: tuple[int, ...] = (3, 2, 1),
+    ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        """`steps` greedy rounds of prompt lookup with the drafting and accepting on the device,
+        the passes back to back: each row's drafts are the `gamma` tokens after the latest
+        earlier occurrence of its last n tokens (n the longest of `ngrams` found), its verify
+        pass one replay of width `gamma` + 1, and it keeps the drafts that equal the target's
+        choices plus the target's next token, as `SpeculativeEngine._round` would. The host
+        reads once, at the end: each row's tokens in order, and (drafted, accepted) per round.
+
+        Why: at 64 rows a host-side round spent more time asking the drafters and accepting row
+        by row than a captured GPU pass takes (docs/engine.md). Lossless as any greedy round: a
+        token is kept only where the target chose it. Like `greedy_steps`, a row that ends
+        early (EOS) rides the rest; the caller keeps its tokens up to its end. A row stops once
+        it has its `budgets` tokens (its limit: its slot holds no more), its passes then writing
+        scratch positions."""
+        width = gamma + 1
+        assert width in WIDTHS and not self.cold and not self.keep_features, "a graph width, warm rows"
+        rows = list(range(len(tokens)))
+        budgets = budgets or [steps * width] * len(rows)
+        self._take(0, max(len(t) + min(b, steps * width) + width for t, b in zip(self.tokens, budgets)))
+        slots = _on_device([self.row_slots[r] for r in rows], self.device)
+        history = np.full((self.capacity, self.total), -1, dtype=np.int64)  # -1 matches no token
+        known = np.zeros(self.capacity, dtype=np.int64)
+        for row, token in zip(rows, tokens):
+            seq = self.tokens[row] + [token]
+            history[self.row_slots[row], : len(seq)] = seq
+            known[self.row_slots[row]] = len(seq)
+        history, known = torch.from_numpy(history).to(self.device), torch.from_numpy(known).to(self.device)
+        active = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        active[slots] = True
+        span = torch.arange(width, device=self.device)
+        scratch = self.total - width + span  # free slots' positions (see `_layout`)
+        graph = self._graph(width)
+        left = torch.tensor(budgets, device=self.device)
+        first, rounds = known.clone(), []
+        began = time.perf_counter()
+        for _ in range(steps):
+            going = left > 0
+            active[slots] = going
+            drafts, counts = _lookup(history, known, gamma, ngrams)
+            last = history.gather(1, (known - 1).clamp(min=0)[:, None])
+            ids = torch.cat([last, drafts], dim=1)
+            ids = torch.where(ids < 0, self.pad_token_id, ids)  # past a row's drafts, free slots
+            positions = torch.where(active[:, None], (known - 1)[:, None] + span, scratch)
+            positions = positions.clamp(max=self.total - 1)
+            hidden = graph.replay(ids, positions) if graph else self._layers(ids, positions, None, 0)
+            picked = hidden[slots].reshape(-1, hidden.shape[-1])
+            choice = self._head_logits(picked).argmax(dim=-1).view(len(rows), width)
+            agree = drafts[slots] == choice[:, :gamma]  # -1 past a row's drafts agrees with nothing
+            accepted = agree.long().cumprod(dim=1).sum(dim=1)  # [rows]
+            # the kept drafts, then the target's own token after them
+            bonus = choice.gather(1, accepted[:, None])
+            kept = torch.where(span[None, :gamma] < accepted[:, None], drafts[slots], -1)
+            new = torch.cat([kept, torch.full_like(bonus, -1)], dim=1)
+            new.scatter_(1, accepted[:, None], bonus)
+            at = (known[slots, None] + span).clamp(max=self.total - 1)
+            written = (new >= 0) & going[:, None]
+            history[slots[:, None], at] = torch.where(written, new, history[slots[:, None], at])
+            grown = torch.where(going, accepted + 1, 0)
+            known[slots] += grown
+            left -= grown
+            outcome = torch.stack([counts[slots], accepted], dim=1)
+            rounds.append(torch.where(going[:, None], outcome, 0))
+        self._timed(began)
+        self.fed_tokens = len(rows) * width * steps
+        self.features = []
+        start, end = first[slots].tolist(), known[slots].tolist()
+        made = history[slots].tolist()
+        by_round = torch.stack(rounds, dim=1).tolist()  # [rows, steps, (drafted, accepted)]
+        out, ran = [], []
+        for n, (row, a, b) in enumerate(zip(rows, start, end)):
+            out.append(made[n][a:b])
+            self.tokens[row] = made[n][: b - 1]  # the last token is the next pass's to feed
+            counted = list(itertools.accumulate(r[1] + 1 for r in by_round[n]))
+            ran.append([tuple(r) for r, total in zip(by_round[n], counted) if total - r[1] - 1 < b - a])
+        return out, ran
+
     def _prefill_rows_at(
         self, rows: list[int], blocks: list[list[int]], wanted: list[int]
     ) -> list[torch.Tensor]:
@@ -573,6 +658,35 @@ class StaticLM(BatchedLM):
         self.store.capture_seconds += time.perf_counter() - began
         self.store.graph_bytes += max(free - torch.cuda.mem_get_info(self.device)[0], 0)
         return graph
+
+
+def _lookup(
+    history: torch.Tensor, known: torch.Tensor, gamma: int, ngrams: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt lookup as tensor ops, every slot at once: the `gamma` tokens after the latest
+    earlier occurrence of a slot's last n tokens (n the longest of `ngrams` that occurs), and
+    how many of them there are ([slots, gamma] with -1 past them, [slots]). `history` holds each
+    slot's tokens, -1 past its `known` ones."""
+    slots, length = history.shape
+    device = history.device
+    found = torch.zeros(slots, dtype=torch.bool, device=device)
+    start = torch.zeros(slots, dtype=torch.long, device=device)
+    for n in ngrams:
+        tail = history.gather(1, (known[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
+        windows = history.unfold(1, n, 1)  # [slots, length - n + 1, n]
+        at = torch.arange(windows.shape[1], device=device)
+        # an occurrence with at least one token after it that is not the tail itself
+        hit = (windows == tail[:, None, :]).all(dim=2) & (at[None, :] + n < known[:, None])
+        hit &= (known >= n + 1)[:, None]
+        latest = torch.where(hit, at[None, :], -1).max(dim=1).values
+        new = (latest >= 0) & ~found
+        start = torch.where(new, latest + n, start)
+        found |= new
+    counts = torch.where(found, (known - start).clamp(max=gamma), 0)
+    index = (start[:, None] + torch.arange(gamma, device=device)).clamp(max=length - 1)
+    drafts = history.gather(1, index)
+    drafts = torch.where(torch.arange(gamma, device=device)[None, :] < counts[:, None], drafts, -1)
+    return drafts, counts
 
 
 def _run_layer(layer, hidden, mask, cos_sin, cache, keyword: str) -> torch.Tensor:
