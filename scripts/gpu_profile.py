@@ -1,7 +1,7 @@
 """Where decoding's time goes, pass by pass: what `gpu-check.sh probe` runs on a GPU.
 
     python3 scripts/gpu_profile.py PAIR OUT [--batch 1] [--docs 2] [--new 64] [--drafter none]
-        [--static-passes] [--split-only] [--plain-steps 1,4 [--runs 5]]
+        [--static-passes] [--split-only] [--plain-steps 1,4 | --lookup-steps 1,4 [--runs 5]]
 
 Target-only decoding (or `--drafter`'s) of license translations through the job's own loading
 (on a GPU: static, compiled, captured passes), after a warm-up run that captures the graphs:
@@ -16,6 +16,8 @@ Target-only decoding (or `--drafter`'s) of license translations through the job'
 
 `--plain-steps A,B` instead alternates runs with `EngineConfig.plain_steps` A and B in one process
 (OUT/profile-batchN[-drafter]-plain-steps-A-B.txt): what passes back to back save.
+`--lookup-steps A,B` the same with `EngineConfig.lookup_steps` (with `--drafter prompt_lookup`):
+prompt lookup's rounds on the host (1) against rounds on the device back to back.
 
 A bench row says how fast; this says which part of a round to make cheaper.
 """
@@ -56,6 +58,11 @@ def main() -> None:
         default=None,
         help="A,B: instead, runs with EngineConfig.plain_steps A and B alternated (--runs each)",
     )
+    parser.add_argument(
+        "--lookup-steps",
+        default=None,
+        help="A,B: instead, runs with EngineConfig.lookup_steps A and B alternated (--runs each)",
+    )
     parser.add_argument("--runs", type=int, default=5)
     o = parser.parse_args()
     if o.threads:
@@ -78,13 +85,13 @@ def main() -> None:
 
     engine = make()
     cuda = loaded.device.startswith("cuda")
-    if o.plain_steps:
-        write(
-            o,
-            compare_plain_steps(o, loaded, prompts, make, cuda),
-            f"plain-steps-{o.plain_steps.replace(',', '-')}",
-        )
-        return
+    for setting in ("plain_steps", "lookup_steps"):
+        values = getattr(o, setting)
+        if values:
+            numbers = [int(v) for v in values.split(",")]
+            lines = compare_setting(o, loaded, prompts, make, cuda, setting, numbers)
+            write(o, lines, f"{setting.replace('_', '-')}-{values.replace(',', '-')}")
+            return
 
     def run():
         seconds, done, stats = timed(engine, prompts, o, cuda)
@@ -151,12 +158,14 @@ def timed(engine, prompts, o: argparse.Namespace, cuda: bool):
     return time.perf_counter() - began, done, stats
 
 
-def compare_plain_steps(o: argparse.Namespace, loaded, prompts, make, cuda: bool) -> list[str]:
-    """Tokens per second with each `--plain-steps` value, their runs alternated in one process
-    after a warm-up each (the same slots and graphs: they are the model's), and whether the
-    outputs agree: what passes back to back save, measured against one pass a round."""
-    values = [int(v) for v in o.plain_steps.split(",")]
-    engines = {v: make(plain_steps=v) for v in values}
+def compare_setting(
+    o: argparse.Namespace, loaded, prompts, make, cuda: bool, setting: str, values: list[int]
+) -> list[str]:
+    """Tokens per second with each value of an `EngineConfig` setting (`--plain-steps`,
+    `--lookup-steps`), their runs alternated in one process after a warm-up each (the same slots
+    and graphs: they are the model's), and whether the outputs agree: what rounds back to back
+    save, measured against one a round."""
+    engines = {v: make(**{setting: v}) for v in values}
     seconds: dict[int, list[float]] = {v: [] for v in values}
     outputs = {}
     for run in range(o.runs + 1):  # the first: warm-up
@@ -169,7 +178,7 @@ def compare_plain_steps(o: argparse.Namespace, loaded, prompts, make, cuda: bool
     rates = {v: tokens / statistics.median(t) for v, t in seconds.items()}
     return [
         *header(o, loaded),
-        f"plain_steps {o.plain_steps}, runs alternated, {o.runs} each after a warm-up: "
+        f"{setting} {','.join(map(str, values))}, runs alternated, {o.runs} each after a warm-up: "
         + ", ".join(
             f"{v}: {rates[v]:.1f} tok/s (median; runs {', '.join(f'{tokens / t:.0f}' for t in seconds[v])})"
             for v in values
