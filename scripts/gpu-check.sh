@@ -108,6 +108,12 @@ EOF
     timeout 60 python3 scripts/gpu_profile.py $pair "$res" --batch 1 --docs 2 --new 64 --plain-steps 1,4 --runs 3 \
         2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
     pack
+    # prompt lookup's rounds on the device against the host's (drafts all rejected on this pair:
+    # what the loop costs where lookups never pay), batch 64
+    echo "== prompt lookup rounds on the device against the host's, batch 64 ($(date +%T))"
+    timeout 90 python3 scripts/gpu_profile.py $pair "$res" --batch 64 --docs 128 --new 64 --drafter prompt_lookup \
+        --lookup-steps 1,4 --runs 3 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
+    pack
     # q/k/v and gate/up fused (--fused-projections, off by default until this A/B says otherwise),
     # then the passes at batch 64 (every width's graph compiled and captured for 64 slots)
     NAME=$pair-fused step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --fused-projections
@@ -161,6 +167,13 @@ smol)
     docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
     NAME=smollm2-licenses-batch64 step 200 bench smollm2 --tasks translate --corpus licenses --docs "$docs" --batches 64 \
         --max-new-tokens 64 --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
+    # prompt lookup's rounds on the device, back to back (EngineConfig.lookup_steps 4), against
+    # its rounds on the host, alternated in one process: off by default until this says
+    echo "== prompt lookup rounds on the device against the host's, batch 64 ($(date +%T))"
+    timeout 150 python3 scripts/gpu_profile.py smollm2 "$res" --batch 64 --docs "$docs" --new 64 \
+        --drafter prompt_lookup --lookup-steps 1,4 --runs 3 2>&1 | grep --line-buffered -v "^Loading weights" |
+        tee -a "$res/profile.log"
+    pack
     echo "== a round's host parts, auto at batch 64 ($(date +%T))"
     timeout 90 python3 scripts/gpu_profile.py smollm2 "$res" --batch 64 --docs "$docs" --new 64 --drafter auto \
         --split-only 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
