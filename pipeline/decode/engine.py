@@ -443,7 +443,9 @@ class SpeculativeEngine:
             return 0
         if not batch.sampling.greedy or batch.head is not None or batch.model is not None:
             return 0
-        if not hasattr(self.target, "lookup_steps") or (batch.waiting and len(batch.active) < batch.size):
+        if not hasattr(self.target, "lookup_steps") or self.target.keep_features:  # a head learning
+            return 0
+        if batch.waiting and len(batch.active) < batch.size:
             return 0
         return self.config.lookup_steps
 
