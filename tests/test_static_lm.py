@@ -518,8 +518,8 @@ def test_an_engine_with_lookup_rounds_on_the_device_gives_target_only_outputs(pa
     loaded = pairs[0]
     prompts = [loaded.tokenizer(t).input_ids for t in TEXTS] * 2
 
-    def run(drafter, steps, eos):
-        config = EngineConfig(drafter=drafter, gamma_max=6, lookup_steps=steps)
+    def run(drafter, steps, eos, gamma_max=6):
+        config = EngineConfig(drafter=drafter, gamma_max=gamma_max, lookup_steps=steps)
         engine = SpeculativeEngine(
             loaded.target, loaded.draft, eos_token_ids=eos, pad_token_id=0, config=config
         )
@@ -539,6 +539,8 @@ def test_an_engine_with_lookup_rounds_on_the_device_gives_target_only_outputs(pa
     assert no_loops == 0 < loops and loop_rounds < host_rounds
     assert stats.drafted_by.get("prompt_lookup", 0) > 0
     assert run("suffix", 4, [early])[2] == 0  # other drafters keep their rounds on the host
+    short = run("prompt_lookup", 4, [early], gamma_max=1)  # verify passes of width 2
+    assert short[0] == target_only and short[2] > 0 and short[3].gamma_histogram.keys() <= {0, 1}
 
 
 @pytest.mark.parametrize("path", ["static", "dynamic"])

@@ -83,8 +83,9 @@ class _Batch:
     idle_seconds: float = 0.0  # rounds' seconds times the share of places left free while rows waited
 
 
-# Drafts a prompt-lookup round on the device verifies (`EngineConfig.lookup_steps`): a pass of
-# width 4, one of the captured widths (`static_lm.WIDTHS`)
+# Drafts a prompt-lookup round on the device verifies at most (`EngineConfig.lookup_steps`): a
+# pass of width 4, one of the captured widths (`static_lm.WIDTHS`), or of width 2 where
+# gamma_max is below 3
 LOOKUP_GAMMA = 3
 
 
@@ -439,7 +440,9 @@ class SpeculativeEngine:
         """Rounds of prompt lookup the device runs back to back now (`EngineConfig.
         lookup_steps`; 0: a round on the host): greedy prompt lookup alone, on a runner with
         such rounds (`StaticLM.lookup_steps`), never while a free place waits for a row."""
-        if self.config.lookup_steps < 2 or [d.name for d in batch.copiers] != [PROMPT_LOOKUP]:
+        if self.config.lookup_steps < 2 or self.config.gamma_max < 1:
+            return 0
+        if [d.name for d in batch.copiers] != [PROMPT_LOOKUP]:
             return 0
         if not batch.sampling.greedy or batch.head is not None or batch.model is not None:
             return 0
@@ -459,9 +462,11 @@ class SpeculativeEngine:
             return self._accept(batch, drafts, self._verify(batch, drafts))
         budgets = [batch.max_new_tokens - r.stats.new_tokens for r in batch.active]
         before = self.target.forward_seconds
-        made, rounds = self.target.lookup_steps([u[0] for u in unfed], LOOKUP_GAMMA, steps, budgets)
-        cost = self.target.pass_tokens([LOOKUP_GAMMA + 1] * len(unfed))
-        self._count_passes(batch, cost, self.target.forward_seconds - before, LOOKUP_GAMMA, steps)
+        gamma = LOOKUP_GAMMA if self.config.gamma_max >= LOOKUP_GAMMA else 1
+        ngrams = tuple(range(self.config.ngram_max, self.config.ngram_min - 1, -1))  # the host lookup's
+        made, rounds = self.target.lookup_steps([u[0] for u in unfed], gamma, steps, budgets, ngrams)
+        cost = self.target.pass_tokens([gamma + 1] * len(unfed))
+        self._count_passes(batch, cost, self.target.forward_seconds - before, gamma, steps)
         produced = 0
         for row, tokens, row_rounds in zip(batch.active, made, rounds):
             left = self._append(row, tokens, batch)
