@@ -508,7 +508,6 @@ class Policy:
             expected = copies.expected[every[:, None], copies.columns, drafts]
             weighed = None  # (reach, price) the rows' best copies below were weighed at
             for gamma in gammas:
-                model_survival = from_model[: gamma + 1]
                 model_tokens = model_sums[gamma]
                 # In a drain only rows within `reach` of the one furthest behind can hold its end
                 # back this round; they share what the round is worth, the rows ahead get nothing.
@@ -551,6 +550,7 @@ class Policy:
                     seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
                 worth = tokens
                 if budgets:
+                    model_survival = from_model[: gamma + 1]
                     drains = [
                         (lead, model_survival if c == 1 else copies.survival(i, c - 2, d) if c else [1.0])
                         for i, (lead, c, d) in enumerate(zip(leads.tolist(), chosen.tolist(), lengths))
