@@ -23,6 +23,10 @@ os.environ.update(
         "TOKENIZERS_PARALLELISM": "false",
     }
 )
+# The static path's GPU attention kernel (Triton) runs on CPU tensors in Triton's interpreter,
+# which must be chosen before Triton is first imported (tests/test_fixed_attention.py).
+if os.environ.get("PIPELINE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

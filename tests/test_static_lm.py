@@ -74,18 +74,22 @@ def test_logits_equal_the_dynamic_paths_bit_for_bit(
     static, dynamic = (p.target for p in pairs) if numerics == "as loaded" else row_block_targets
     rng = random.Random(batch)
     runners = [StaticLM(static, 0), BatchedLM(dynamic, 0)]
+    # on a GPU the static path attends with the fixed-order kernel and the dynamic one in
+    # float64: within float32's rounding of each other, each bitwise invariant on its own
+    # (tests/test_fixed_attention.py)
+    same = functools.partial(_same, exact=not runners[0].fixed_attention)
     template = [rng.randrange(3, 300) for _ in range(12)]
     seqs = [template + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 200))] for _ in range(batch)]
     for lm in runners:
         lm.reset(batch)
-    _same([lm.forward([list(s) for s in seqs], [1] * batch) for lm in runners])
+    same([lm.forward([list(s) for s in seqs], [1] * batch) for lm in runners])
     for s in seqs:  # the token the prefill chose
         s.append(rng.randrange(3, 300))
     for step in range(12):
         drafts = [[rng.randrange(3, 300) for _ in range(rng.choice([0, 1, 3, 7, 11, 15, 20]))] for _ in seqs]
         blocks = [lm.sync([s + d for s, d in zip(seqs, drafts)]) for lm in runners]
         assert blocks[0] == blocks[1]
-        _same([lm.forward(b, [len(d) + 1 for d in drafts]) for lm, b in zip(runners, blocks)])
+        same([lm.forward(b, [len(d) + 1 for d in drafts]) for lm, b in zip(runners, blocks)])
         for s, d in zip(seqs, drafts):  # a few drafts accepted, then one token of the target's own
             s.extend(d[: rng.randrange(len(d) + 1)] + [rng.randrange(3, 300)])
         if step == 5 and batch > 1:  # a row leaves, two join (continuous batching)
@@ -95,15 +99,16 @@ def test_logits_equal_the_dynamic_paths_bit_for_bit(
                 lm.sync(seqs)
                 lm.select(keep)
             new = [template + [rng.randrange(3, 300) for _ in range(rng.randrange(1, 20))] for _ in range(2)]
-            _same([lm.admit([list(s) for s in new], [1, 1]) for lm in runners])
+            same([lm.admit([list(s) for s in new], [1, 1]) for lm in runners])
             seqs += [s + [rng.randrange(3, 300)] for s in new]
 
 
-def _same(pair: list[list[torch.Tensor]]) -> None:
+def _same(pair: list[list[torch.Tensor]], exact: bool = True) -> None:
     ours, theirs = pair
     assert len(ours) == len(theirs)
     for row, (a, b) in enumerate(zip(ours, theirs)):
-        assert torch.equal(a, b), f"row {row}: {(a - b).abs().max()}"
+        same = torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-4)
+        assert same, f"row {row}: {(a - b).abs().max()}"
 
 
 @pytest.mark.parametrize("path", ["static", "dynamic"])

@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 
 from pipeline.decode.batched_lm import BatchedLM, _cache_keyword, _Prefix
 from pipeline.decode.sampling import RowLogits
-from pipeline.models import invariant, streamed
+from pipeline.models import fixed_attention, invariant, streamed
 from pipeline.models.architecture import ADDITIVE, static_support
 
 # Widths (tokens per row) of the passes that replay a graph: a 1-token step, verify passes of up
@@ -172,8 +172,11 @@ class StaticLM(BatchedLM):
         # small kernels into a few before the graph captures them (`load_pair(compiled_passes=)`)
         self.compiled = bool(getattr(model, "_compiled_passes", False))
         implementation = model.config._attn_implementation
-        # keys and values in the dtype the model's attention reads, as the dynamic path's cache
-        cache_dtype = invariant.cache_dtype(model) or model.dtype
+        # decode and verify passes attend in one fixed order per query (`fixed_attention`), over
+        # a cache in the model's dtype, where the model is batch-invariant and a GPU runs it
+        self.fixed_attention = fixed_attention.used(model)
+        # else keys and values in the dtype the model's attention reads, as the dynamic path's cache
+        cache_dtype = model.dtype if self.fixed_attention else invariant.cache_dtype(model) or model.dtype
         store = getattr(model, "_static_store", None)
         if store is None or store.dtype != cache_dtype or store.compiled != self.compiled:
             store = model._static_store = _Store(cache_dtype, self.compiled)
@@ -215,6 +218,7 @@ class StaticLM(BatchedLM):
             "eager_because": self.graphs_off if self.use_graphs else "no GPU",
             "prefill_eager_because": self.store.prefill_off,
             "compiled": self.compiled,
+            "fixed_attention": self.fixed_attention,
         }
 
     # --- slots -----------------------------------------------------------------------------
@@ -611,12 +615,17 @@ class StaticLM(BatchedLM):
             mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)
         else:
             mask = visible
+        # each query's keys are its slot's positions up to its own (`fixed_attention`); not in
+        # prefills, whose attention stays the float64 products
+        counts = None
+        if self.fixed_attention and not streamed.is_prefilling():
+            counts = (positions + 1).clamp(max=len(keys)).to(torch.int32)
         self.cache.rows, self.cache.positions, self.cache.seen = slots, positions, seen
         compiled = self.compiled and not seen
         for i, layer in enumerate(self.layers):
             cache = self.cache.layer(i) if compiled else self.cache
             run = _compiled_layer if compiled else _run_layer
-            hidden = run(layer, hidden, mask, cos_sin, cache, self.cache_keyword)
+            hidden = run(layer, hidden, mask, cos_sin, cache, self.cache_keyword, counts)
         return base.norm(hidden)
 
     @property
@@ -689,9 +698,11 @@ def _lookup(
     return drafts, counts
 
 
-def _run_layer(layer, hidden, mask, cos_sin, cache, keyword: str) -> torch.Tensor:
-    """One decoder layer of `transformers` over `hidden`, writing its keys and values to `cache`."""
-    out = layer(hidden, attention_mask=mask, position_embeddings=cos_sin, use_cache=True, **{keyword: cache})
+def _run_layer(layer, hidden, mask, cos_sin, cache, keyword: str, visible=None) -> torch.Tensor:
+    """One decoder layer of `transformers` over `hidden`, writing its keys and values to `cache`;
+    `visible`: each query's count of keys, for `fixed_attention` (via `invariant_attention`)."""
+    extra = {keyword: cache} if visible is None else {keyword: cache, "visible_keys": visible}
+    out = layer(hidden, attention_mask=mask, position_embeddings=cos_sin, use_cache=True, **extra)
     return out[0] if isinstance(out, tuple) else out
 
 

@@ -783,6 +783,7 @@ class BenchOptions:
     static_passes: bool | None
     compiled_passes: bool | None
     fused_projections: bool
+    float64_attention: bool
     draft_int8: bool | None
     hf_assistant_tokens: tuple[int, ...]
     hf_lookup_tokens: tuple[int, ...]
@@ -832,6 +833,7 @@ def _describe_loaded(pair: str, loaded: LoadedPair) -> str:
         + (", static passes" if loaded.static_passes else "")
         + (", compiled" if loaded.compiled_passes else "")
         + (f", fused projections ({'+'.join(loaded.fused_projections)})" if loaded.fused_projections else "")
+        + (", fixed-order attention" if loaded.fixed_attention else "")
     )
 
 
@@ -896,6 +898,7 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         "static_passes": o.static_passes,
         "compiled_passes": o.compiled_passes,
         "fused_projections": o.fused_projections,
+        "float64_attention": o.float64_attention,
     }
     loaded = load_pair(
         target,

@@ -131,7 +131,8 @@ def format_table(result: dict[str, Any]) -> str:
         )
     for role, graphs in (result.get("static_passes") or {}).items():
         lines.append(
-            f"static passes ({role}{', compiled' if graphs.get('compiled') else ''}): "
+            f"static passes ({role}{', compiled' if graphs.get('compiled') else ''}"
+            f"{', fixed-order attention' if graphs.get('fixed_attention') else ''}): "
             f"{graphs['slots']} slots of {graphs['slot_length']} positions, "
             + (
                 f"graphs of widths {','.join(map(str, graphs['graphs']))}"
@@ -197,6 +198,7 @@ class CalibrateOptions:
     static_passes: bool | None
     compiled_passes: bool | None
     fused_projections: bool
+    float64_attention: bool
     runs: int
     head: bool
     head_vocab: int | None
@@ -224,6 +226,7 @@ def measure_pair(options: CalibrateOptions) -> tuple[LoadedPair, dict[str, Any]]
         "static_passes": o.static_passes,
         "compiled_passes": o.compiled_passes,
         "fused_projections": o.fused_projections,
+        "float64_attention": o.float64_attention,
         "block_activations": o.block_activations,
     }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)

@@ -57,6 +57,12 @@ def pass_path_options(command):
             help="q/k/v and gate/up one matrix product each, in both models where their layers allow "
             "(pipeline/models/fusion.py; off in jobs until measured on a GPU).",
         ),
+        click.option(
+            "--float64-attention",
+            is_flag=True,
+            help="The static passes' attention in float64, not the fixed-order kernel a GPU's "
+            "batch-invariant target runs (pipeline/models/fixed_attention.py): an A/B of the two.",
+        ),
     )
     for option in reversed(options):
         command = option(command)

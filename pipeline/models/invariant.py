@@ -39,7 +39,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from pipeline.models import packing, streamed
+from pipeline.models import fixed_attention, packing, streamed
 
 NAME = "batch_invariant"
 # Rows per Linear or RMSNorm call on a GPU: a verify pass of batch 8 × 16 tokens in one block.
@@ -78,9 +78,14 @@ def invariant_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention whose result for a query does not depend on the pass: the kernel's, in float32,
     for a float32 or bf16 model on a CPU (a bf16 model's tensors converted: in a bf16 prefill
-    the float64 products were some 70% of the time), else `float64_attention`."""
+    the float64 products were some 70% of the time); where the static path names each query's
+    keys (`visible_keys`: a GPU's decode and verify passes), `fixed_attention`'s kernel; else
+    `float64_attention`."""
     scaling = kwargs.get("scaling")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    visible = kwargs.pop("visible_keys", None)
+    if visible is not None:  # the static path's decode and verify passes on a GPU
+        return fixed_attention.attend(query, key, value, visible, scale), None
     kernel = kernel_attends(query.dtype, key.device.type) and query.shape[-1] % 8 == 0
     if attention_mask is not None and kernel:
         layout = packing.current()

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlparse
 import torch
 
 from . import draft_int8 as int8_draft
-from . import fusion, gguf_blocks, invariant, streamed
+from . import fixed_attention, fusion, gguf_blocks, invariant, streamed
 from .architecture import static_support
 from .pairs import (
     ConfigError,
@@ -300,6 +300,8 @@ class LoadedPair:
     compiled_passes: bool = False
     # q/k/v and gate/up each one matrix product (`fusion`), in the models named
     fused_projections: tuple[str, ...] = ()
+    # the target's static decode and verify passes attend with `fixed_attention`'s kernel
+    fixed_attention: bool = False
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -343,6 +345,7 @@ class LoadedPair:
             "static_passes": self.static_passes,
             "compiled_passes": self.compiled_passes,
             "fused_projections": list(self.fused_projections),
+            "fixed_attention": self.fixed_attention,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -652,6 +655,7 @@ def load_pair(
     static_passes: bool | None = None,
     compiled_passes: bool | None = None,
     fused_projections: bool = False,
+    float64_attention: bool = False,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -678,6 +682,9 @@ def load_pair(
     `fused_projections` makes q/k/v and gate/up one matrix product each in both models where
     their layers are plain Linear layers (`pipeline.models.fusion`; not yet measured on a GPU,
     so off unless asked).
+    On a GPU the batch-invariant target's static decode and verify passes attend with one fixed
+    order per query (`pipeline.models.fixed_attention`); `float64_attention` keeps the float64
+    attention there instead (an A/B of the two).
     """
     device = resolve_device(device)
     rounded = block_activations == "int8"
@@ -723,6 +730,8 @@ def load_pair(
     for model in (target_model, draft_model) if compiled_passes else ():
         if getattr(model, "_static_passes", False):
             model._compiled_passes = True
+    if float64_attention:
+        target_model._float64_attention = True
     for model in (target_model, draft_model):
         if model is not None:  # served, never trained here: no pass keeps what a backward would need
             model.requires_grad_(False)
@@ -743,5 +752,6 @@ def load_pair(
         static_passes=static_passes,
         compiled_passes=compiled_passes,
         fused_projections=fused,
+        fixed_attention=static_passes and fixed_attention.used(target_model),
         load_seconds=times,
     )

@@ -1,0 +1,101 @@
+"""Attention with one fixed order of summing per query, for the static path's decode and verify
+passes on a GPU (`attention_kernel`, a Triton kernel).
+
+Why: greedy speculative output must equal target-only output bit for bit, so a query's
+attention may not depend on how many queries share its pass. The batch-invariant models' other
+attention (`invariant.float64_attention`) gets there by summing in float64, which the rounding
+back to the model's dtype absorbs; on an H200 it cost 14 of a layer's 87 microseconds in a
+batch-1 pass of the 1.5B shape, and it keeps the whole cache in float64, four times a bf16
+cache's bytes (docs/gpu.md). Here each query is one program that reads its keys in blocks of
+BLOCK from position 0 in order, so its bits depend on nothing else, in float32 over a cache in
+the model's own dtype (the keys a layer writes are already rounded to it).
+
+It needs a query's keys to be positions 0 .. visible-1 of its slot, as in the static path's
+slots (a token's keys at its position, no holes, no padding before them). The dynamic path's
+caches have holes and keep the float64 attention; so do prefills (hundreds of queries over the
+same keys, where products pay; a prompt token is always prefilled, a generated one never, in
+target-only and speculative decoding alike, so the two need not round alike).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Keys per step of a query's program: part of the order its sum takes, so fixed.
+BLOCK = 64
+# Tests set it: the static path attends with the kernel on a CPU too, run by Triton's interpreter.
+CPU_INTERPRETED = False
+
+
+@functools.cache
+def available() -> bool:
+    """Is Triton installed (it comes with CUDA builds of torch)?"""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def serves(model: torch.nn.Module) -> bool:
+    """Can the kernel attend for `model`'s static passes: on a GPU (or interpreted, for the
+    tests), with a head size Triton can lay out (a power of two)?"""
+    parameter = next(model.parameters())
+    config = model.config
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    on_device = parameter.device.type == "cuda" or (CPU_INTERPRETED and parameter.device.type == "cpu")
+    return on_device and dim >= 16 and dim & (dim - 1) == 0 and available()
+
+
+def used(model: torch.nn.Module) -> bool:
+    """Do `model`'s static passes attend with the kernel? For a batch-invariant model (others
+    need no fixed order) where the kernel `serves`, unless the loader was told otherwise
+    (`load_pair(float64_attention=True)`: the float64 attention, for an A/B)."""
+    from pipeline.models import invariant
+
+    if getattr(model.config, "_attn_implementation", None) != invariant.NAME:
+        return False
+    return not getattr(model, "_float64_attention", False) and serves(model)
+
+
+@torch.library.custom_op("pipeline::fixed_attention", mutates_args=())
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v over each query's first `visible` keys of its slot.
+
+    query [slots, heads, width, dim]; key, value [slots, kv heads, positions, dim] (heads share
+    a kv head in groups); visible [slots, width] integers. Returns [slots, width, heads, dim] in
+    the query's dtype, as `transformers`' attention functions do. An op of its own so that a
+    compiled pass (`torch.compile`) calls it as it is."""
+    from pipeline.models import attention_kernel
+
+    slots, heads, width, dim = query.shape
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
+    counts = visible.to(torch.int32).contiguous()
+    attention_kernel.attend[(slots, heads, width)](
+        query,
+        key,
+        value,
+        out,
+        counts,
+        *query.stride()[:3],
+        *key.stride()[:3],
+        *value.stride()[:3],
+        *out.stride()[:3],
+        heads // key.shape[1],
+        width,
+        scale,
+        DIM=dim,
+        BLOCK=BLOCK,
+    )
+    return out
+
+
+@attend.register_fake
+def _(query, key, value, visible, scale):
+    slots, heads, width, dim = query.shape
+    return query.new_empty((slots, width, heads, dim))

@@ -1,0 +1,182 @@
+"""The static path's GPU attention (`fixed_attention`, a Triton kernel), run here by Triton's
+interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET): a query's bits depend on
+its keys alone, never on what shares its pass, and the path it serves stays lossless."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from decode_case import DEVICE, TEXTS
+
+from pipeline.decode.batched_lm import BatchedLM
+from pipeline.decode.engine import SpeculativeEngine
+from pipeline.decode.settings import EngineConfig
+from pipeline.decode.static_lm import StaticLM
+from pipeline.models import fixed_attention
+from pipeline.models.loading import ModelRef, load_pair
+
+pytestmark = [
+    pytest.mark.skipif(not fixed_attention.available(), reason="Triton is not installed (Linux x86_64 only)"),
+    pytest.mark.skipif(
+        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton's interpreter must be chosen before Triton is imported (tests/conftest.py)",
+    ),
+]
+
+
+def _reference(query, key, value, visible, scale):
+    """The same attention in float64, each query over its slot's first `visible` keys."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.double().repeat_interleave(groups, 1) for t in (key, value))
+    scores = query.double() @ key.transpose(-1, -2) * scale
+    positions = torch.arange(key.shape[2], device=key.device)
+    scores = scores.masked_fill(positions[None, None, None, :] >= visible[:, None, :, None], float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_gets_the_same_bits_whatever_shares_its_pass(dtype):
+    """3 slots × 8 queries in one pass, then each query alone in a pass of 1, its slot shorter
+    and the keys past its own spoilt: bitwise the same, and softmax attention within rounding."""
+    generator = torch.Generator().manual_seed(0)
+    slots, heads, kv_heads, length, dim = 3, 4, 2, 300, 16
+    key, value = (torch.randn(slots, kv_heads, length, dim, generator=generator).to(dtype) for _ in range(2))
+    # [slots, heads, width, dim] as `transformers` hands it over: a transposed view
+    query = torch.randn(slots, 8, heads, dim, generator=generator).to(dtype).transpose(1, 2)
+    # spans that end inside a block of keys, on its edge, after one key, and past two blocks
+    ends = torch.tensor(
+        [[100 + i for i in range(8)], [1, 2, 63, 64, 65, 128, 129, 5], [250 + i for i in range(8)]]
+    )
+    scale = dim**-0.5
+    wide = fixed_attention.attend(query, key, value, ends, scale)
+    assert wide.shape == (slots, 8, heads, dim) and wide.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 2**-7  # the output's rounding to bf16
+    assert torch.allclose(
+        wide.double(), _reference(query, key, value, ends, scale), atol=tolerance, rtol=tolerance
+    )
+    for slot in range(slots):
+        for token in range(8):
+            seen = int(ends[slot, token])
+            cut = seen + 7  # a shorter slot, its keys past the query's own spoilt
+            keys, values = key[slot : slot + 1, :, :cut].clone(), value[slot : slot + 1, :, :cut].clone()
+            keys[:, :, seen:], values[:, :, seen:] = float("nan"), float("inf")
+            alone = fixed_attention.attend(
+                query[slot : slot + 1, :, token : token + 1],
+                keys,
+                values,
+                ends[slot : slot + 1, token : token + 1],
+                scale,
+            )
+            assert torch.equal(alone, wide[slot : slot + 1, token : token + 1]), (slot, token)
+
+
+def test_a_query_that_sees_no_key_gets_zeros():
+    """A free slot's padding (the static path feeds every slot) must not make NaNs."""
+    query = torch.randn(1, 2, 1, 16)
+    key = value = torch.randn(1, 1, 8, 16)
+    out = fixed_attention.attend(query, key, value, torch.zeros(1, 1, dtype=torch.int32), 0.25)
+    assert torch.equal(out, torch.zeros(1, 1, 2, 16))
+
+
+@pytest.fixture(scope="module")
+def kernel_pair(tiny_pair_dirs):
+    """The tiny pair with batch-invariant numerics on the static path, its target attending with
+    the kernel, as on a GPU."""
+    fixed_attention.CPU_INTERPRETED = True
+    try:
+        target, draft = (ModelRef(path=str(d)) for d in tiny_pair_dirs)
+        kernels = {"batch_invariant": True, "static_passes": True}
+        yield load_pair(target, draft, dtype="float32", device=DEVICE, **kernels)
+    finally:
+        fixed_attention.CPU_INTERPRETED = False
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many times the kernel attends (the tests must not pass on the float64 path)."""
+    calls = []
+    attend = fixed_attention.attend
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return attend(*args)
+
+    monkeypatch.setattr(fixed_attention, "attend", counting)
+    return calls
+
+
+def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(kernel_pair, counted, tiny_pair_dirs):
+    """Rows decoded together in ragged verify passes (drafts of 0 to 7 tokens) get, at each
+    position, bitwise the logits each row gets alone one token a pass; and within float32
+    rounding the float64 attention's (the dynamic path's)."""
+    model = kernel_pair.target
+    rng = random.Random(3)
+    seqs = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 70))] for _ in range(3)]
+    together = StaticLM(model, 0)
+    assert together.fixed_attention and together.store.dtype == model.dtype  # no float64 cache
+    together.reset(len(seqs))
+    together.forward([list(s) for s in seqs], [1] * len(seqs))
+    fed = [[rng.randrange(3, 300) for _ in range(12)] for _ in seqs]
+    logits = [[] for _ in seqs]  # per row, the logits after each fed token
+    widths = [[1, 2, 4, 1, 4], [4, 4, 2, 1, 1], [8, 1, 1, 1, 1]]  # 12 tokens a row in 5 passes
+    done = [0] * len(seqs)
+    for step in range(5):
+        blocks = [f[d : d + w[step]] for f, d, w in zip(fed, done, widths)]
+        out = together.forward(blocks, [len(b) for b in blocks])
+        for row, (block, rows) in enumerate(zip(blocks, out)):
+            logits[row] += list(rows)
+            done[row] += len(block)
+    assert counted and max(shape[2] for shape in counted) > 1
+    dynamic = BatchedLM(
+        load_pair(*(ModelRef(path=str(d)) for d in tiny_pair_dirs), dtype="float32").target, 0
+    )
+    for row, seq in enumerate(seqs):
+        alone = StaticLM(model, 0)
+        alone.reset(1)
+        alone.forward([list(seq)], [1])
+        dynamic.reset(1)
+        dynamic.forward([list(seq)], [1])
+        for n, token in enumerate(fed[row]):
+            (own,) = alone.forward([[token]], [1])
+            assert torch.equal(own[0], logits[row][n]), (row, n)
+            (theirs,) = dynamic.forward([[token]], [1])
+            assert torch.allclose(own[0], theirs[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("drafter, batch_size", [("none", 3), ("prompt_lookup", 3), ("draft_model", 2)])
+def test_speculative_outputs_equal_target_only_one_row_at_a_time(kernel_pair, counted, drafter, batch_size):
+    """Greedy speculative decoding at a batch on the kernel's passes gives target-only's
+    outputs at batch 1, token for token."""
+    tokenizer = kernel_pair.tokenizer
+    prompts = [tokenizer(t).input_ids for t in TEXTS[:3]]
+
+    def outputs(drafter: str, batch_size: int) -> list[list[int]]:
+        engine = SpeculativeEngine(
+            kernel_pair.target,
+            kernel_pair.draft,
+            eos_token_ids=[1],
+            pad_token_id=0,
+            config=EngineConfig(drafter=drafter, gamma_max=4),
+        )
+        done, _ = engine.generate(prompts, 12, batch_size=batch_size)
+        return [o.tokens for o in done]
+
+    assert outputs(drafter, batch_size) == outputs("none", 1)
+    assert counted
+
+
+def test_the_loader_says_which_attention_runs_and_an_ab_can_keep_float64(kernel_pair, tiny_pair_dirs):
+    """The manifest and the calibration's key name the kernel; `float64_attention` (calibrate's
+    and bench's `--float64-attention`) keeps the float64 attention, under another key."""
+    from pipeline.decode.calibration import calibration_key
+
+    assert kernel_pair.fixed_attention and kernel_pair.manifest()["fixed_attention"] is True
+    assert StaticLM(kernel_pair.target, 0).graph_record()["fixed_attention"] is True
+    target, draft = (ModelRef(path=str(d)) for d in tiny_pair_dirs)
+    kernels = {"batch_invariant": True, "static_passes": True, "float64_attention": True}
+    float64 = load_pair(target, draft, dtype="float32", device=DEVICE, **kernels)
+    assert not float64.fixed_attention and not StaticLM(float64.target, 0).fixed_attention
+    assert calibration_key(float64, 2) != calibration_key(kernel_pair, 2)
