@@ -23,8 +23,10 @@ import functools
 
 import torch
 
-# Keys per step of a query's program: part of the order its sum takes, so fixed.
+# Keys per step of a tile's program: part of the order a query's sums take, so fixed.
 BLOCK = 64
+# Query rows ((token, head) pairs sharing a key/value head) per program: the products' fixed shape.
+ROWS = 16
 # Tests set it: the static path attends with the kernel on a CPU too, run by Triton's interpreter.
 CPU_INTERPRETED = False
 
@@ -73,10 +75,13 @@ def attend(
     from pipeline.models import attention_kernel
 
     slots, heads, width, dim = query.shape
+    kv_heads = key.shape[1]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
     counts = visible.to(torch.int32).contiguous()
-    attention_kernel.attend[(slots, heads, width)](
+    group = heads // kv_heads
+    tiles = -(-width * group // ROWS)
+    attention_kernel.attend[(slots, kv_heads, tiles)](
         query,
         key,
         value,
@@ -86,11 +91,15 @@ def attend(
         *key.stride()[:3],
         *value.stride()[:3],
         *out.stride()[:3],
-        heads // key.shape[1],
+        group,
         width,
         scale,
         DIM=dim,
+        ROWS=ROWS,
         BLOCK=BLOCK,
+        # float32 products in float32 (not TF32), bf16 ones on the tensor cores
+        PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
+        UPCAST=not query.is_cuda,
     )
     return out
 
