@@ -90,7 +90,16 @@ EOF
     xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
     [ -z "${SKIP_TESTS:-}" ] && echo "== static path and fusion tests ($(date +%T))" &&
     PIPELINE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts= $xdist \
-        tests/test_static_lm.py tests/test_fusion.py 2>&1 | tee "$res/tests-static.log" | tail -15
+        tests/test_static_lm.py tests/test_fusion.py tests/test_fixed_attention.py 2>&1 | tee "$res/tests-static.log" | tail -15
+    # the fixed-order attention kernel alone against the float64 attention it replaced, the
+    # 1.5B target's shapes, batch 1 and 64 (the dry run: a small check in Triton's interpreter)
+    echo "== attention alone ($(date +%T))"
+    if [ -n "${DRY:-}" ]; then
+        TRITON_INTERPRET=1 timeout 60 python3 scripts/gpu_attention.py --batches 1,2 --context 40 --out "$res/attention.txt"
+    else
+        timeout 60 python3 scripts/gpu_attention.py --out "$res/attention.txt"
+    fi 2>&1 | tail -12
+    pack
     # passes first: their cost, the bandwidth achieved and what the captured graphs hold (the
     # 2026-12-04 call found 26.7 GB for one slot: graphs captured with autograd on)
     NAME=$pair-batch1 step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3
@@ -117,6 +126,8 @@ EOF
     # q/k/v and gate/up fused (--fused-projections, off by default until this A/B says otherwise),
     # then the passes at batch 64 (every width's graph compiled and captured for 64 slots)
     NAME=$pair-fused step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --fused-projections
+    # the passes with the float64 attention the fixed-order kernel replaced (an A/B of the two)
+    NAME=$pair-float64-attention step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --float64-attention
     NAME=$pair-batch64 step 150 calibrate $pair --batch 64 --widths 1,8,16 --runs 3
     # a draft head's step on the GPU beside a width-1 pass (issue 39: the head drafts where a
     # verify pass costs the same at width 1 and 16), with as many output rows as the 1.5B's

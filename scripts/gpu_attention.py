@@ -1,0 +1,116 @@
+"""The static path's attention alone on a GPU: the fixed-order kernel (`fixed_attention`) against
+the float64 attention it replaced, on a target's shapes, at batch 1 and 64 and widths 1, 4 and
+16; and whether sampled queries get the same bits alone as in a batch-64 width-16 pass.
+
+    python scripts/gpu_attention.py [--heads 12 --kv-heads 2 --dim 128 --context 400]
+        [--batches 1,64] [--out FILE]
+
+The defaults are the Qwen2.5-Coder-1.5B target's attention. Seconds are device time per call,
+medians of `triton.testing.do_bench`; the float64 attention is timed over a float64 cache, as
+the static path kept it before the kernel (docs/gpu.md). Without a GPU it runs the same steps
+on the CPU in Triton's interpreter (TRITON_INTERPRET=1, `gpu-check.sh`'s dry run), timed
+roughly: a check of the script, not of the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.models import fixed_attention, invariant  # noqa: E402
+from pipeline.models.architecture import ADDITIVE  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--context", type=int, default=400, help="cached tokens before the pass's")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--out", type=Path)
+    o = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    lines = [
+        f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU, Triton interpreter'}, torch "
+        f"{torch.__version__}; {o.heads} heads, {o.kv_heads} "
+        f"key/value heads of {o.dim}, {o.context} cached tokens, bf16; microseconds a call (median)"
+    ]
+    scale = o.dim**-0.5
+    length = o.context + 16 + 16  # a slot: context, the widest pass, scratch
+    batches = [int(b) for b in o.batches.split(",")]
+    for slots in batches:
+        keys, values = (
+            torch.randn(slots, o.kv_heads, length, o.dim, device=device, dtype=torch.bfloat16)
+            for _ in range(2)
+        )
+        wide_keys, wide_values = keys.double(), values.double()
+        for width in (1, 4, 16):
+            query = torch.randn(slots, width, o.heads, o.dim, device=device, dtype=torch.bfloat16).transpose(
+                1, 2
+            )
+            positions = o.context + torch.arange(width, device=device).repeat(slots, 1)
+            visible = positions + 1
+            seen = (torch.arange(length, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+            mask = seen
+            if invariant.NAME in ADDITIVE:
+                mask = torch.zeros(seen.shape, dtype=query.dtype, device=device)
+                mask = mask.masked_fill(~seen, torch.finfo(query.dtype).min)
+
+            fixed = partial(fixed_attention.attend, query, keys, values, visible, scale)
+            float64 = partial(
+                invariant.float64_attention, None, query, wide_keys, wide_values, mask, scaling=scale
+            )
+            ours, theirs = (timed(f, device) for f in (fixed, float64))
+            gap = (fixed().double() - float64()[0].double()).abs().max().item()
+            lines.append(
+                f"batch {slots:>2} width {width:>2}: fixed-order {ours:7.1f}, float64 {theirs:7.1f} "
+                f"({theirs / ours:.2f}x), largest difference {gap:.2e}"
+            )
+        if slots == batches[-1]:  # its last pass (width 16): sampled queries alone, one token, one slot
+            whole = fixed()
+            picks = [(s, t) for s in sorted({0, slots // 3, slots - 1}) for t in (0, 7, 15)]
+            same = 0
+            for s, t in picks:
+                alone = fixed_attention.attend(
+                    query[s : s + 1, :, t : t + 1],
+                    keys[s : s + 1],
+                    values[s : s + 1],
+                    visible[s : s + 1, t : t + 1],
+                    scale,
+                )
+                same += torch.equal(alone, whole[s : s + 1, t : t + 1])
+            lines.append(
+                f"bitwise alone as in the batch-{slots} width-16 pass: {same} of {len(picks)} queries"
+            )
+    text = "\n".join(lines)
+    print(text)
+    if o.out:
+        o.out.write_text(text + "\n")
+
+
+def timed(call, device: str) -> float:
+    """Microseconds a call: device time on a GPU (median of do_bench), wall time on a CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return 1000 * do_bench(call, warmup=25, rep=200, return_mode="median")
+    seconds = []
+    for _ in range(3):
+        began = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - began)
+    return 1e6 * statistics.median(seconds)
+
+
+if __name__ == "__main__":
+    main()
