@@ -180,3 +180,24 @@ def test_the_loader_says_which_attention_runs_and_an_ab_can_keep_float64(kernel_
     float64 = load_pair(target, draft, dtype="float32", device=DEVICE, **kernels)
     assert not float64.fixed_attention and not StaticLM(float64.target, 0).fixed_attention
     assert calibration_key(float64, 2) != calibration_key(kernel_pair, 2)
+
+
+@pytest.mark.parametrize("fault", ["raises", "miscomputes"])
+def test_a_kernel_that_fails_or_miscomputes_here_leaves_float64_attention(
+    kernel_pair, monkeypatch, caplog, fault
+):
+    """A Triton or driver the kernel does not work on costs speed, never outputs or the start."""
+
+    def broken(query, key, value, visible, scale):
+        if fault == "raises":
+            raise RuntimeError("no kernel for this device")
+        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+
+    fixed_attention.works.cache_clear()
+    monkeypatch.setattr(fixed_attention, "attend", broken)
+    try:
+        assert not fixed_attention.serves(kernel_pair.target)
+        assert not StaticLM(kernel_pair.target, 0).fixed_attention
+        assert "float64 attention instead" in caplog.text
+    finally:
+        fixed_attention.works.cache_clear()

@@ -20,8 +20,11 @@ target-only and speculative decoding alike, so the two need not round alike).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Keys per step of a tile's program: part of the order a query's sums take, so fixed.
 BLOCK = 64
@@ -43,12 +46,47 @@ def available() -> bool:
 
 def serves(model: torch.nn.Module) -> bool:
     """Can the kernel attend for `model`'s static passes: on a GPU (or interpreted, for the
-    tests), with a head size Triton can lay out (a power of two)?"""
+    tests), with a head size Triton can lay out (a power of two), where it `works`?"""
     parameter = next(model.parameters())
     config = model.config
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     on_device = parameter.device.type == "cuda" or (CPU_INTERPRETED and parameter.device.type == "cpu")
-    return on_device and dim >= 16 and dim & (dim - 1) == 0 and available()
+    fits = on_device and dim >= 16 and dim & (dim - 1) == 0 and available()
+    return fits and works(str(parameter.device), parameter.dtype, dim) is None
+
+
+@functools.cache
+def works(device: str, dtype: torch.dtype, dim: int) -> str | None:
+    """Why the kernel cannot attend here (None: it can), from one small call checked against
+    float64 attention. Why: a Triton or driver the kernel does not compile on, or miscomputes
+    on, must cost a job its speed only (the float64 attention then), never its outputs or its
+    start (a failed compile would fail every pass, graphs or not)."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (
+        torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+        for shape in ((2, 4, 3, dim), (2, 2, 80, dim), (2, 2, 80, dim))
+    )
+    visible = torch.tensor([[70, 71, 72], [1, 2, 80]], device=device)
+    try:
+        out = attend(query, key, value, visible, dim**-0.5).double()
+    except Exception as error:  # noqa: BLE001 - any failure of the kernel means: not here
+        reason = f"{type(error).__name__}: {error}"[:300]
+    else:
+        keys, values = (t.double().repeat_interleave(2, 1) for t in (key, value))
+        scores = query.double() @ keys.transpose(-1, -2) * dim**-0.5
+        hidden = torch.arange(80, device=device)[None, None, None, :] >= visible[:, None, :, None]
+        expected = (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ values).transpose(1, 2)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        if torch.allclose(out, expected, atol=tolerance, rtol=tolerance):
+            return None
+        reason = f"its result is {(out - expected).abs().max().item():.2e} from float64 attention's"
+    log.warning(
+        "fixed-order attention kernel not used on %s (%s): %s; float64 attention instead",
+        device,
+        dtype,
+        reason,
+    )
+    return reason
 
 
 def used(model: torch.nn.Module) -> bool:
