@@ -108,10 +108,14 @@ def counted(monkeypatch):
     return calls
 
 
-def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(kernel_pair, counted, tiny_pair_dirs):
+def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(
+    kernel_pair, counted, tiny_pair_dirs, monkeypatch
+):
     """Rows decoded together in ragged verify passes (drafts of 0 to 7 tokens) get, at each
     position, bitwise the logits each row gets alone one token a pass; and within float32
-    rounding the float64 attention's (the dynamic path's)."""
+    rounding the float64 attention's (the dynamic path's). Chunks of 48 positions: the rows'
+    keys span several, each read in blocks that cross its end."""
+    monkeypatch.setattr(fixed_attention, "CHUNK", 48)
     model = kernel_pair.target
     rng = random.Random(3)
     seqs = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 70))] for _ in range(3)]

@@ -1,15 +1,18 @@
-"""The Triton kernel behind `fixed_attention` (imported only where Triton is installed).
+"""The Triton kernels behind `fixed_attention` (imported only where Triton is installed).
 
-One program takes one slot, one key/value head and a tile of ROWS query rows: the (token, head)
-pairs of that slot's pass whose heads share the key/value head, in order. It reads the slot's keys
-and values from position 0 in blocks of BLOCK, in order, with an online softmax in float32; each
-query row masks the keys past its own `visible` count. A row's arithmetic is then its own: the
-tile's products compute each row from that row alone, with the same fixed shapes, and its sums run
-over the same blocks whatever the other rows are, so a query gets the same bits in a pass of 1
-token or 16, of 1 slot or 64, whatever the slots' length. Keys read once per tile rather than
-once per query: a batch-64 verify pass would otherwise read each slot's keys ~100 times.
+A tile is one slot, one key/value head and ROWS query rows: the (token, head) pairs of that
+slot's pass whose heads share the key/value head, in order. `attend_chunks` runs one program per
+tile and CHUNK of the slot's positions (the split of flash-decoding, so that one slot's long
+context is read by many programs at once): it reads that chunk's keys and values in blocks of
+BLOCK, in order, with an online softmax in float32, each row masked past its own `visible` count,
+and writes the chunk's running maximum, sum and weighted values. `combine` then merges a tile's
+chunks in order. A row's arithmetic is its own: a tile's products compute each row from that row
+alone, with fixed shapes, and its sums run over the same chunks and blocks whatever the other rows
+are, so a query gets the same bits in a pass of 1 token or 16, of 1 slot or 64, whatever the
+slots' length. Keys are read once per tile and chunk rather than once per query: a batch-64 verify
+pass would otherwise read each slot's keys ~100 times.
 
-With TRITON_INTERPRET=1 set before Triton is imported, it runs on CPU tensors in Triton's
+With TRITON_INTERPRET=1 set before Triton is imported, they run on CPU tensors in Triton's
 interpreter (the tests do).
 """
 
@@ -20,12 +23,14 @@ import triton.language as tl
 
 
 @triton.jit
-def attend(
+def attend_chunks(
     q_ptr,
     k_ptr,
     v_ptr,
-    out_ptr,
     visible_ptr,
+    top_ptr,
+    total_ptr,
+    acc_ptr,
     q_slot,
     q_head,
     q_token,
@@ -35,53 +40,109 @@ def attend(
     v_slot,
     v_head,
     v_position,
-    out_slot,
-    out_token,
-    out_head,
+    kv_heads,
+    tiles,
+    chunks,
     group,
     width,
     scale,
     DIM: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     slot = tl.program_id(0)
     kv = tl.program_id(1)
-    row = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # token * group + the head's place in it
+    tile = tl.program_id(2) // chunks
+    chunk = tl.program_id(2) % chunks
+    row = tile * ROWS + tl.arange(0, ROWS)  # token * group + the head's place in it
     real = row < width * group
     token = row // group
     head = kv * group + row % group
-    d = tl.arange(0, DIM)
-    q_at = q_ptr + slot * q_slot + head[:, None] * q_head + token[:, None] * q_token + d[None, :]
-    q = tl.load(q_at, mask=real[:, None], other=0.0)
-    if UPCAST:  # the interpreter multiplies bf16 as float32 (numpy has no bf16)
-        q = q.to(tl.float32)
     seen = tl.load(visible_ptr + slot * width + token, mask=real, other=0)
-    keys = k_ptr + slot * k_slot + kv * k_head
-    values = v_ptr + slot * v_slot + kv * v_head
+    last = tl.max(seen, axis=0)
+    if chunk * CHUNK < last:  # a chunk past every row's keys: `combine` never reads it
+        d = tl.arange(0, DIM)
+        q_at = q_ptr + slot * q_slot + head[:, None] * q_head + token[:, None] * q_token + d[None, :]
+        q = tl.load(q_at, mask=real[:, None], other=0.0)
+        if UPCAST:  # the interpreter multiplies bf16 as float32 (numpy has no bf16)
+            q = q.to(tl.float32)
+        keys = k_ptr + slot * k_slot + kv * k_head
+        values = v_ptr + slot * v_slot + kv * v_head
+        top = tl.full((ROWS,), float("-inf"), tl.float32)
+        total = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, DIM), tl.float32)
+        end = tl.minimum(chunk * CHUNK + CHUNK, last)
+        for start in range(chunk * CHUNK, end, BLOCK):
+            at = start + tl.arange(0, BLOCK)
+            inside = (at < end)[:, None]
+            k = tl.load(keys + at[:, None] * k_position + d[None, :], mask=inside, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where((at[None, :] < seen[:, None]) & (at < end)[None, :], scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row that sees nothing yet
+            fade = tl.exp(top - shift)
+            weights = tl.exp(scores - shift[:, None])
+            v = tl.load(values + at[:, None] * v_position + d[None, :], mask=inside, other=0.0)
+            p = weights.to(v_ptr.dtype.element_ty)  # the products' dtype: bf16 for a bf16 model
+            if UPCAST:
+                p, v = p.to(tl.float32), v.to(tl.float32)
+            total = total * fade + tl.sum(weights, axis=1)
+            acc = acc * fade[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            top = new_top
+        part = ((slot * kv_heads + kv) * tiles + tile) * chunks + chunk
+        r = tl.arange(0, ROWS)
+        tl.store(top_ptr + part * ROWS + r, top)
+        tl.store(total_ptr + part * ROWS + r, total)
+        tl.store(acc_ptr + (part * ROWS + r[:, None]) * DIM + d[None, :], acc)
+
+
+@triton.jit
+def combine(
+    visible_ptr,
+    top_ptr,
+    total_ptr,
+    acc_ptr,
+    out_ptr,
+    out_slot,
+    out_token,
+    out_head,
+    kv_heads,
+    tiles,
+    chunks,
+    group,
+    width,
+    DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    kv = tl.program_id(1)
+    tile = tl.program_id(2)
+    row = tile * ROWS + tl.arange(0, ROWS)
+    real = row < width * group
+    token = row // group
+    head = kv * group + row % group
+    seen = tl.load(visible_ptr + slot * width + token, mask=real, other=0)
+    d = tl.arange(0, DIM)
+    r = tl.arange(0, ROWS)
     top = tl.full((ROWS,), float("-inf"), tl.float32)
     total = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, DIM), tl.float32)
-    for start in range(0, tl.max(seen, axis=0), BLOCK):
-        at = start + tl.arange(0, BLOCK)
-        inside = (at < tl.max(seen, axis=0))[:, None]
-        k = tl.load(keys + at[:, None] * k_position + d[None, :], mask=inside, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(at[None, :] < seen[:, None], scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, axis=1))
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row that sees nothing yet
-        fade = tl.exp(top - shift)
-        weights = tl.exp(scores - shift[:, None])
-        v = tl.load(values + at[:, None] * v_position + d[None, :], mask=inside, other=0.0)
-        p = weights.to(v_ptr.dtype.element_ty)  # the products' dtype: bf16 for a bf16 model
-        if UPCAST:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        total = total * fade + tl.sum(weights, axis=1)
-        acc = acc * fade[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    for chunk in range(0, tl.cdiv(tl.max(seen, axis=0), CHUNK)):  # in order, each row's own sums
+        part = ((slot * kv_heads + kv) * tiles + tile) * chunks + chunk
+        their_top = tl.load(top_ptr + part * ROWS + r)
+        their_total = tl.load(total_ptr + part * ROWS + r)
+        their_acc = tl.load(acc_ptr + (part * ROWS + r[:, None]) * DIM + d[None, :])
+        new_top = tl.maximum(top, their_top)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        ours, theirs = tl.exp(top - shift), tl.exp(their_top - shift)
+        total = total * ours + their_total * theirs
+        acc = acc * ours[:, None] + their_acc * theirs[:, None]
         top = new_top
     out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row that sees nothing (a free slot): zeros
     out_at = out_ptr + slot * out_slot + token[:, None] * out_token + head[:, None] * out_head + d[None, :]

@@ -1,14 +1,15 @@
 """Attention with one fixed order of summing per query, for the static path's decode and verify
-passes on a GPU (`attention_kernel`, a Triton kernel).
+passes on a GPU (`attention_kernel`, two Triton kernels).
 
 Why: greedy speculative output must equal target-only output bit for bit, so a query's
 attention may not depend on how many queries share its pass. The batch-invariant models' other
 attention (`invariant.float64_attention`) gets there by summing in float64, which the rounding
 back to the model's dtype absorbs; on an H200 it cost 14 of a layer's 87 microseconds in a
 batch-1 pass of the 1.5B shape, and it keeps the whole cache in float64, four times a bf16
-cache's bytes (docs/gpu.md). Here each query is one program that reads its keys in blocks of
-BLOCK from position 0 in order, so its bits depend on nothing else, in float32 over a cache in
-the model's own dtype (the keys a layer writes are already rounded to it).
+cache's bytes (docs/gpu.md). Here a query's keys are read in chunks of CHUNK positions from
+position 0, each in blocks of BLOCK, and the chunks' sums merged in order, so its bits depend on
+nothing else, in float32 over a cache in the model's own dtype (the keys a layer writes are
+already rounded to it).
 
 It needs a query's keys to be positions 0 .. visible-1 of its slot, as in the static path's
 slots (a token's keys at its position, no holes, no padding before them). The dynamic path's
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 BLOCK = 64
 # Query rows ((token, head) pairs sharing a key/value head) per program: the products' fixed shape.
 ROWS = 16
+# Positions per program: a slot's keys are split in chunks read at once (flash-decoding), each
+# chunk's sums merged in order; fixed, as BLOCK is, for it shapes the order of a query's sums.
+CHUNK = 256
 # Tests set it: the static path attends with the kernel on a CPU too, run by Triton's interpreter.
 CPU_INTERPRETED = False
 
@@ -113,31 +117,56 @@ def attend(
     from pipeline.models import attention_kernel
 
     slots, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, length = key.shape[1], key.shape[2]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
     counts = visible.to(torch.int32).contiguous()
     group = heads // kv_heads
-    tiles = -(-width * group // ROWS)
-    attention_kernel.attend[(slots, kv_heads, tiles)](
+    tiles, chunks = -(-width * group // ROWS), max(-(-length // CHUNK), 1)
+    parts = (slots, kv_heads, tiles, chunks, ROWS)
+    top, total = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))
+    acc = torch.empty((*parts, dim), dtype=torch.float32, device=query.device)
+    # float32 products in float32 (not TF32), bf16 ones on the tensor cores; the interpreter's in float32
+    exact = query.dtype == torch.float32 or not query.is_cuda
+    attention_kernel.attend_chunks[(slots, kv_heads, tiles * chunks)](
         query,
         key,
         value,
-        out,
         counts,
+        top,
+        total,
+        acc,
         *query.stride()[:3],
         *key.stride()[:3],
         *value.stride()[:3],
-        *out.stride()[:3],
+        kv_heads,
+        tiles,
+        chunks,
         group,
         width,
         scale,
         DIM=dim,
         ROWS=ROWS,
         BLOCK=BLOCK,
-        # float32 products in float32 (not TF32), bf16 ones on the tensor cores
-        PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
+        CHUNK=CHUNK,
+        PRECISION="ieee" if exact else "tf32",
         UPCAST=not query.is_cuda,
+    )
+    out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
+    attention_kernel.combine[(slots, kv_heads, tiles)](
+        counts,
+        top,
+        total,
+        acc,
+        out,
+        *out.stride()[:3],
+        kv_heads,
+        tiles,
+        chunks,
+        group,
+        width,
+        DIM=dim,
+        ROWS=ROWS,
+        CHUNK=CHUNK,
     )
     return out
 
