@@ -2,7 +2,7 @@
 the float64 attention it replaced, on a target's shapes, at batch 1 and 64 and widths 1, 4 and
 16; and whether sampled queries get the same bits alone as in a batch-64 width-16 pass.
 
-    python scripts/gpu_attention.py [--heads 12 --kv-heads 2 --dim 128 --context 400]
+    python scripts/gpu_attention.py [--heads 12 --kv-heads 2 --dim 128 --contexts 400,4000]
         [--batches 1,64] [--out FILE]
 
 The defaults are the Qwen2.5-Coder-1.5B target's attention. Seconds are device time per call,
@@ -34,7 +34,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--context", type=int, default=400, help="cached tokens before the pass's")
+    parser.add_argument(
+        "--contexts",
+        default="400,4000",
+        help="cached tokens before the pass's (a long one: the split's case)",
+    )
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--out", type=Path)
     o = parser.parse_args()
@@ -43,59 +47,63 @@ def main() -> None:
     lines = [
         f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU, Triton interpreter'}, torch "
         f"{torch.__version__}; {o.heads} heads, {o.kv_heads} "
-        f"key/value heads of {o.dim}, {o.context} cached tokens, bf16; microseconds a call (median)"
+        f"key/value heads of {o.dim}, bf16; microseconds a call (median)"
     ]
-    scale = o.dim**-0.5
-    length = o.context + 16 + 16  # a slot: context, the widest pass, scratch
     batches = [int(b) for b in o.batches.split(",")]
-    for slots in batches:
-        keys, values = (
-            torch.randn(slots, o.kv_heads, length, o.dim, device=device, dtype=torch.bfloat16)
-            for _ in range(2)
-        )
-        wide_keys, wide_values = keys.double(), values.double()
-        for width in (1, 4, 16):
-            query = torch.randn(slots, width, o.heads, o.dim, device=device, dtype=torch.bfloat16).transpose(
-                1, 2
-            )
-            positions = o.context + torch.arange(width, device=device).repeat(slots, 1)
-            visible = positions + 1
-            seen = (torch.arange(length, device=device)[None, None, :] <= positions[:, :, None])[:, None]
-            mask = seen
-            if invariant.NAME in ADDITIVE:
-                mask = torch.zeros(seen.shape, dtype=query.dtype, device=device)
-                mask = mask.masked_fill(~seen, torch.finfo(query.dtype).min)
-
-            fixed = partial(fixed_attention.attend, query, keys, values, visible, scale)
-            float64 = partial(
-                invariant.float64_attention, None, query, wide_keys, wide_values, mask, scaling=scale
-            )
-            ours, theirs = (timed(f, device) for f in (fixed, float64))
-            gap = (fixed().double() - float64()[0].double()).abs().max().item()
-            lines.append(
-                f"batch {slots:>2} width {width:>2}: fixed-order {ours:7.1f}, float64 {theirs:7.1f} "
-                f"({theirs / ours:.2f}x), largest difference {gap:.2e}"
-            )
-        if slots == batches[-1]:  # its last pass (width 16): sampled queries alone, one token, one slot
-            whole = fixed()
-            picks = [(s, t) for s in sorted({0, slots // 3, slots - 1}) for t in (0, 7, 15)]
-            same = 0
-            for s, t in picks:
-                alone = fixed_attention.attend(
-                    query[s : s + 1, :, t : t + 1],
-                    keys[s : s + 1],
-                    values[s : s + 1],
-                    visible[s : s + 1, t : t + 1],
-                    scale,
-                )
-                same += torch.equal(alone, whole[s : s + 1, t : t + 1])
-            lines.append(
-                f"bitwise alone as in the batch-{slots} width-16 pass: {same} of {len(picks)} queries"
-            )
+    for context in (int(c) for c in o.contexts.split(",")):
+        for slots in batches:
+            lines += compare(o, device, context, slots, check=slots == batches[-1])
     text = "\n".join(lines)
     print(text)
     if o.out:
         o.out.write_text(text + "\n")
+
+
+def compare(o: argparse.Namespace, device: str, context: int, slots: int, check: bool) -> list[str]:
+    """The two attentions timed on passes of widths 1, 4 and 16 over `context` cached tokens in
+    each of `slots` slots; `check`: then sampled queries of the width-16 pass alone."""
+    lines = []
+    scale = o.dim**-0.5
+    length = context + 16 + 16  # a slot: context, the widest pass, scratch
+    keys, values = (
+        torch.randn(slots, o.kv_heads, length, o.dim, device=device, dtype=torch.bfloat16) for _ in range(2)
+    )
+    wide_keys, wide_values = keys.double(), values.double()
+    for width in (1, 4, 16):
+        query = torch.randn(slots, width, o.heads, o.dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
+        positions = context + torch.arange(width, device=device).repeat(slots, 1)
+        visible = positions + 1
+        seen = (torch.arange(length, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+        mask = seen
+        if invariant.NAME in ADDITIVE:
+            mask = torch.zeros(seen.shape, dtype=query.dtype, device=device)
+            mask = mask.masked_fill(~seen, torch.finfo(query.dtype).min)
+
+        fixed = partial(fixed_attention.attend, query, keys, values, visible, scale)
+        float64 = partial(
+            invariant.float64_attention, None, query, wide_keys, wide_values, mask, scaling=scale
+        )
+        ours, theirs = (timed(f, device) for f in (fixed, float64))
+        gap = (fixed().double() - float64()[0].double()).abs().max().item()
+        lines.append(
+            f"context {context:>5} batch {slots:>2} width {width:>2}: fixed-order {ours:7.1f}, "
+            f"float64 {theirs:7.1f} ({theirs / ours:.2f}x), largest difference {gap:.2e}"
+        )
+    if check:  # the last pass (width 16): sampled queries alone, one token, one slot
+        whole = fixed()
+        picks = [(s, t) for s in sorted({0, slots // 3, slots - 1}) for t in (0, 7, 15)]
+        same = 0
+        for s, t in picks:
+            alone = fixed_attention.attend(
+                query[s : s + 1, :, t : t + 1],
+                keys[s : s + 1],
+                values[s : s + 1],
+                visible[s : s + 1, t : t + 1],
+                scale,
+            )
+            same += torch.equal(alone, whole[s : s + 1, t : t + 1])
+        lines.append(f"bitwise alone as in the batch-{slots} width-16 pass: {same} of {len(picks)} queries")
+    return lines
 
 
 def timed(call, device: str) -> float:
