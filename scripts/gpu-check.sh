@@ -98,7 +98,7 @@ EOF
         TRITON_INTERPRET=1 timeout 60 python3 scripts/gpu_attention.py --batches 1,2 --contexts 40 --out "$res/attention.txt"
     else
         timeout 60 python3 scripts/gpu_attention.py --out "$res/attention.txt"
-    fi 2>&1 | tail -12
+    fi 2>&1 | tail -16
     pack
     # passes first: their cost, the bandwidth achieved and what the captured graphs hold (the
     # 2026-12-04 call found 26.7 GB for one slot: graphs captured with autograd on)
