@@ -15,7 +15,7 @@ from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.static_lm import StaticLM
-from pipeline.models import fixed_attention
+from pipeline.models import fixed_attention, invariant
 from pipeline.models.loading import ModelRef, load_pair
 
 pytestmark = [
@@ -205,3 +205,33 @@ def test_a_kernel_that_fails_or_miscomputes_here_leaves_float64_attention(
         assert "float64 attention instead" in caplog.text
     finally:
         fixed_attention.works.cache_clear()
+
+
+def test_compiled_passes_call_the_kernel_and_keep_target_onlys_outputs(tiny_pair_dirs, counted):
+    """`torch.compile`d layers (a GPU's default) take the kernel as an op of its own (its fake
+    shapes traced, its body run as it is), and greedy speculative decoding over them gives
+    target-only's outputs."""
+    from transformers import AutoModelForCausalLM
+
+    fixed_attention.CPU_INTERPRETED = True
+    try:
+        target, draft = (
+            AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval().to(DEVICE)
+            for d in tiny_pair_dirs
+        )
+        target = invariant.make_batch_invariant(target, True)
+        for model in (target, draft):  # as load_pair(static_passes=True, compiled_passes=True) marks them
+            model._static_passes = model._compiled_passes = True
+        prompts = [list(range(5, 40)) * 2, list(range(60, 75)) * 3, list(range(7, 90, 3))]
+        outputs = {}
+        for drafter, batch_size in (("none", 1), ("prompt_lookup", 2)):
+            config = EngineConfig(drafter=drafter, gamma_max=3)
+            engine = SpeculativeEngine(target, draft, eos_token_ids=[1], pad_token_id=0, config=config)
+            assert engine.target.compiled and engine.target.fixed_attention
+            before = len(counted)  # (the loader's own check of the kernel calls it too)
+            done, _ = engine.generate(prompts, 16, batch_size=batch_size)
+            assert len(counted) > before
+            outputs[drafter] = [o.tokens for o in done]
+    finally:
+        fixed_attention.CPU_INTERPRETED = False
+    assert outputs["prompt_lookup"] == outputs["none"]
