@@ -27,16 +27,6 @@ pytestmark = [
 ]
 
 
-def _reference(query, key, value, visible, scale):
-    """The same attention in float64, each query over its slot's first `visible` keys."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = (t.double().repeat_interleave(groups, 1) for t in (key, value))
-    scores = query.double() @ key.transpose(-1, -2) * scale
-    positions = torch.arange(key.shape[2], device=key.device)
-    scores = scores.masked_fill(positions[None, None, None, :] >= visible[:, None, :, None], float("-inf"))
-    return (scores.softmax(-1) @ value).transpose(1, 2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_query_gets_the_same_bits_whatever_shares_its_pass(dtype):
     """3 slots × 8 queries in one pass, then each query alone in a pass of 1, its slot shorter
@@ -55,7 +45,10 @@ def test_a_query_gets_the_same_bits_whatever_shares_its_pass(dtype):
     assert wide.shape == (slots, 8, heads, dim) and wide.dtype == dtype
     tolerance = 1e-6 if dtype == torch.float32 else 2**-7  # the output's rounding to bf16
     assert torch.allclose(
-        wide.double(), _reference(query, key, value, ends, scale), atol=tolerance, rtol=tolerance
+        wide.double(),
+        fixed_attention.reference(query, key, value, ends, scale),
+        atol=tolerance,
+        rtol=tolerance,
     )
     for slot in range(slots):
         for token in range(8):

@@ -76,10 +76,7 @@ def works(device: str, dtype: torch.dtype, dim: int) -> str | None:
     except Exception as error:  # noqa: BLE001 - any failure of the kernel means: not here
         reason = f"{type(error).__name__}: {error}"[:300]
     else:
-        keys, values = (t.double().repeat_interleave(2, 1) for t in (key, value))
-        scores = query.double() @ keys.transpose(-1, -2) * dim**-0.5
-        hidden = torch.arange(80, device=device)[None, None, None, :] >= visible[:, None, :, None]
-        expected = (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ values).transpose(1, 2)
+        expected = reference(query, key, value, visible, dim**-0.5)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         if torch.allclose(out, expected, atol=tolerance, rtol=tolerance):
             return None
@@ -102,6 +99,21 @@ def used(model: torch.nn.Module) -> bool:
     if getattr(model.config, "_attn_implementation", None) != invariant.NAME:
         return False
     return not getattr(model, "_float64_attention", False) and serves(model)
+
+
+def reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`attend`'s result as the float64 attention it replaces computes it (`invariant.
+    float64_attention`, in float64 throughout): what `works` and the tests hold the kernel to."""
+    from pipeline.models import invariant
+
+    hidden = torch.arange(key.shape[2], device=key.device)[None, None, None, :] >= visible[:, None, :, None]
+    mask = torch.zeros(hidden.shape, dtype=torch.float64, device=key.device)
+    mask = mask.masked_fill(hidden, torch.finfo(torch.float64).min)
+    return invariant.float64_attention(
+        None, query.double(), key.double(), value.double(), mask, scaling=scale
+    )[0]
 
 
 @torch.library.custom_op("pipeline::fixed_attention", mutates_args=())
