@@ -33,12 +33,16 @@ def test_a_query_gets_the_same_bits_whatever_shares_its_pass(dtype):
     and the keys past its own spoilt: bitwise the same, and softmax attention within rounding."""
     generator = torch.Generator().manual_seed(0)
     slots, heads, kv_heads, length, dim = 3, 4, 2, 300, 16
-    key, value = (torch.randn(slots, kv_heads, length, dim, generator=generator).to(dtype) for _ in range(2))
+    key, value = (
+        torch.randn(slots, kv_heads, length, dim, generator=generator).to(DEVICE, dtype) for _ in range(2)
+    )
     # [slots, heads, width, dim] as `transformers` hands it over: a transposed view
-    query = torch.randn(slots, 8, heads, dim, generator=generator).to(dtype).transpose(1, 2)
-    # spans that end inside a block of keys, on its edge, after one key, and past two blocks
+    query = torch.randn(slots, 8, heads, dim, generator=generator).to(DEVICE, dtype).transpose(1, 2)
+    # spans that end inside a block of keys, on its edge, after one key, past two blocks and
+    # across a chunk's edge
     ends = torch.tensor(
-        [[100 + i for i in range(8)], [1, 2, 63, 64, 65, 128, 129, 5], [250 + i for i in range(8)]]
+        [[100 + i for i in range(8)], [1, 2, 63, 64, 65, 128, 129, 5], [250 + i for i in range(8)]],
+        device=DEVICE,
     )
     scale = dim**-0.5
     wide = fixed_attention.attend(query, key, value, ends, scale)
@@ -68,10 +72,10 @@ def test_a_query_gets_the_same_bits_whatever_shares_its_pass(dtype):
 
 def test_a_query_that_sees_no_key_gets_zeros():
     """A free slot's padding (the static path feeds every slot) must not make NaNs."""
-    query = torch.randn(1, 2, 1, 16)
-    key = value = torch.randn(1, 1, 8, 16)
-    out = fixed_attention.attend(query, key, value, torch.zeros(1, 1, dtype=torch.int32), 0.25)
-    assert torch.equal(out, torch.zeros(1, 1, 2, 16))
+    query = torch.randn(1, 2, 1, 16, device=DEVICE)
+    key = value = torch.randn(1, 1, 8, 16, device=DEVICE)
+    out = fixed_attention.attend(query, key, value, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), 0.25)
+    assert torch.equal(out, torch.zeros(1, 1, 2, 16, device=DEVICE))
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +192,14 @@ def test_a_kernel_that_fails_or_miscomputes_here_leaves_float64_attention(
     def broken(query, key, value, visible, scale):
         if fault == "raises":
             raise RuntimeError("no kernel for this device")
-        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+        return torch.zeros(
+            query.shape[0],
+            query.shape[2],
+            query.shape[1],
+            query.shape[3],
+            dtype=query.dtype,
+            device=query.device,
+        )
 
     fixed_attention.works.cache_clear()
     monkeypatch.setattr(fixed_attention, "attend", broken)
