@@ -90,7 +90,8 @@ EOF
     xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
     [ -z "${SKIP_TESTS:-}" ] && echo "== static path and fusion tests ($(date +%T))" &&
     PIPELINE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider -o addopts= $xdist \
-        tests/test_static_lm.py tests/test_fusion.py tests/test_fixed_attention.py 2>&1 | tee "$res/tests-static.log" | tail -15
+        tests/test_static_lm.py tests/test_fusion.py tests/test_fixed_attention.py tests/test_fixed_linear.py 2>&1 |
+        tee "$res/tests-static.log" | tail -15
     # the fixed-order attention kernel alone against the float64 attention it replaced, the
     # 1.5B target's shapes, batch 1 and 64, 400 and 4,000 cached tokens (the dry run: a small check in Triton's interpreter)
     echo "== attention alone ($(date +%T))"
@@ -99,10 +100,21 @@ EOF
     else
         timeout 60 python3 scripts/gpu_attention.py --out "$res/attention.txt"
     fi 2>&1 | tail -16
+    # the fixed-order products alone against the padded row blocks they replaced and cuBLAS as
+    # the rows come, the 1.5B target's weights at 1 to 256 rows
+    echo "== products alone ($(date +%T))"
+    if [ -n "${DRY:-}" ]; then
+        TRITON_INTERPRET=1 timeout 60 python3 scripts/gpu_linear.py --hidden 64 --intermediate 160 --kv 32 --vocab 320 \
+            --rows 1,20 --out "$res/linear.txt"
+    else
+        timeout 60 python3 scripts/gpu_linear.py --out "$res/linear.txt"
+    fi 2>&1 | tail -40
     pack
     # passes first: their cost, the bandwidth achieved and what the captured graphs hold (the
     # 2026-12-04 call found 26.7 GB for one slot: graphs captured with autograd on)
     NAME=$pair-batch1 step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3
+    # the same passes with the padded row blocks the fixed-order products replaced (the A/B)
+    NAME=$pair-block-linears step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --block-linears
     # HF's eager rows (~30 tok/s) would take the step's whole time: ours only. Every graph is
     # captured before the timed runs (`StaticLM.reserve`), so the runs should now be even.
     NAME=$pair-batch1 step 110 bench $pair --tasks translate --corpus licenses --docs 4 --batches 1 --max-new-tokens 128 \

@@ -303,6 +303,8 @@ def calibration_key(loaded: LoadedPair, threads: int, draft_vocab: int = EngineC
         **({"fused": list(loaded.fused_projections)} if getattr(loaded, "fused_projections", ()) else {}),
         # the fixed-order attention kernel (a GPU's default) and the float64 one cost otherwise
         **({"fixed_attention": True} if getattr(loaded, "fixed_attention", False) else {}),
+        # so do the fixed-order products and the row blocks (`--block-linears`)
+        **({"fixed_linears": True} if getattr(loaded, "fixed_linears", False) else {}),
         # a changed kernel source changes what a pass costs, and so does the prefill's chain
         "kernel": hashlib.sha256(streamed.SOURCE.read_bytes()).hexdigest()[:16]
         if loaded.streamed or getattr(loaded, "weights", "dense") == "gguf-blocks"

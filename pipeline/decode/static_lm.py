@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 
 from pipeline.decode.batched_lm import BatchedLM, _cache_keyword, _Prefix
 from pipeline.decode.sampling import RowLogits
-from pipeline.models import fixed_attention, invariant, streamed
+from pipeline.models import fixed_attention, fixed_linear, invariant, streamed
 from pipeline.models.architecture import ADDITIVE, static_support
 
 # Widths (tokens per row) of the passes that replay a graph: a 1-token step, verify passes of up
@@ -219,6 +219,7 @@ class StaticLM(BatchedLM):
             "prefill_eager_because": self.store.prefill_off,
             "compiled": self.compiled,
             "fixed_attention": self.fixed_attention,
+            "fixed_linears": fixed_linear.used(self.model),
         }
 
     # --- slots -----------------------------------------------------------------------------

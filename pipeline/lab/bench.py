@@ -784,6 +784,7 @@ class BenchOptions:
     compiled_passes: bool | None
     fused_projections: bool
     float64_attention: bool
+    block_linears: bool
     draft_int8: bool | None
     hf_assistant_tokens: tuple[int, ...]
     hf_lookup_tokens: tuple[int, ...]
@@ -834,6 +835,7 @@ def _describe_loaded(pair: str, loaded: LoadedPair) -> str:
         + (", compiled" if loaded.compiled_passes else "")
         + (f", fused projections ({'+'.join(loaded.fused_projections)})" if loaded.fused_projections else "")
         + (", fixed-order attention" if loaded.fixed_attention else "")
+        + (", fixed-order products" if loaded.fixed_linears else "")
     )
 
 
@@ -899,6 +901,7 @@ def bench(options: BenchOptions, echo: Callable[[str], None]) -> None:
         "compiled_passes": o.compiled_passes,
         "fused_projections": o.fused_projections,
         "float64_attention": o.float64_attention,
+        "block_linears": o.block_linears,
     }
     loaded = load_pair(
         target,

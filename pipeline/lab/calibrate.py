@@ -132,7 +132,8 @@ def format_table(result: dict[str, Any]) -> str:
     for role, graphs in (result.get("static_passes") or {}).items():
         lines.append(
             f"static passes ({role}{', compiled' if graphs.get('compiled') else ''}"
-            f"{', fixed-order attention' if graphs.get('fixed_attention') else ''}): "
+            f"{', fixed-order attention' if graphs.get('fixed_attention') else ''}"
+            f"{', fixed-order products' if graphs.get('fixed_linears') else ''}): "
             f"{graphs['slots']} slots of {graphs['slot_length']} positions, "
             + (
                 f"graphs of widths {','.join(map(str, graphs['graphs']))}"
@@ -199,6 +200,7 @@ class CalibrateOptions:
     compiled_passes: bool | None
     fused_projections: bool
     float64_attention: bool
+    block_linears: bool
     runs: int
     head: bool
     head_vocab: int | None
@@ -227,6 +229,7 @@ def measure_pair(options: CalibrateOptions) -> tuple[LoadedPair, dict[str, Any]]
         "compiled_passes": o.compiled_passes,
         "fused_projections": o.fused_projections,
         "float64_attention": o.float64_attention,
+        "block_linears": o.block_linears,
         "block_activations": o.block_activations,
     }
     loaded = load_pair(target, draft, dtype=o.dtype, device="auto", weights=o.weights, **kernels)

@@ -63,6 +63,12 @@ def pass_path_options(command):
             help="The static passes' attention in float64, not the fixed-order kernel a GPU's "
             "batch-invariant target runs (pipeline/models/fixed_attention.py): an A/B of the two.",
         ),
+        click.option(
+            "--block-linears",
+            is_flag=True,
+            help="The static passes' products in padded blocks of rows (cuBLAS), not the fixed-order "
+            "kernel a GPU's batch-invariant target runs (pipeline/models/fixed_linear.py): an A/B.",
+        ),
     )
     for option in reversed(options):
         command = option(command)

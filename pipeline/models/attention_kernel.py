@@ -67,8 +67,11 @@ def attend_chunks(
         d = tl.arange(0, DIM)
         q_at = q_ptr + slot * q_slot + head[:, None] * q_head + token[:, None] * q_token + d[None, :]
         q = tl.load(q_at, mask=real[:, None], other=0.0)
-        if UPCAST:  # the interpreter multiplies bf16 as float32 (numpy has no bf16)
-            q = q.to(tl.float32)
+        if UPCAST:
+            # The interpreter (numpy, which has no bf16) multiplies in float64, where every
+            # product is exact: its BLAS fuses a product into its sum (or not) by a row's place
+            # in the tile, which in float32 moved a query's bits with its place in the pass.
+            q = q.to(tl.float64)
         keys = k_ptr + slot * k_slot + kv * k_head
         values = v_ptr + slot * v_slot + kv * v_head
         top = tl.full((ROWS,), float("-inf"), tl.float32)
@@ -80,8 +83,9 @@ def attend_chunks(
             inside = (at < end)[:, None]
             k = tl.load(keys + at[:, None] * k_position + d[None, :], mask=inside, other=0.0)
             if UPCAST:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                scores = tl.dot(q, tl.trans(k.to(tl.float64))).to(tl.float32) * scale
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where((at[None, :] < seen[:, None]) & (at < end)[None, :], scores, float("-inf"))
             new_top = tl.maximum(top, tl.max(scores, axis=1))
             shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a row that sees nothing yet
@@ -89,10 +93,11 @@ def attend_chunks(
             weights = tl.exp(scores - shift[:, None])
             v = tl.load(values + at[:, None] * v_position + d[None, :], mask=inside, other=0.0)
             p = weights.to(v_ptr.dtype.element_ty)  # the products' dtype: bf16 for a bf16 model
-            if UPCAST:
-                p, v = p.to(tl.float32), v.to(tl.float32)
             total = total * fade + tl.sum(weights, axis=1)
-            acc = acc * fade[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            if UPCAST:
+                acc = acc * fade[:, None] + tl.dot(p.to(tl.float64), v.to(tl.float64)).to(tl.float32)
+            else:
+                acc = acc * fade[:, None] + tl.dot(p, v, input_precision=PRECISION)
             top = new_top
         part = ((slot * kv_heads + kv) * tiles + tile) * chunks + chunk
         r = tl.arange(0, ROWS)

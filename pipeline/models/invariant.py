@@ -29,7 +29,8 @@ On a GPU the 2-row trick is no cure: cuBLAS picks a kernel by the number of rows
 reductions (RMSNorm) split their work by it. There every Linear and RMSNorm input goes in blocks
 of GPU_ROWS rows, the last one padded, so one kernel shape serves every pass; a memory-bound
 decode or verify pass of up to GPU_ROWS tokens costs what a 1-row one does (docs/benchmarks/,
-the GPU runs).
+the GPU runs). The static path's decode and verify passes multiply in `fixed_linear`'s kernel
+instead where it works on the device (one fixed order per row, tiles of 16 rows, no padding to 128).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlparse
 import torch
 
 from . import draft_int8 as int8_draft
-from . import fixed_attention, fusion, gguf_blocks, invariant, streamed
+from . import fixed_attention, fixed_linear, fusion, gguf_blocks, invariant, streamed
 from .architecture import static_support
 from .pairs import (
     ConfigError,
@@ -302,6 +302,8 @@ class LoadedPair:
     fused_projections: tuple[str, ...] = ()
     # the target's static decode and verify passes attend with `fixed_attention`'s kernel
     fixed_attention: bool = False
+    # the target's decode and verify passes multiply in `fixed_linear`'s kernel, not in row blocks
+    fixed_linears: bool = False
     load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -346,6 +348,7 @@ class LoadedPair:
             "compiled_passes": self.compiled_passes,
             "fused_projections": list(self.fused_projections),
             "fixed_attention": self.fixed_attention,
+            "fixed_linears": self.fixed_linears,
             "tokenizer_vocab_size": self.vocab_size,
         }
 
@@ -656,6 +659,7 @@ def load_pair(
     compiled_passes: bool | None = None,
     fused_projections: bool = False,
     float64_attention: bool = False,
+    block_linears: bool = False,
 ) -> LoadedPair:
     """Load the tokenizer (once, from the target), check the draft's tokenizer matches it, then load
     both models in eval mode. Tokenizers are checked before any weights are read.
@@ -684,7 +688,9 @@ def load_pair(
     so off unless asked).
     On a GPU the batch-invariant target's static decode and verify passes attend with one fixed
     order per query (`pipeline.models.fixed_attention`); `float64_attention` keeps the float64
-    attention there instead (an A/B of the two).
+    attention there instead (an A/B of the two). Their products run in one fixed order per row
+    (`pipeline.models.fixed_linear`) rather than in padded blocks of rows; `block_linears` keeps
+    the blocks (the A/B).
     """
     device = resolve_device(device)
     rounded = block_activations == "int8"
@@ -732,6 +738,8 @@ def load_pair(
             model._compiled_passes = True
     if float64_attention:
         target_model._float64_attention = True
+    if static_passes and batch_invariant and not block_linears and fixed_linear.serves(target_model):
+        fixed_linear.apply(target_model)
     for model in (target_model, draft_model):
         if model is not None:  # served, never trained here: no pass keeps what a backward would need
             model.requires_grad_(False)
@@ -753,5 +761,6 @@ def load_pair(
         compiled_passes=compiled_passes,
         fused_projections=fused,
         fixed_attention=static_passes and fixed_attention.used(target_model),
+        fixed_linears=fixed_linear.used(target_model),
         load_seconds=times,
     )

@@ -1,0 +1,193 @@
+"""Matrix products whose rows do not depend on how many rows share them, for the batch-invariant
+target's decode and verify passes on a GPU (`linear_kernel`, two Triton kernels).
+
+Why: cuBLAS picks its kernel by the number of rows, so the batch-invariant target ran every
+Linear in padded blocks of `invariant.GPU_ROWS` (128) rows: one kernel shape for every pass.
+A batch-1 decode pass then multiplies 128 rows where it has one. In bf16 on an H200 the 1.5B
+shape's 128-row products are about as long in the tensor cores as in reading their weights
+(≈ 0.45 TFLOP a pass), and in the profile of 2026-11-28 the gate, up and down products ran at
+about 54% of the card's bandwidth, q, k and v as three latency-bound calls (docs/gpu.md).
+Here a product runs in tiles of ROWS rows, each the same compiled program whatever the rows
+are, and sums its inner dimension in blocks of BLOCK_K in a fixed split of parts (by the
+weight's shape alone) added in order: a row's bits depend on that row and the weight only.
+A batch-1 pass computes 16 rows, not 128; a batch-64 pass reads each weight tile once from
+memory for its four row tiles (the others from L2).
+
+Prefills keep the row blocks (`invariant.PREFILL_ROWS`): a prompt token is always prefilled and
+a generated one never, in target-only and speculative decoding alike, so the two need not round
+alike. RMSNorm keeps its blocks too (a row reduction whose compiled kernel may follow its shape).
+Whether the kernel is faster than the padded blocks is measured on a GPU (`scripts/gpu_linear.py`,
+`calibrate --block-linears`): built on a CPU, not yet measured there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from pipeline.models import fixed_attention, streamed
+
+log = logging.getLogger(__name__)
+
+# Rows per tile: the products' fixed shape (the tensor cores' smallest).
+ROWS = 16
+# Outputs per tile: does not touch a row's sums; small, so that a batch-1 product has hundreds
+# of programs (8,960 outputs: 280) to spread over a GPU's ~132 multiprocessors.
+BLOCK_N = 32
+# Inner-dimension step of a program: part of the order a row's sums take, so fixed.
+BLOCK_K = 128
+# Programs a product of one row tile should make at least, by splitting the inner dimension:
+# a weight with few outputs (k and v: 256) would otherwise be read by a handful of programs.
+PROGRAMS = 256
+
+
+def parts(outputs: int, inner: int) -> tuple[int, int]:
+    """(parts, blocks of BLOCK_K per part) the inner dimension of an `outputs` × `inner` weight
+    is split in: from the weight's shape alone, never the rows', for it sets a row's order of
+    sums."""
+    blocks = -(-inner // BLOCK_K)
+    wanted = max(1, min(blocks, round(PROGRAMS / -(-outputs // BLOCK_N))))
+    per_part = -(-blocks // wanted)
+    return -(-blocks // per_part), per_part
+
+
+@torch.library.custom_op("pipeline::fixed_linear", mutates_args=())
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias, x [rows, inner], weight [outputs, inner]: each row summed in one
+    fixed order (module docstring). An op of its own so that a compiled pass calls it as it is."""
+    from pipeline.models import linear_kernel
+
+    rows, inner = x.shape
+    outputs = weight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    count, per_part = parts(outputs, inner)
+    out = torch.empty((rows, outputs), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    grid = (-(-rows // ROWS), -(-outputs // BLOCK_N))
+    sums = out if count == 1 else torch.empty((count, rows, outputs), dtype=torch.float32, device=x.device)
+    # float32 products in float32 (not TF32), bf16 ones on the tensor cores; the interpreter's in float32
+    exact = x.dtype == torch.float32 or not x.is_cuda
+    tuning = {"num_warps": 4, "num_stages": 4} if x.is_cuda else {}
+    linear_kernel.product[(*grid, count)](
+        x,
+        weight,
+        bias if bias is not None else x,
+        sums,
+        rows,
+        outputs,
+        inner,
+        x.stride(0),
+        weight.stride(0),
+        sums.stride(0) if count > 1 else 0,
+        sums.stride(-2),
+        per_part,
+        ROWS=ROWS,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        PARTS=count,
+        HAS_BIAS=bias is not None,
+        PRECISION="ieee" if exact else "tf32",
+        UPCAST=not x.is_cuda,
+        **tuning,
+    )
+    if count > 1:
+        linear_kernel.combine[grid](
+            sums,
+            bias if bias is not None else x,
+            out,
+            rows,
+            outputs,
+            sums.stride(0),
+            sums.stride(1),
+            out.stride(0),
+            ROWS=ROWS,
+            BLOCK_N=BLOCK_N,
+            PARTS=count,
+            HAS_BIAS=bias is not None,
+        )
+    return out
+
+
+@product.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`product` in float64: what `works` and the tests hold the kernel to."""
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@functools.cache
+def works(device: str, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot multiply here (None: it can), from two small calls (one split, one
+    not) checked against float64 and against their own rows alone. Why: a Triton or driver it
+    does not compile on, or miscomputes on, must cost a job its speed only (the row blocks
+    then), never its outputs or its start."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for outputs, inner in ((40, 3 * BLOCK_K - 84), (40, BLOCK_K - 28)):  # split in 3 parts, and not
+            x, weight, bias = (
+                torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+                for shape in ((19, inner), (outputs, inner), (outputs,))
+            )
+            out = product(x, weight, bias)
+            expected = reference(x, weight, bias)
+            tolerance = 1e-4 if dtype == torch.float32 else 6e-2
+            if not torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance):
+                raise ValueError(
+                    f"its result is {(out.double() - expected).abs().max().item():.2e} from float64's"
+                )
+            if not torch.equal(product(x[17:18], weight, bias), out[17:18]):
+                raise ValueError("a row alone rounds otherwise than among 19")
+    except Exception as error:  # noqa: BLE001 - any failure of the kernel means: not here
+        reason = f"{type(error).__name__}: {error}"[:300]
+        log.warning("fixed-order products not used on %s (%s): %s; row blocks instead", device, dtype, reason)
+        return reason
+    return None
+
+
+def serves(model: nn.Module) -> bool:
+    """Can the kernel run `model`'s products: on a GPU (or interpreted, for the tests), where
+    it `works`?"""
+    parameter = next(model.parameters())
+    interpreted = fixed_attention.CPU_INTERPRETED and parameter.device.type == "cpu"
+    on_device = parameter.device.type == "cuda" or interpreted
+    return on_device and fixed_attention.available() and works(str(parameter.device), parameter.dtype) is None
+
+
+def apply(model: nn.Module) -> int:
+    """Run the decode and verify passes' products of every plain Linear of `model` (and of its
+    fused products) through the kernel, in place; prefills keep what they ran. Returns how
+    many layers; idempotent."""
+    count = 0
+    for module in model.modules():
+        if type(module) is not nn.Linear or getattr(module, "_fused_into", None):
+            continue  # a streamed or block layer, or a part of a fused product (`fusion`)
+        if not getattr(module, "_fixed_linear", False):
+            module.forward = _decoding_in_kernel(module, module.forward)
+            module._fixed_linear = True
+        count += 1
+    model._fixed_linears = count > 0
+    return count
+
+
+def _decoding_in_kernel(linear: nn.Linear, forward):
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if streamed.is_prefilling():
+            return forward(x)
+        out = product(x.reshape(-1, x.shape[-1]), linear.weight, linear.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return run
+
+
+def used(model: nn.Module) -> bool:
+    """Do `model`'s decode and verify passes multiply in the kernel (`apply`)?"""
+    return bool(getattr(model, "_fixed_linears", False))
