@@ -141,6 +141,15 @@ EOF
     # the passes with the float64 attention the fixed-order kernel replaced (an A/B of the two)
     NAME=$pair-float64-attention step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --float64-attention
     NAME=$pair-batch64 step 150 calibrate $pair --batch 64 --widths 1,8,16 --runs 3
+    # the products' free settings (outputs a tile, programs wanted, warps, stages), for the next constants
+    echo "== products' settings ($(date +%T))"
+    if [ -n "${DRY:-}" ]; then
+        TRITON_INTERPRET=1 timeout 60 python3 scripts/gpu_linear.py --hidden 64 --intermediate 160 --kv 32 --vocab 320 \
+            --rows 1,20 --sweep --out "$res/linear-settings.txt"
+    else
+        timeout 60 python3 scripts/gpu_linear.py --rows 1,64 --sweep --out "$res/linear-settings.txt"
+    fi 2>&1 | tail -8
+    pack
     # a draft head's step on the GPU beside a width-1 pass (issue 39: the head drafts where a
     # verify pass costs the same at width 1 and 16), with as many output rows as the 1.5B's
     # distilled head (2026-11-29-distill-head-...-chained3-6epochs: the training completions' tokens)

@@ -5,7 +5,11 @@ shapes, at 1, 16, 64 and 256 rows; and whether sampled rows get the same bits al
 the others.
 
     python scripts/gpu_linear.py [--hidden 1536 --intermediate 8960 --kv 256 --vocab 151936]
-        [--rows 1,16,64,256] [--out FILE]
+        [--rows 1,16,64,256] [--sweep] [--out FILE]
+
+`--sweep` times the kernel's free settings instead (outputs per tile, programs wanted, warps,
+stages: none of them changes a row's bits but the split, which `PROGRAMS` sets) on the q+k+v,
+gate and down weights at 1 and 64 rows, for the next constants.
 
 The defaults are the Qwen2.5-Coder-1.5B target's. Microseconds are device time per call,
 replayed in a CUDA graph as the static path replays its passes (`triton.testing.
@@ -38,6 +42,7 @@ def main() -> None:
     parser.add_argument("--kv", type=int, default=256, help="outputs of k (and of v)")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--rows", default="1,16,64,256")
+    parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", type=Path)
     o = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,6 +58,9 @@ def main() -> None:
         "output layer": (o.vocab, h),
     }
     rows = [int(r) for r in o.rows.split(",")]
+    if o.sweep:
+        picked = {k: shapes[k] for k in ("q+k+v", "gate, up", "down")}
+        return finish(o, sweep(picked, [rows[0], rows[-1]], device, dtype), echo=False)
     lines = [
         f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU, Triton interpreter'}, torch "
         f"{torch.__version__}, {str(dtype).removeprefix('torch.')}; microseconds a call ("
@@ -88,19 +96,60 @@ def main() -> None:
             torch.equal(fixed_linear.product(x[r : r + 1], weight, bias), whole[r : r + 1]) for r in picks
         )
         lines.append(f"  bitwise alone as among {len(x)}: {same} of {len(picks)} rows")
+    finish(o, lines)
+
+
+def finish(o: argparse.Namespace, lines: list[str], echo: bool = True) -> None:
     text = "\n".join(lines)
-    print(text)
+    if echo:
+        print(text)
     if o.out:
         o.out.write_text(text + "\n")
 
 
-def timed(call, device: str) -> float:
+def sweep(shapes: dict[str, tuple[int, int]], rows: list[int], device: str, dtype: torch.dtype) -> list[str]:
+    """The kernel's microseconds a call under each setting (module constants, restored after)."""
+    settings = [
+        (block_n, programs, warps, stages)
+        for block_n in (16, 32, 64)
+        for programs in (128, 256, 512)
+        for warps, stages in ((4, 4), (2, 4), (4, 3))
+    ]
+    lines = ["outputs a tile, programs wanted, warps, stages: microseconds a call (GB/s of weights)"]
+    kept = (fixed_linear.BLOCK_N, fixed_linear.PROGRAMS, fixed_linear.WARPS, fixed_linear.STAGES)
+    torch.manual_seed(0)
+    try:
+        for name, (outputs, inner) in shapes.items():
+            weight = torch.randn(outputs, inner, device=device, dtype=dtype) / inner**0.5
+            gigabytes = weight.numel() * weight.element_size() / 1e9
+            for n in rows:
+                x = torch.randn(n, inner, device=device, dtype=dtype)
+                cells = []
+                for setting in settings:
+                    fixed_linear.BLOCK_N, fixed_linear.PROGRAMS, fixed_linear.WARPS, fixed_linear.STAGES = (
+                        setting
+                    )
+                    took = timed(partial(fixed_linear.product, x, weight, None), device, rep=30)
+                    cells.append((took, setting))
+                cells.sort()
+                best = ", ".join(
+                    f"{s[0]}/{s[1]}/{s[2]}/{s[3]}: {t:.1f} ({gigabytes * 1e6 / t:.0f})" for t, s in cells[:4]
+                )
+                worst = cells[-1]
+                lines.append(f"{name} ({outputs} x {inner}), {n} rows: best {best}; worst {worst[0]:.1f}")
+                print(lines[-1], flush=True)  # a step cut by its time limit keeps what it measured
+    finally:
+        fixed_linear.BLOCK_N, fixed_linear.PROGRAMS, fixed_linear.WARPS, fixed_linear.STAGES = kept
+    return lines
+
+
+def timed(call, device: str, rep: int = 100) -> float:
     """Microseconds a call: device time on a GPU (median of graph replays), wall time on a CPU."""
     if device == "cuda":
         from triton.testing import do_bench_cudagraph
 
         call()  # compile outside the capture
-        return 1000 * do_bench_cudagraph(call, rep=100, return_mode="median")
+        return 1000 * do_bench_cudagraph(call, rep=rep, return_mode="median")
     seconds = []
     for _ in range(3):
         began = time.perf_counter()

@@ -42,6 +42,8 @@ BLOCK_K = 128
 # Programs a product of one row tile should make at least, by splitting the inner dimension:
 # a weight with few outputs (k and v: 256) would otherwise be read by a handful of programs.
 PROGRAMS = 256
+# Launch settings on a GPU: they change how fast a tile runs, never what it computes.
+WARPS, STAGES = 4, 4
 
 
 def parts(outputs: int, inner: int) -> tuple[int, int]:
@@ -72,7 +74,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     sums = out if count == 1 else torch.empty((count, rows, outputs), dtype=torch.float32, device=x.device)
     # float32 products in float32 (not TF32), bf16 ones on the tensor cores; the interpreter's in float32
     exact = x.dtype == torch.float32 or not x.is_cuda
-    tuning = {"num_warps": 4, "num_stages": 4} if x.is_cuda else {}
+    tuning = {"num_warps": WARPS, "num_stages": STAGES} if x.is_cuda else {}
     linear_kernel.product[(*grid, count)](
         x,
         weight,
