@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -383,7 +384,7 @@ def _run_gate(
 
 
 def test_the_gate_stops_asking_where_drafting_rounds_are_slower_and_probes_now_and_then():
-    gate = DraftingGate(probe_every=8)
+    gate = DraftingGate(probe_every=8, probe_share=1.0)  # probes as cheap as wanted: the rounds' clock alone
     asked = _run_gate(gate, 3, 400, drafting_rate=70.0, plain_rate=100.0)
     # drafting first, then plain rounds to judge it by, then off with one probe in 8
     assert asked[: gate.min_rounds] == [True] * gate.min_rounds
@@ -403,6 +404,29 @@ def test_the_gate_stops_asking_where_drafting_rounds_are_slower_and_probes_now_a
     _run_gate(gate, 3, 40, drafting_rate=200.0, plain_rate=100.0)
     assert 3 not in gate.off
     assert sum(_run_gate(gate, 3, 32, drafting_rate=200.0, plain_rate=100.0)) >= 31  # one plain re-timing
+
+
+@pytest.mark.parametrize("drafting_rate", [70.0, 95.0])
+def test_probes_lose_at_most_their_share_of_the_time_between_them(drafting_rate):
+    """The tiny pair on an AVX2 CPU: an asking round 5.1 ms, a plain one 1.9 ms at one row, and a
+    job that never drafted lost about 4% to probes every 32 to 128 rounds. A probe now comes
+    only after enough plain rounds that its rounds' loss (each asking round's, measured against
+    plain ones) is within `probe_share` of their time: where asking loses much, rarely; where it
+    loses little, as often as the rounds' clock allows."""
+    gate = DraftingGate(probe_every=8)
+    asked = _run_gate(gate, 3, 4000, drafting_rate=drafting_rate, plain_rate=100.0)
+    assert gate.off == {3}
+    loss = 3 / drafting_rate - 3 / 100.0  # an asking round's seconds beyond a plain one's
+    gap = gate.priced_gap(3)
+    assert gap == math.ceil(gate.PROBE_ROUNDS * loss / (gate.probe_share * 0.03))
+    assert gate.record()["probe_gap_rounds"] == {3: gap}
+    start = gate.min_rounds + 2  # judged: off from here
+    probes = [i for i, a in enumerate(asked) if a and i >= start]
+    assert probes[0] - start >= max(gap, 8) - 1
+    plain = asked[start:].count(False) * 0.03
+    assert len(probes) * loss <= 1.1 * gate.probe_share * plain
+    if drafting_rate == 95.0:  # a small loss: the clock's backing off (up to 4 x 8) decides
+        assert max(gap, 32) == 32 and len(probes) >= (4000 - start) // 33
 
 
 def test_plain_rounds_of_several_passes_move_the_probes_clock_by_their_passes():
