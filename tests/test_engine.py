@@ -161,6 +161,9 @@ def test_prompt_lookup_is_probed_where_an_unmeasured_cost_looks_too_dear(case, p
     target, draft, _, prompts, eos, refs = case
     config = EngineConfig(probe_every=probe_every)
     engine = SpeculativeEngine(target, draft, eos_token_ids=eos, pad_token_id=0, config=config)
+    # the policy's probe is the subject: the gate's probes come every `probe_every` rounds, not
+    # priced (where drafting loses, as it may on this tiny model, they would wait longer)
+    engine.gate.probe_share = 1.0
     # a plain pass 1 s and a 3-token pass 30 s (each seen twice: confirmed): 2 tokens, never
     # measured, interpolate to 15.5 s
     for _ in range(2):

@@ -614,6 +614,8 @@ class SpeculativeEngine:
 
     def _evict(self, batch: _Batch) -> None:
         """Finished rows leave the batch: the target's cache and every drafter forget them."""
+        if all(r.finish_reason is None for r in batch.active):
+            return  # most rounds: every drafter's and runner's bookkeeping as it was
         keep = [i for i, r in enumerate(batch.active) if r.finish_reason is None]
         finished = [r.seq[r.prompt_len :] for r in batch.active if r.finish_reason is not None]
         batch.active = [batch.active[i] for i in keep]

@@ -123,6 +123,7 @@ class DraftingGate:
     _seconds: dict[int, float] = field(default_factory=dict)
     # rows -> the last PLAIN_KEPT plain rounds' seconds per token
     _plain: dict[int, deque[float]] = field(default_factory=dict)
+    _plain_rate: dict[int, float] = field(default_factory=dict)  # rows -> 1 / the median of `_plain`
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
     judged: set[int] = field(default_factory=set)  # batch sizes timed both ways enough to judge
     _since_switch: int = 0  # rounds since the last probe
@@ -144,7 +145,9 @@ class DraftingGate:
                 self._probe_left -= 1
                 self.probing = True
                 return True
-            if self._switch(max(self._probe_gap or self.probe_every, self.priced_gap(rows))):
+            gap = self._probe_gap or self.probe_every
+            # (priced only once the rounds' clock is due: it is read on every round drafting is off)
+            if self._since_switch >= gap and self._switch(max(gap, self.priced_gap(rows))):
                 self._probe_gap = min(2 * (self._probe_gap or self.probe_every), 4 * self.probe_every)
                 self._probe_left = min(self.probe_every, self.PROBE_ROUNDS) - 1
                 self.probing = True
@@ -212,7 +215,9 @@ class DraftingGate:
             self._tokens[rows] = ema(self._tokens.get(rows), tokens, weight)
             self._seconds[rows] = ema(self._seconds.get(rows), seconds, weight)
         else:
-            self._plain.setdefault(rows, deque(maxlen=self.PLAIN_KEPT)).append(seconds / tokens)
+            kept = self._plain.setdefault(rows, deque(maxlen=self.PLAIN_KEPT))
+            kept.append(seconds / tokens)
+            self._plain_rate[rows] = 1 / statistics.median(kept)  # read every round: kept, not recomputed
         drafting, plain = self.rate(True, rows), self.rate(False, rows)
         if self.rounds.get((True, rows), 0) < self.min_rounds or self.rounds.get((False, rows), 0) < 2:
             return
@@ -247,7 +252,7 @@ class DraftingGate:
         """Tokens per second of rounds of `rows` rows that did (or did not) ask; None: none yet."""
         if asked:
             return self._tokens[rows] / self._seconds[rows] if rows in self._seconds else None
-        return 1 / statistics.median(self._plain[rows]) if rows in self._plain else None
+        return self._plain_rate.get(rows)
 
     def record(self) -> dict:
         """What the gate measured, for stats: rates by batch size, and where it stopped asking."""
