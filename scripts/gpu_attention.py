@@ -106,12 +106,17 @@ def compare(o: argparse.Namespace, device: str, context: int, slots: int, check:
     return lines
 
 
-def timed(call, device: str) -> float:
-    """Microseconds a call: device time on a GPU (median of do_bench), wall time on a CPU."""
+def timed(call, device: str, rep: int = 200, graph: bool = False) -> float:
+    """Microseconds a call: device time on a GPU (median of do_bench, or with `graph` of replays
+    of the call captured in a CUDA graph, as the static path replays its passes), wall time on a
+    CPU."""
     if device == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
-        return 1000 * do_bench(call, warmup=25, rep=200, return_mode="median")
+        if graph:
+            call()  # compiled outside the capture
+            return 1000 * do_bench_cudagraph(call, rep=rep, return_mode="median")
+        return 1000 * do_bench(call, warmup=25, rep=rep, return_mode="median")
     seconds = []
     for _ in range(3):
         began = time.perf_counter()

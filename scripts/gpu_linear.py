@@ -21,9 +21,7 @@ means. Without a GPU it runs the same steps on the CPU in Triton's interpreter (
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +29,8 @@ import torch
 from torch.nn import functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_attention import timed  # noqa: E402 (scripts/, the script's own folder)
 
 from pipeline.models import fixed_linear, invariant  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> None:
                 invariant._in_row_blocks(partial(functional.linear, weight=weight, bias=bias)), x
             )
             stock = partial(functional.linear, x, weight, bias)
-            times = [timed(f, device) for f in (kernel, blocks, stock)]
+            times = [timed(f, device, rep=100, graph=True) for f in (kernel, blocks, stock)]
             gap = (kernel().double() - fixed_linear.reference(x, weight, bias)).abs().max().item()
             lines.append(
                 f"  {n:>4} rows: kernel {times[0]:7.1f} ({gigabytes * 1e6 / times[0]:5.0f} GB/s), "
@@ -129,7 +129,7 @@ def sweep(shapes: dict[str, tuple[int, int]], rows: list[int], device: str, dtyp
                     fixed_linear.BLOCK_N, fixed_linear.PROGRAMS, fixed_linear.WARPS, fixed_linear.STAGES = (
                         setting
                     )
-                    took = timed(partial(fixed_linear.product, x, weight, None), device, rep=30)
+                    took = timed(partial(fixed_linear.product, x, weight, None), device, rep=30, graph=True)
                     cells.append((took, setting))
                 cells.sort()
                 best = ", ".join(
@@ -141,21 +141,6 @@ def sweep(shapes: dict[str, tuple[int, int]], rows: list[int], device: str, dtyp
     finally:
         fixed_linear.BLOCK_N, fixed_linear.PROGRAMS, fixed_linear.WARPS, fixed_linear.STAGES = kept
     return lines
-
-
-def timed(call, device: str, rep: int = 100) -> float:
-    """Microseconds a call: device time on a GPU (median of graph replays), wall time on a CPU."""
-    if device == "cuda":
-        from triton.testing import do_bench_cudagraph
-
-        call()  # compile outside the capture
-        return 1000 * do_bench_cudagraph(call, rep=rep, return_mode="median")
-    seconds = []
-    for _ in range(3):
-        began = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - began)
-    return 1e6 * statistics.median(seconds)
 
 
 if __name__ == "__main__":

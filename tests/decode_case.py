@@ -82,3 +82,18 @@ def assert_widths_alike(model, batch: int, widths: tuple[int, ...]) -> None:
         ][1:]
         got = lm.forward(blocks, [width] + [1] * (batch - 1))[0]
         assert torch.equal(got, alone[:width]), width
+
+
+def engine_outputs(
+    pair, drafter: str, batch_size: int, max_new: int = 12, gamma_max: int = 4
+) -> list[list[int]]:
+    """Greedy outputs of an engine over a loaded pair (`load_pair`) for the first three TEXTS,
+    `batch_size` rows at a time (EOS 1, pad 0): what the kernels' exactness tests compare."""
+    from pipeline.decode.engine import SpeculativeEngine
+    from pipeline.decode.settings import EngineConfig
+
+    prompts = [pair.tokenizer(t).input_ids for t in TEXTS[:3]]
+    config = EngineConfig(drafter=drafter, gamma_max=gamma_max)
+    engine = SpeculativeEngine(pair.target, pair.draft, eos_token_ids=[1], pad_token_id=0, config=config)
+    done, _ = engine.generate(prompts, max_new, batch_size=batch_size)
+    return [o.tokens for o in done]

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from decode_case import DEVICE, TEXTS
+from decode_case import DEVICE, engine_outputs
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import SpeculativeEngine
@@ -151,21 +151,7 @@ def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(
 def test_speculative_outputs_equal_target_only_one_row_at_a_time(kernel_pair, counted, drafter, batch_size):
     """Greedy speculative decoding at a batch on the kernel's passes gives target-only's
     outputs at batch 1, token for token."""
-    tokenizer = kernel_pair.tokenizer
-    prompts = [tokenizer(t).input_ids for t in TEXTS[:3]]
-
-    def outputs(drafter: str, batch_size: int) -> list[list[int]]:
-        engine = SpeculativeEngine(
-            kernel_pair.target,
-            kernel_pair.draft,
-            eos_token_ids=[1],
-            pad_token_id=0,
-            config=EngineConfig(drafter=drafter, gamma_max=4),
-        )
-        done, _ = engine.generate(prompts, 12, batch_size=batch_size)
-        return [o.tokens for o in done]
-
-    assert outputs(drafter, batch_size) == outputs("none", 1)
+    assert engine_outputs(kernel_pair, drafter, batch_size) == engine_outputs(kernel_pair, "none", 1)
     assert counted
 
 

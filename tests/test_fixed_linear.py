@@ -10,11 +10,9 @@ import random
 
 import pytest
 import torch
-from decode_case import DEVICE, TEXTS
+from decode_case import DEVICE, engine_outputs
 from torch import nn
 
-from pipeline.decode.engine import SpeculativeEngine
-from pipeline.decode.settings import EngineConfig
 from pipeline.decode.static_lm import StaticLM
 from pipeline.models import fixed_attention, fixed_linear
 from pipeline.models.loading import ModelRef, load_pair
@@ -150,21 +148,7 @@ def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(kernel_pair, cou
 def test_speculative_outputs_equal_target_only_one_row_at_a_time(kernel_pair, counted):
     """Greedy speculative decoding at a batch on the kernels' passes (verify passes of 1 to 5
     tokens a row) gives target-only's outputs at batch 1, token for token."""
-    tokenizer = kernel_pair.tokenizer
-    prompts = [tokenizer(t).input_ids for t in TEXTS[:3]]
-
-    def outputs(drafter: str, batch_size: int) -> list[list[int]]:
-        engine = SpeculativeEngine(
-            kernel_pair.target,
-            kernel_pair.draft,
-            eos_token_ids=[1],
-            pad_token_id=0,
-            config=EngineConfig(drafter=drafter, gamma_max=4),
-        )
-        done, _ = engine.generate(prompts, 12, batch_size=batch_size)
-        return [o.tokens for o in done]
-
-    assert outputs("prompt_lookup", 3) == outputs("none", 1)
+    assert engine_outputs(kernel_pair, "prompt_lookup", 3) == engine_outputs(kernel_pair, "none", 1)
     assert counted
 
 

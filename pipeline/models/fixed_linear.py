@@ -10,8 +10,9 @@ about 54% of the card's bandwidth, q, k and v as three latency-bound calls (docs
 Here a product runs in tiles of ROWS rows, each the same compiled program whatever the rows
 are, and sums its inner dimension in blocks of BLOCK_K in a fixed split of parts (by the
 weight's shape alone) added in order: a row's bits depend on that row and the weight only.
-A batch-1 pass computes 16 rows, not 128; a batch-64 pass reads each weight tile once from
-memory for its four row tiles (the others from L2).
+A batch-1 pass computes 16 rows, not 128; in a batch-64 pass the four row tiles of one weight
+tile run side by side (the row tile is the grid's fastest axis), so that one of them should read
+it from memory and the others from L2 (to be measured).
 
 Prefills keep the row blocks (`invariant.PREFILL_ROWS`): a prompt token is always prefilled and
 a generated one never, in target-only and speculative decoding alike, so the two need not round
