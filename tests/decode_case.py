@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from pipeline.decode.costs import CostModel
+from pipeline.models import fixed_attention
 
 TEXTS = [
     "The quick brown fox jumps",
@@ -23,6 +25,15 @@ MAX_NEW = 24
 # Where the decoding tests put their models: `PIPELINE_TEST_DEVICE=cuda pytest ...` runs the
 # engine's tests on a GPU (scripts/gpu-check.sh); CPU everywhere else.
 DEVICE = os.environ.get("PIPELINE_TEST_DEVICE", "cpu")
+# The Triton kernels' tests (fixed-order attention and products): on CPUs in Triton's interpreter,
+# which tests/conftest.py chooses before Triton is first imported.
+TRITON_KERNELS = [
+    pytest.mark.skipif(not fixed_attention.available(), reason="Triton is not installed (Linux x86_64 only)"),
+    pytest.mark.skipif(
+        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton's interpreter must be chosen before Triton is imported (tests/conftest.py)",
+    ),
+]
 
 
 def reference(model, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:

@@ -4,12 +4,11 @@ its keys alone, never on what shares its pass, and the path it serves stays loss
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-from decode_case import DEVICE, engine_outputs
+from decode_case import DEVICE, TRITON_KERNELS, engine_outputs
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import SpeculativeEngine
@@ -18,13 +17,7 @@ from pipeline.decode.static_lm import StaticLM
 from pipeline.models import fixed_attention, invariant
 from pipeline.models.loading import ModelRef, load_pair
 
-pytestmark = [
-    pytest.mark.skipif(not fixed_attention.available(), reason="Triton is not installed (Linux x86_64 only)"),
-    pytest.mark.skipif(
-        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="Triton's interpreter must be chosen before Triton is imported (tests/conftest.py)",
-    ),
-]
+pytestmark = TRITON_KERNELS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

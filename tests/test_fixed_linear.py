@@ -5,25 +5,18 @@ passes they serve stay lossless."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-from decode_case import DEVICE, engine_outputs
+from decode_case import DEVICE, TRITON_KERNELS, engine_outputs
 from torch import nn
 
 from pipeline.decode.static_lm import StaticLM
 from pipeline.models import fixed_attention, fixed_linear
 from pipeline.models.loading import ModelRef, load_pair
 
-pytestmark = [
-    pytest.mark.skipif(not fixed_attention.available(), reason="Triton is not installed (Linux x86_64 only)"),
-    pytest.mark.skipif(
-        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="Triton's interpreter must be chosen before Triton is imported (tests/conftest.py)",
-    ),
-]
+pytestmark = TRITON_KERNELS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
