@@ -108,3 +108,20 @@ def engine_outputs(
     engine = SpeculativeEngine(pair.target, pair.draft, eos_token_ids=[1], pad_token_id=0, config=config)
     done, _ = engine.generate(prompts, max_new, batch_size=batch_size)
     return [o.tokens for o in done]
+
+
+def feed_ragged(runner, seqs: list[list[int]], fed: list[list[int]], widths: list[list[int]]) -> list[list]:
+    """Prefill `seqs` into `runner` (a StaticLM or BatchedLM), then feed each row its `fed` tokens
+    in passes of the given widths per row (`widths[row][step]`): the logits after each fed token,
+    per row. What the kernels' tests compare with each row fed alone, one token a pass."""
+    runner.reset(len(seqs))
+    runner.forward([list(s) for s in seqs], [1] * len(seqs))
+    logits: list[list] = [[] for _ in seqs]
+    done = [0] * len(seqs)
+    for step in range(len(widths[0])):
+        blocks = [f[d : d + w[step]] for f, d, w in zip(fed, done, widths)]
+        out = runner.forward(blocks, [len(b) for b in blocks])
+        for row, (block, rows) in enumerate(zip(blocks, out)):
+            logits[row] += list(rows)
+            done[row] += len(block)
+    return logits

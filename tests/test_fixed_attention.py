@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from decode_case import DEVICE, TRITON_KERNELS, engine_outputs
+from decode_case import DEVICE, TRITON_KERNELS, engine_outputs, feed_ragged
 
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import SpeculativeEngine
@@ -111,18 +111,9 @@ def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(
     seqs = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 70))] for _ in range(3)]
     together = StaticLM(model, 0)
     assert together.fixed_attention and together.store.dtype == model.dtype  # no float64 cache
-    together.reset(len(seqs))
-    together.forward([list(s) for s in seqs], [1] * len(seqs))
     fed = [[rng.randrange(3, 300) for _ in range(12)] for _ in seqs]
-    logits = [[] for _ in seqs]  # per row, the logits after each fed token
     widths = [[1, 2, 4, 1, 4], [4, 4, 2, 1, 1], [8, 1, 1, 1, 1]]  # 12 tokens a row in 5 passes
-    done = [0] * len(seqs)
-    for step in range(5):
-        blocks = [f[d : d + w[step]] for f, d, w in zip(fed, done, widths)]
-        out = together.forward(blocks, [len(b) for b in blocks])
-        for row, (block, rows) in enumerate(zip(blocks, out)):
-            logits[row] += list(rows)
-            done[row] += len(block)
+    logits = feed_ragged(together, seqs, fed, widths)  # per row, the logits after each fed token
     assert counted and max(shape[2] for shape in counted) > 1
     dynamic = BatchedLM(
         load_pair(*(ModelRef(path=str(d)) for d in tiny_pair_dirs), dtype="float32").target, 0

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from decode_case import DEVICE, TRITON_KERNELS, engine_outputs
+from decode_case import DEVICE, TRITON_KERNELS, engine_outputs, feed_ragged
 from torch import nn
 
 from pipeline.decode.static_lm import StaticLM
@@ -116,18 +116,9 @@ def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(kernel_pair, cou
     rng = random.Random(5)
     seqs = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
     together = StaticLM(model, 0)
-    together.reset(len(seqs))
-    together.forward([list(s) for s in seqs], [1] * len(seqs))
     fed = [[rng.randrange(3, 300) for _ in range(8)] for _ in seqs]
-    logits = [[] for _ in seqs]  # per row, the logits after each fed token
     widths = [[1, 2, 4, 1], [4, 2, 1, 1], [5, 1, 1, 1]]  # 8 tokens a row in 4 passes
-    done = [0] * len(seqs)
-    for step in range(4):
-        blocks = [f[d : d + w[step]] for f, d, w in zip(fed, done, widths)]
-        out = together.forward(blocks, [len(b) for b in blocks])
-        for row, (block, rows) in enumerate(zip(blocks, out)):
-            logits[row] += list(rows)
-            done[row] += len(block)
+    logits = feed_ragged(together, seqs, fed, widths)  # per row, the logits after each fed token
     assert counted and max(counted) >= 15  # 3 rows x width 5
     for row, seq in enumerate(seqs):
         alone = StaticLM(model, 0)
