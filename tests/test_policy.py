@@ -603,10 +603,12 @@ def _best_row_by_row(policy: Policy, options: RoundOptions, from_model: list[flo
 
 
 def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case):
-    """`Policy.best` weighs every row's offers at each cap as arrays (at batch 64 a row at a
-    time cost more than a captured GPU pass); it chooses as the row-by-row reference does, on
-    random rounds: 1 to 64 rows, lookup, suffix and head offers, the draft model or not,
-    draining or not, packed passes or padded."""
+    """`Policy.best` weighs every row's offers, for every cap and gamma, as arrays (a row at a
+    time, at batch 64, cost more than a captured GPU pass; a candidate at a time, at 3 rows on
+    a CPU, more than the round's pass); it chooses as the row-by-row, candidate-by-candidate
+    reference does, on random rounds: 1 to 64 rows, lookup, suffix and head offers, the draft
+    model or not, draining or not, packed passes or padded. (A verify token's price held at
+    its first value, or a drain's bound set too low, fails it.)"""
     rng = random.Random(0)
     costs = measured_costs(
         {1: 0.15, 2: 0.152, 4: 0.156, 8: 0.186, 64: 0.3, 192: 0.5, 600: 1.2}, {1: 0.02, 64: 0.06}

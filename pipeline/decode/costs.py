@@ -31,6 +31,9 @@ def expected_drain_advance(rows: list[tuple[int, list[float]]]) -> float:
     of its own limit: P = prod over rows of P(tokens >= k - lead). With every row even, one row
     that drafts nothing keeps the advance at 1: speculation must serve them all, or it only
     widens the pass.
+
+    The rule as written; `Policy.best` works it out for all its candidates at once, in arrays
+    (`_Candidates._drain_advance`), checked against this one (tests/test_policy.py).
     """
     total, k = 0.0, 1
     while True:

@@ -25,7 +25,6 @@ from pipeline.decode.costs import (
     CostModel,
     RunningRate,
     ema,
-    expected_drain_advance,
     iid_survival,
 )
 from pipeline.decode.drafters import KeepRule
@@ -504,124 +503,208 @@ class Policy:
         instead of widening its passes. Rows that end at EOS make the row with most tokens
         left a guess, so the two values are weighed by how often rows have run to the limit.
         A lone row needs no such split: the whole round's rate below decides for it.
+
+        The candidates, every copy cap with every gamma, are tried in that order, and one
+        replaces the best so far only if it beats it. They are weighed together, in arrays
+        (`_Candidates`): one by one, in Python, the search cost a round at 3 rows on a CPU
+        more than the round's pass (docs/engine.md). Since a verify token's price follows the
+        best rate so far, the candidates after each better one are weighed again at its price,
+        so the choice is the one the candidates tried one by one would make.
         """
         offers, gamma_cap = options.offers, options.gamma_cap
         rows = len(offers)
-        draft_time = self.costs.draft_time(rows) or 0.0
         plain_seconds = self.costs.target_time(rows)
         per_token = 0.0  # seconds per extra verify token at this batch size; one row: see above
         if self.target.pack and rows > 1:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
-        budgets = options.drain_budgets if rows > 1 else None
-        to_limit = self.runs_to_limit.value if budgets else 0.0
-        leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows)
         best = Choice(0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
         copies = _Copies(offers, gamma_cap, self._survival)
+        budgets = options.drain_budgets if rows > 1 else None
         # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
         # choices would repeat, each costing a pass over every row.
         caps = range((gamma_cap if budgets else copies.longest) + 1) if any(offers) else range(1)
         gammas = range(gamma_cap + 1) if options.use_model else range(1)
-        model_sums = list(itertools.accumulate(from_model[: gamma_cap + 1]))  # summed in order
-        every = np.arange(rows)
-        pass_seconds: dict[int, float | None] = {}  # a pass's seconds by its cost in tokens
-        for cap in caps:
-            # each row's copies truncated at the cap: drafts and expected tokens [rows, copies]
-            drafts = np.minimum(copies.tokens, cap)
-            expected = copies.expected[every[:, None], copies.columns, drafts]
-            weighed = None  # (reach, price) the rows' best copies below were weighed at
-            for gamma in gammas:
-                model_tokens = model_sums[gamma]
-                # In a drain only rows within `reach` of the one furthest behind can hold its end
-                # back this round; they share what the round is worth, the rows ahead get nothing.
-                reach = max(cap, gamma)
-                price = best_rate * per_token  # of a verify token
-                # each row's best copy changes only with these (the reach only in a drain)
-                if weighed != (reach if budgets else 0, price):
-                    weighed = (reach if budgets else 0, price)
-                    holding = leads < reach
-                    near = max(int(holding.sum()), 1)
-                    weight = 1.0 - to_limit + np.where(holding, to_limit * rows / near, 0.0)
-                    values = (
-                        np.where(copies.held, weight[:, None] * expected - price * drafts, -np.inf)
-                        if cap
-                        else np.full(expected.shape, -np.inf)
-                    )
-                    column = values.argmax(axis=1)
-                    copy_value = values[every, column]
-                    copy_drafts = drafts[every, column]
-                    copy_tokens = expected[every, column]
-                # each row's choice: the first worth most of plain, the draft model, its copies
-                model_value = weight * model_tokens - price * gamma if gamma else np.full(rows, -np.inf)
-                picked = copy_value > np.maximum(weight, model_value)
-                by_model = (model_value > weight) & ~picked
-                if gamma and not by_model.any():
-                    continue  # the draft model would run for nobody
-                chosen = np.where(picked, 2 + column, by_model.astype(np.int64))
-                row_drafts = np.where(picked, copy_drafts, 0)
-                row_tokens = np.where(picked, copy_tokens, 1.0)
-                if gamma:
-                    row_drafts = np.where(by_model, gamma, row_drafts)
-                    row_tokens = np.where(by_model, model_tokens, row_tokens)
-                tokens = sum(row_tokens.tolist())  # summed in row order, as a choice is compared
-                lengths = (row_drafts + 1).tolist()
-                cost = self.target.pass_tokens(lengths)
-                if cost not in pass_seconds:
-                    pass_seconds[cost] = self.costs.target_time(cost)
-                seconds = gamma * draft_time + pass_seconds[cost]
-                if gamma:  # this round's share of the one-off catch-up: tokens / remaining of it
-                    seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
-                worth = tokens
-                if budgets:
-                    model_survival = from_model[: gamma + 1]
-                    drains = [
-                        (lead, model_survival if c == 1 else copies.survival(i, c - 2, d) if c else [1.0])
-                        for i, (lead, c, d) in enumerate(zip(leads.tolist(), chosen.tolist(), lengths))
-                    ]
-                    worth = (1.0 - to_limit) * tokens + to_limit * rows * expected_drain_advance(drains)
-                if worth / seconds > best_rate * 1.0001:
-                    sources = [
-                        copies.source(i, c - 2) if c >= 2 else DRAFT_MODEL if c else None
-                        for i, c in enumerate(chosen.tolist())
-                    ]
-                    best, best_rate = Choice(cap, gamma, sources), worth / seconds
+        candidates = _Candidates(self, options, from_model, copies, caps, gammas)
+        start = 0
+        while (better := candidates.first_better(start, best_rate, best_rate * per_token)) is not None:
+            start, best_rate = better
+            best = candidates.choice(start)
+            start += 1
         return best
 
 
 class _Copies:
     """A round's copies as arrays for `Policy.best`, which weighs every row at each cap at once
     (a row at a time, at batch 64, cost more than a captured GPU pass): per row and offer, the
-    drafts offered up to `gamma_cap` and the expected tokens of its first k drafts, k = 0..."""
+    drafts offered up to `gamma_cap`, the expected tokens of its first k drafts, k = 0..., and
+    its survival (P(it gains at least k tokens), k = 1..., `survival_lengths` of them known)."""
 
     def __init__(self, offers: list[list[Offer]], gamma_cap: int, survival):
         rows, self.width = len(offers), max([1, *map(len, offers)])  # a column held by none: no offers
         self.offers = offers
         self.tokens = np.zeros((rows, self.width), dtype=np.int64)
         self.expected = np.ones((rows, self.width, gamma_cap + 1))
+        self.survivals = np.ones((rows, self.width, gamma_cap + 1))
+        self.survival_lengths = np.ones((rows, self.width), dtype=np.int64)
         self.held = np.zeros((rows, self.width), dtype=bool)
         self.columns = np.arange(self.width)  # an offer's column, for indexing [rows, offers, k]
-        self._survivals: list[list[list[float]]] = []
-        known: dict[tuple[str, int, int], tuple[list[float], np.ndarray]] = {}
+        # Offers of one source, depth and length share their chances (a head's are its own):
+        # each group is written at once.
+        groups: dict[object, list[tuple[int, int]]] = {}
         for i, row in enumerate(offers):
-            kept = []
             for j, offer in enumerate(row):
-                drafts = min(offer.tokens, gamma_cap)
-                key = (offer.source, offer.depth, drafts)  # rows share a source's rates, not a head's chances
-                if offer.chances or key not in known:
-                    chances = survival(offer, gamma_cap)
-                    known[key] = (chances, np.cumsum(chances))  # summed in order, as `sum` would
-                chances, sums = known.pop(key) if offer.chances else known[key]
-                kept.append(chances)
-                self.tokens[i, j] = drafts
-                self.expected[i, j, : len(sums)] = sums
-                self.expected[i, j, len(sums) :] = sums[-1]  # chances known fewer deep: no more
-                self.held[i, j] = True
-            self._survivals.append(kept)
+                key = (i, j) if offer.chances else (offer.source, offer.depth, min(offer.tokens, gamma_cap))
+                groups.setdefault(key, []).append((i, j))
+        for places in groups.values():
+            i, j = places[0]
+            chances = survival(offers[i][j], gamma_cap)
+            sums = np.cumsum(chances)  # summed in order, as `sum` would
+            at = tuple(np.array(places).T)
+            self.tokens[at] = min(offers[i][j].tokens, gamma_cap)
+            self.expected[at + (slice(None, len(sums)),)] = sums
+            self.expected[at + (slice(len(sums), None),)] = sums[-1]  # chances known fewer deep: no more
+            self.survivals[at + (slice(None, len(chances)),)] = chances
+            self.survival_lengths[at] = len(chances)
+            self.held[at] = True
         self.longest = int(self.tokens.max(initial=0))
-
-    def survival(self, row: int, offer: int, length: int) -> list[float]:
-        """The chances of the row's offer verified `length` - 1 drafts deep."""
-        return self._survivals[row][offer][:length]
 
     def source(self, row: int, offer: int) -> str:
         return self.offers[row][offer].source
+
+
+class _Candidates:
+    """A round's candidate choices for `Policy.best`, every (cap, gamma) in the order tried,
+    weighed in arrays [candidate, row, ...] by the same operations, on the same numbers, in
+    the same order as one at a time: sums and products run in row order (`accumulate`), so
+    every rate is bit for bit what a loop over the candidates computes."""
+
+    def __init__(self, policy: Policy, options: RoundOptions, from_model, copies: _Copies, caps, gammas):
+        self.policy, self.options, self.copies = policy, options, copies
+        rows, gamma_cap = len(options.offers), options.gamma_cap
+        self.caps = np.repeat(np.asarray(caps, dtype=np.int64), len(gammas))
+        self.gammas = np.tile(np.asarray(gammas, dtype=np.int64), len(caps))
+        self.count = len(self.caps)
+        self.from_model = np.asarray(from_model[: gamma_cap + 1], dtype=np.float64)
+        model_sums = list(itertools.accumulate(from_model[: gamma_cap + 1]))  # summed in order
+        self.model_tokens = np.asarray(model_sums, dtype=np.float64)[self.gammas]
+        budgets = options.drain_budgets if rows > 1 else None
+        self.draining = budgets is not None
+        self.to_limit = policy.runs_to_limit.value if budgets else 0.0
+        self.leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows, dtype=np.int64)
+        self.draft_time = policy.costs.draft_time(rows) or 0.0
+        self.pass_seconds: dict[int, float | None] = {}  # a pass's seconds by its cost in tokens
+        self._chosen: np.ndarray | None = None
+        self._start = 0
+
+    def first_better(self, start: int, best_rate: float, price: float) -> tuple[int, float] | None:
+        """The first candidate from `start` on whose tokens (or a drain's worth) per second
+        beat `best_rate` by the margin `best` asks, with a verify token priced at `price`, and
+        its rate; None if none does."""
+        copies, rows, to_limit = self.copies, len(self.leads), self.to_limit
+        caps, gammas, model_tokens = self.caps[start:], self.gammas[start:], self.model_tokens[start:]
+        n, r = np.ogrid[: len(caps), :rows]
+        # each row's copies truncated at the cap: drafts and expected tokens [candidates, rows, copies]
+        drafts = np.minimum(copies.tokens[None], caps[:, None, None])
+        expected = copies.expected[r[:, :, None], copies.columns[None, None, :], drafts]
+        weight = np.ones((len(caps), rows))
+        if self.draining:
+            # Only rows within `reach` of the one furthest behind can hold its end back this
+            # round; they share what the round is worth, the rows ahead get nothing.
+            holding = self.leads[None, :] < np.maximum(caps, gammas)[:, None]
+            near = np.maximum(holding.sum(axis=1), 1)
+            weight = 1.0 - to_limit + np.where(holding, to_limit * rows / near[:, None], 0.0)
+        copyable = copies.held[None] & (caps > 0)[:, None, None]
+        values = np.where(copyable, weight[:, :, None] * expected - price * drafts, -np.inf)
+        column = values.argmax(axis=2)
+        copy_value, copy_drafts, copy_tokens = (
+            values[n, r, column],
+            drafts[n, r, column],
+            expected[n, r, column],
+        )
+        # each row's choice: the first worth most of plain, the draft model, its copies
+        model_value = weight * model_tokens[:, None] - price * gammas[:, None]
+        model_value[gammas == 0] = -np.inf
+        picked = copy_value > np.maximum(weight, model_value)
+        by_model = (model_value > weight) & ~picked
+        tried = (gammas == 0) | by_model.any(axis=1)  # else the draft model would run for nobody
+        chosen = np.where(picked, 2 + column, by_model.astype(np.int64))
+        row_drafts = np.where(by_model, gammas[:, None], np.where(picked, copy_drafts, 0))
+        row_tokens = np.where(by_model, model_tokens[:, None], np.where(picked, copy_tokens, 1.0))
+        tokens = np.add.accumulate(row_tokens, axis=1)[:, -1]  # in row order, as a choice is compared
+        lengths = row_drafts + 1
+        seconds = gammas * self.draft_time + self._pass_seconds(lengths, tried)
+        # with the draft model, this round's share of its one-off catch-up: tokens / remaining of it
+        catch_up = self.options.catch_up * np.minimum(tokens / max(self.options.remaining, 1), 1.0)
+        seconds = np.where(gammas > 0, seconds + catch_up, seconds)
+        bar = best_rate * 1.0001
+        with np.errstate(invalid="ignore"):
+            if self.draining:
+                # A drain's advance is at most the expected tokens of a row furthest behind
+                # (`expected_drain_advance`: its chances bound every product, and the sums
+                # round alike); it is worked out only where that bound could beat the bar.
+                furthest = np.where(self.leads == 0, row_tokens, np.inf).min(axis=1)
+                bound = ((1.0 - to_limit) * tokens + to_limit * rows * furthest) / seconds
+                tried &= bound > bar
+                advance = self._drain_advance(chosen, lengths, gammas, tried)
+                rates = ((1.0 - to_limit) * tokens + to_limit * rows * advance) / seconds
+            else:
+                rates = tokens / seconds
+        better = np.flatnonzero(tried & (rates > bar))
+        if not len(better):
+            return None
+        self._chosen, self._start = chosen, start
+        return start + int(better[0]), float(rates[better[0]])
+
+    def choice(self, index: int) -> Choice:
+        """The candidate at `index`, as `first_better` weighed it last."""
+        chosen = self._chosen[index - self._start].tolist()
+        copies = self.copies
+        sources = [
+            copies.source(i, c - 2) if c >= 2 else DRAFT_MODEL if c else None for i, c in enumerate(chosen)
+        ]
+        return Choice(int(self.caps[index]), int(self.gammas[index]), sources)
+
+    def _pass_seconds(self, lengths: np.ndarray, tried: np.ndarray) -> np.ndarray:
+        """The target pass's measured seconds for each tried candidate's row lengths."""
+        out = np.full(len(lengths), np.inf)
+        target, costs, known = self.policy.target, self.policy.costs, self.pass_seconds
+        for n in np.flatnonzero(tried).tolist():
+            cost = target.pass_tokens(lengths[n].tolist())
+            if cost not in known:
+                known[cost] = costs.target_time(cost)
+            out[n] = known[cost]
+        return out
+
+    def _drain_advance(self, chosen, lengths, gammas, tried) -> np.ndarray:
+        """`expected_drain_advance` of each tried candidate's rows, as arrays: the chance that
+        every row gets within k of its limit, a product in row order, summed over k in order
+        up to the first k some row cannot reach."""
+        copies, depth = self.copies, len(self.from_model)
+        out = np.zeros(len(tried))
+        index = np.flatnonzero(tried)
+        if not len(index):
+            return out
+        chosen, lengths, gammas = chosen[index], lengths[index], gammas[index]
+        r = np.arange(chosen.shape[1])[None, :]
+        offer = np.clip(chosen - 2, 0, copies.width - 1)
+        # how many of each row's chances count: gamma + 1 of the draft model's, the copy's up
+        # to its length (or as deep as known), and a plain row's one
+        known = np.where(
+            chosen == 1,
+            gammas[:, None] + 1,
+            np.where(chosen >= 2, np.minimum(lengths, copies.survival_lengths[r, offer]), 1),
+        )
+        k = np.arange(1, depth + 2)[:, None]  # a row furthest behind has no chance past depth + 1
+        need = k - self.leads[None, :]  # [k, rows]
+        counted = need > 1
+        at = np.clip(need - 1, 0, depth - 1)  # [k, rows]
+        model = self.from_model[at][None]  # [1, k, rows]
+        copied = copies.survivals[r[:, None, :], offer[:, None, :], at[None]]  # [candidates, k, rows]
+        chance = np.where((chosen == 1)[:, None, :], model, np.where((chosen >= 2)[:, None, :], copied, 1.0))
+        beyond = counted[None] & (need[None] > known[:, None, :])
+        factor = np.where(counted[None] & ~beyond, chance, 1.0)
+        p = np.multiply.accumulate(factor, axis=2)[:, :, -1]
+        reached = ~np.logical_or.accumulate(beyond.any(axis=2), axis=1)
+        out[index] = np.add.accumulate(np.where(reached, p, 0.0), axis=1)[:, -1]
+        return out
