@@ -126,6 +126,7 @@ def _row(task: str, method: str, batch: int, speedup: float, alpha: float | None
         draft_share=0.3,
         other_share=0.1,
         asking_share=0.04,
+        asking_ms=0.52,
         tokens=24,
         peak_rss_mb=512.0,
     )
@@ -148,12 +149,12 @@ def test_the_report_records_command_machine_pair_settings_and_a_table_per_task(t
     ]
     assert markdown_table(rows[:2]).splitlines() == [
         "| method | batch | tok/s | speedup | pred | job | alpha | tau | gamma | pass/tok | tgt% | pre% "
-        "| dft% | oth% | ask% | same | =hf | agree | vs llama | rss MB |",
-        "| --- |" + " ---: |" * 19,
-        "| ours target-only | 1 | 12.35 | 1.00x | - | - | - | - | - | 0.50 | 60 | 25 | 30 | 10 | 4 | yes "
-        "| yes | - | - | 512 |",
+        "| dft% | oth% | ask% | ask ms | same | =hf | agree | vs llama | rss MB |",
+        "| --- |" + " ---: |" * 20,
+        "| ours target-only | 1 | 12.35 | 1.00x | - | - | - | - | - | 0.50 | 60 | 25 | 30 | 10 | 4 | 0.52 "
+        "| yes | yes | - | - | 512 |",
         "| ours auto | 1 | 12.35 | 1.60x | 1.50x | - | 0.70 | 2.25 | 3.0 | 0.50 | 60 | 25 | 30 | 10 | 4 "
-        "| yes | no | - | - | 512 |",
+        "| 0.52 | yes | no | - | - | 512 |",
     ]
     costs = {"target_pass_seconds": {1: 0.25}, "draft_pass_seconds": {1: 0.05}}
     costs["prefill_seconds_per_token"] = {}

@@ -225,6 +225,8 @@ def test_a_lone_row_drafts_with_copies_as_guesses_and_stays_lossless(case):
             outputs, batch = engine.generate([prompt], MAX_NEW)
             assert outputs[0].tokens == ref
             passes, drafted = passes + batch.draft_passes, drafted + batch.drafted
+            # fixed gamma: every round after the prefill asks (the gate is not consulted)
+            assert batch.asked_rounds == batch.target_passes - 1 and batch.asking_seconds > 0
         counts[guess_tokens] = (passes, drafted)
     assert counts[0][0] == counts[0][1]  # one pass per draft
     assert counts[3][0] < counts[3][1]  # guesses that held saved passes
@@ -236,7 +238,7 @@ def test_target_only_mode_equals_reference(case):
     outputs, batch = engine.generate(prompts, MAX_NEW, drafter="none")
     assert [o.tokens for o in outputs] == refs
     assert batch.drafted == 0 and batch.draft_passes == 0
-    assert batch.asking_seconds == 0.0  # nobody to ask, not even the policy
+    assert batch.asking_seconds == 0.0 and batch.asked_rounds == 0  # nobody to ask, not even the policy
     assert all(o.stats.tau == 1.0 for o in outputs)
     # gamma 0 through the config is the same thing
     engine0 = SpeculativeEngine(

@@ -301,6 +301,7 @@ class SpeculativeEngine:
         # the drafters' own time: their model passes are priced by the policy (`DraftingGate`)
         asking = time.perf_counter() - asking - (self._draft_seconds() - models)
         batch.stats.asking_seconds += asking if asked else 0.0
+        batch.stats.asked_rounds += bool(asked)
         steps = 1 if asked or loop else self._plain_steps(batch)
         if loop:
             produced = self._lookup_rounds(batch, loop)

@@ -77,6 +77,7 @@ class BatchStats:
     # the drafters' own time in the rounds (lookups, automata, the policy's choice), their
     # model passes aside: where a pass costs a millisecond it decides (docs/engine.md)
     asking_seconds: float = 0.0
+    asked_rounds: int = 0  # the rounds that asked the drafters: asking_seconds / this, a round's
     drafted: int = 0
     accepted: int = 0
     gamma_histogram: dict[int, int] = field(default_factory=dict)
@@ -137,6 +138,7 @@ class BatchStats:
             "draft_passes",
             "drafted",
             "accepted",
+            "asked_rounds",
         ):
             setattr(self, key, getattr(self, key) + getattr(other, key))
         for key in (

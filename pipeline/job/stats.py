@@ -129,6 +129,7 @@ _COUNTERS = (
     ("prefill_tokens", "prefill_tokens"),
     ("draft_prefill_seconds", "draft_prefill_seconds"),
     ("asking_seconds", "asking_seconds"),
+    ("asked_rounds", "asked_rounds"),
     ("decode_seconds", "wall_seconds"),
 )
 

@@ -59,6 +59,8 @@ class Row:
     other_share: float | None  # everything else: lookup, cache bookkeeping, sampling, Python
     # of which asking the drafters: lookups, automata, the policy's choice (BatchStats.asking_seconds)
     asking_share: float | None
+    # milliseconds a round that asked the drafters spent asking (BatchStats.asked_rounds)
+    asking_ms: float | None
     tokens: int
     peak_rss_mb: float
     # our engine's rows: by drafter, the share of rounds drafting at least k tokens whose k-th
@@ -533,7 +535,7 @@ def _engine_columns(run: EngineRun | None, base: EngineRun | None) -> dict:
     steps per target pass and mean cost ratio, and where the wall time went."""
     if run is None:
         none = ("predicted", "predicted_job", "alpha", "tau", "mean_gamma", "target_passes_per_token")
-        shares = ("target_share", "prefill_share", "draft_share", "other_share", "asking_share")
+        shares = ("target_share", "prefill_share", "draft_share", "other_share", "asking_share", "asking_ms")
         return dict.fromkeys(none + shares) | {"acceptance_by_position": {}}
     s, wall = run.stats, run.stats.wall_seconds
     predicted = predicted_speedup(s.tau, s.draft_passes / max(s.target_passes, 1), run.cost_ratio / run.runs)
@@ -549,6 +551,7 @@ def _engine_columns(run: EngineRun | None, base: EngineRun | None) -> dict:
         "draft_share": s.draft_seconds / wall if wall else None,
         "other_share": (1 - (s.target_seconds + s.draft_seconds) / wall) if wall else None,
         "asking_share": s.asking_seconds / wall if wall else None,
+        "asking_ms": 1e3 * s.asking_seconds / s.asked_rounds if s.asked_rounds else None,
         "acceptance_by_position": {name: d.by_position() for name, d in sorted(s.rounds.by_drafter.items())},
     }
 
@@ -597,6 +600,7 @@ _COLUMNS = (
     ("dft%", ">5"),
     ("oth%", ">5"),
     ("ask%", ">5"),
+    ("ask ms", ">6"),
     ("same", ">5"),
     ("=hf", ">4"),
     ("agree", ">5"),
@@ -635,6 +639,7 @@ def _cells(r: Row) -> list[str]:
         pct(r.draft_share),
         pct(r.other_share),
         pct(r.asking_share),
+        f(r.asking_ms),
         "yes" if r.identical else "NO",
         "-" if r.identical_to_hf is None else "yes" if r.identical_to_hf else "no",
         f(r.agreement),
@@ -728,7 +733,8 @@ def write_report(path: str, result: Benchmark, meta: dict, json_path: str) -> No
         "prediction for the decoding and `job` that prediction carried to the whole job, α, τ, "
         "mean γ, target passes per token, the shares of our engine's time in target passes (`pre%` "
         "of it in the target's prefills), draft passes and the rest (`ask%` of it in asking the "
-        "drafters: lookups, automata, the policy's choice), whether every output equals "
+        "drafters: lookups, automata, the policy's choice; `ask ms` that per round that asked), "
+        "whether every output equals "
         "its own target-only decoding (`same`) and HF target-only greedy (`=hf`), `agree` the mean "
         "share of each output's tokens before its "
         "first difference from ours target-only at batch 1, `vs llama` tokens/s over llama.cpp "
