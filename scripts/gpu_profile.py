@@ -1,7 +1,8 @@
 """Where decoding's time goes, pass by pass: what `gpu-check.sh probe` runs on a GPU.
 
     python3 scripts/gpu_profile.py PAIR OUT [--batch 1] [--docs 2] [--new 64] [--drafter none]
-        [--static-passes] [--split-only] [--plain-steps 1,4 | --lookup-steps 1,4 [--runs 5]]
+        [--static-passes] [--split-only] [--always-ask]
+        [--plain-steps 1,4 | --lookup-steps 1,4 [--runs 5]]
 
 Target-only decoding (or `--drafter`'s) of license translations through the job's own loading
 (on a GPU: static, compiled, captured passes), after a warm-up run that captures the graphs:
@@ -12,7 +13,9 @@ Target-only decoding (or `--drafter`'s) of license translations through the job'
   choice, rolling the cache back, accepting), then the Python functions by their own time
   (cProfile) in a second run, then PyTorch's profiler over a third: operators by self CPU time
   and by device time, and where the host waited for the device (cudaStreamSynchronize, copies).
-  `--split-only` stops after the split.
+  `--split-only` stops after the split. `--always-ask`: the drafting gate never stops asking
+  (`DraftingGate.margin` infinite), so that the split times every round's drafters, not only
+  the gate's first rounds and probes, which pay the deferred work of the rounds between.
 
 `--plain-steps A,B` instead alternates runs with `EngineConfig.plain_steps` A and B in one process
 (OUT/profile-batchN[-drafter]-plain-steps-A-B.txt): what passes back to back save.
@@ -53,6 +56,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--static-passes", action="store_true", help="the static path on a CPU too")
     parser.add_argument("--split-only", action="store_true", help="no cProfile, no PyTorch profiler")
+    parser.add_argument("--always-ask", action="store_true", help="the drafting gate never stops asking")
     parser.add_argument(
         "--plain-steps",
         default=None,
@@ -84,6 +88,8 @@ def main() -> None:
         )
 
     engine = make()
+    if o.always_ask:
+        engine.gate.margin = float("inf")
     cuda = loaded.device.startswith("cuda")
     for setting in ("plain_steps", "lookup_steps"):
         values = getattr(o, setting)
@@ -197,7 +203,8 @@ def header(o: argparse.Namespace, loaded) -> list[str]:
         f"machine: {machine['gpu'] or machine['cpu_model']}, {machine['threads']} threads, "
         f"commit {(machine['git_commit'] or '?')[:7]}{dirty}",
         f"{o.pair}, {loaded.device}, {loaded.dtype}, batch {o.batch}, {o.docs} docs, {o.new} new tokens, "
-        f"drafter {o.drafter}, static {loaded.static_passes}, compiled {loaded.compiled_passes}",
+        f"drafter {o.drafter}, static {loaded.static_passes}, compiled {loaded.compiled_passes}"
+        + (", always asking" if o.always_ask else ""),
     ]
 
 
