@@ -594,13 +594,32 @@ class _Candidates:
         self.leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows, dtype=np.int64)
         self.draft_time = policy.costs.draft_time(rows) or 0.0
         self.pass_seconds: dict[int, float | None] = {}  # a pass's seconds by its cost in tokens
-        self._chosen: np.ndarray | None = None
+        self._chosen: np.ndarray | None = None  # [candidates from _start on, rows]: each row's source
+        self._weighed: tuple | None = None  # (price, weighed, rates) of the candidates from _start on
         self._start = 0
 
     def first_better(self, start: int, best_rate: float, price: float) -> tuple[int, float] | None:
         """The first candidate from `start` on whose tokens (or a drain's worth) per second
         beat `best_rate` by the margin `best` asks, with a verify token priced at `price`, and
-        its rate; None if none does."""
+        its rate; None if none does. Candidates weighed at this price before are not weighed
+        again: the bar only rises, so one left out below an earlier bar stays out."""
+        bar = best_rate * 1.0001
+        if self._weighed is None or self._weighed[0] != price or self._start > start:
+            self._start = start
+            self._weighed = (price, *self._weigh(start, bar, price))
+        _, good, rates = self._weighed
+        offset = start - self._start
+        better = np.flatnonzero(good[offset:] & (rates[offset:] > bar))
+        if not len(better):
+            return None
+        index = offset + int(better[0])
+        return self._start + index, float(rates[index])
+
+    def _weigh(self, start: int, bar: float, price: float) -> tuple[np.ndarray, np.ndarray]:
+        """Which candidates from `start` on were weighed (a draft model running for nobody
+        is not; in a drain, nor is one whose bound cannot pass `bar`) and their rates, with
+        a verify token priced at `price`; each one's choice of source by row is kept for
+        `choice`."""
         copies, rows, to_limit = self.copies, len(self.leads), self.to_limit
         caps, gammas, model_tokens = self.caps[start:], self.gammas[start:], self.model_tokens[start:]
         n, r = np.ogrid[: len(caps), :rows]
@@ -637,7 +656,6 @@ class _Candidates:
         # with the draft model, this round's share of its one-off catch-up: tokens / remaining of it
         catch_up = self.options.catch_up * np.minimum(tokens / max(self.options.remaining, 1), 1.0)
         seconds = np.where(gammas > 0, seconds + catch_up, seconds)
-        bar = best_rate * 1.0001
         with np.errstate(invalid="ignore"):
             if self.draining:
                 # A drain's advance is at most the expected tokens of a row furthest behind
@@ -650,14 +668,11 @@ class _Candidates:
                 rates = ((1.0 - to_limit) * tokens + to_limit * rows * advance) / seconds
             else:
                 rates = tokens / seconds
-        better = np.flatnonzero(tried & (rates > bar))
-        if not len(better):
-            return None
-        self._chosen, self._start = chosen, start
-        return start + int(better[0]), float(rates[better[0]])
+        self._chosen = chosen
+        return tried, rates
 
     def choice(self, index: int) -> Choice:
-        """The candidate at `index`, as `first_better` weighed it last."""
+        """The candidate at `index`, as it was weighed last."""
         chosen = self._chosen[index - self._start].tolist()
         copies = self.copies
         sources = [
