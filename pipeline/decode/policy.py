@@ -15,7 +15,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -549,23 +549,24 @@ class _Copies:
         self.survival_lengths = np.ones((rows, self.width), dtype=np.int64)
         self.held = np.zeros((rows, self.width), dtype=bool)
         self.columns = np.arange(self.width)  # an offer's column, for indexing [rows, offers, k]
-        # Offers of one source, depth and length share their chances (a head's are its own):
-        # each group is written at once.
+        # Offers of one source and depth share their chances, a shorter one the first of a
+        # longer one's (a head's are its own): each group is weighed and written at once.
         groups: dict[object, list[tuple[int, int]]] = {}
         for i, row in enumerate(offers):
             for j, offer in enumerate(row):
-                key = (i, j) if offer.chances else (offer.source, offer.depth, min(offer.tokens, gamma_cap))
-                groups.setdefault(key, []).append((i, j))
+                groups.setdefault((i, j) if offer.chances else (offer.source, offer.depth), []).append((i, j))
+        k = np.arange(gamma_cap + 1)[None, :]
         for places in groups.values():
-            i, j = places[0]
-            chances = survival(offers[i][j], gamma_cap)
-            sums = np.cumsum(chances)  # summed in order, as `sum` would
             at = tuple(np.array(places).T)
-            self.tokens[at] = min(offers[i][j].tokens, gamma_cap)
-            self.expected[at + (slice(None, len(sums)),)] = sums
-            self.expected[at + (slice(len(sums), None),)] = sums[-1]  # chances known fewer deep: no more
-            self.survivals[at + (slice(None, len(chances)),)] = chances
-            self.survival_lengths[at] = len(chances)
+            drafts = np.minimum([offers[i][j].tokens for i, j in places], gamma_cap)
+            deepest = replace(offers[places[0][0]][places[0][1]], tokens=int(drafts.max()))
+            chances = np.asarray(survival(deepest, gamma_cap))
+            sums = np.cumsum(chances)  # summed in order, as `sum` would
+            known = np.minimum(drafts + 1, len(chances))[:, None]  # the chances each offer has
+            self.tokens[at] = drafts
+            self.expected[at] = sums[np.minimum(k, known - 1)]  # no more past its last chance
+            self.survivals[at] = np.where(k < known, chances[np.minimum(k, len(chances) - 1)], 1.0)
+            self.survival_lengths[at] = known[:, 0]
             self.held[at] = True
         self.longest = int(self.tokens.max(initial=0))
 
