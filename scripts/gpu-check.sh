@@ -187,7 +187,8 @@ job)
 smol)
     # SmolLM2-135M with real weights (issue 37's SmolLM2 lines): license translations at batch 1,
     # ours beside Hugging Face's prompt lookup (k=3), then at batch 64 with 4 documents a slot,
-    # then a round's host parts for auto at batch 64 (gpu_profile.py --split-only).
+    # then a round's host parts for auto at batch 64, every round asking (gpu_profile.py
+    # --split-only --always-ask: with the gate shut, only its probes would be timed).
     # Its GGUF travels in two parts (`gpu_models.py prepare`): part-0 beside the `all` call's
     # carry, part-1 in this one's, on a machine still warm from it (no one call carries both).
     setup
@@ -206,9 +207,9 @@ smol)
         --drafter prompt_lookup --lookup-steps 1,4 --runs 3 2>&1 | grep --line-buffered -v "^Loading weights" |
         tee -a "$res/profile.log"
     pack
-    echo "== a round's host parts, auto at batch 64 ($(date +%T))"
+    echo "== a round's host parts, auto at batch 64, the gate held open ($(date +%T))"
     timeout 90 python3 scripts/gpu_profile.py smollm2 "$res" --batch 64 --docs "$docs" --new 64 --drafter auto \
-        --split-only 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
+        --split-only --always-ask 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
     echo "== done ($(date +%T))"
     pack
     ;;
