@@ -623,10 +623,7 @@ class _Candidates:
         `choice`."""
         copies, rows, to_limit = self.copies, len(self.leads), self.to_limit
         caps, gammas, model_tokens = self.caps[start:], self.gammas[start:], self.model_tokens[start:]
-        n, r = np.ogrid[: len(caps), :rows]
-        # each row's copies truncated at the cap: drafts and expected tokens [candidates, rows, copies]
-        drafts = np.minimum(copies.tokens[None], caps[:, None, None])
-        expected = copies.expected[r[:, :, None], copies.columns[None, None, :], drafts]
+        r = np.arange(rows)[None, :]
         weight = np.ones((len(caps), rows))
         if self.draining:
             # Only rows within `reach` of the one furthest behind can hold its end back this
@@ -634,14 +631,22 @@ class _Candidates:
             holding = self.leads[None, :] < np.maximum(caps, gammas)[:, None]
             near = np.maximum(holding.sum(axis=1), 1)
             weight = 1.0 - to_limit + np.where(holding, to_limit * rows / near[:, None], 0.0)
-        copyable = copies.held[None] & (caps > 0)[:, None, None]
-        values = np.where(copyable, weight[:, :, None] * expected - price * drafts, -np.inf)
-        column = values.argmax(axis=2)
+            keys, per, key_weight = caps, np.arange(len(caps)), weight  # each candidate's own
+        else:  # every weight 1: the candidates of a cap share its copies, weighed once
+            keys, per = np.unique(caps, return_inverse=True)
+            key_weight = np.ones((len(keys), rows))
+        # each row's copies truncated at the cap: drafts and expected tokens [caps, rows, copies]
+        drafts = np.minimum(copies.tokens[None], keys[:, None, None])
+        expected = copies.expected[r[:, :, None], copies.columns[None, None, :], drafts]
+        copyable = copies.held[None] & (keys > 0)[:, None, None]
+        values = np.where(copyable, key_weight[:, :, None] * expected - price * drafts, -np.inf)
+        key, column = np.arange(len(keys))[:, None], values.argmax(axis=2)
         copy_value, copy_drafts, copy_tokens = (
-            values[n, r, column],
-            drafts[n, r, column],
-            expected[n, r, column],
+            values[key, r, column][per],
+            drafts[key, r, column][per],
+            expected[key, r, column][per],
         )
+        column = column[per]
         # each row's choice: the first worth most of plain, the draft model, its copies
         model_value = weight * model_tokens[:, None] - price * gammas[:, None]
         model_value[gammas == 0] = -np.inf
