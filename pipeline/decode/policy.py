@@ -519,13 +519,7 @@ class Policy:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
         best = Choice(0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
-        copies = _Copies(offers, gamma_cap, self._survival)
-        budgets = options.drain_budgets if rows > 1 else None
-        # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
-        # choices would repeat, each costing a pass over every row.
-        caps = range((gamma_cap if budgets else copies.longest) + 1) if any(offers) else range(1)
-        gammas = range(gamma_cap + 1) if options.use_model else range(1)
-        candidates = _Candidates(self, options, from_model, copies, caps, gammas)
+        candidates = _Candidates(self, options, from_model, _Copies(offers, gamma_cap, self._survival))
         start = 0
         while (better := candidates.first_better(start, best_rate, best_rate * per_token)) is not None:
             start, best_rate = better
@@ -580,16 +574,20 @@ class _Candidates:
     the same order as one at a time: sums and products run in row order (`accumulate`), so
     every rate is bit for bit what a loop over the candidates computes."""
 
-    def __init__(self, policy: Policy, options: RoundOptions, from_model, copies: _Copies, caps, gammas):
+    def __init__(self, policy: Policy, options: RoundOptions, from_model, copies: _Copies):
         self.policy, self.options, self.copies = policy, options, copies
         rows, gamma_cap = len(options.offers), options.gamma_cap
+        budgets = options.drain_budgets if rows > 1 else None
+        # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
+        # choices would repeat, each costing a pass over every row.
+        caps = range((gamma_cap if budgets else copies.longest) + 1) if any(options.offers) else range(1)
+        gammas = range(gamma_cap + 1) if options.use_model else range(1)
         self.caps = np.repeat(np.asarray(caps, dtype=np.int64), len(gammas))
         self.gammas = np.tile(np.asarray(gammas, dtype=np.int64), len(caps))
         self.count = len(self.caps)
         self.from_model = np.asarray(from_model[: gamma_cap + 1], dtype=np.float64)
         model_sums = list(itertools.accumulate(from_model[: gamma_cap + 1]))  # summed in order
         self.model_tokens = np.asarray(model_sums, dtype=np.float64)[self.gammas]
-        budgets = options.drain_budgets if rows > 1 else None
         self.draining = budgets is not None
         self.to_limit = policy.runs_to_limit.value if budgets else 0.0
         self.leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows, dtype=np.int64)
