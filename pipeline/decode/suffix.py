@@ -130,18 +130,26 @@ class SuffixAutomaton:
 
     def match(self, context: Sequence[int]) -> tuple[int, int]:
         """The state of the longest suffix of `context` that occurs here, and its length."""
+        # `step` inlined: this runs for every row's last MAX_DEPTH tokens in every corpus block
+        edge_token, edge_target, branches = self.edge_token, self.edge_target, self.branches
+        link, length = self.link, self.length
         state, matched = 0, 0
         for token in context:
             while True:
-                nxt = self.step(state, token)
-                if nxt >= 0:
-                    state, matched = nxt, matched + 1
+                edge = edge_token[state]
+                if edge == token:
+                    state, matched = edge_target[state], matched + 1
                     break
+                if edge == MANY:
+                    nxt = branches[state].get(token, -1)
+                    if nxt >= 0:
+                        state, matched = nxt, matched + 1
+                        break
                 if state == 0:
                     matched = 0
                     break
-                state = self.link[state]
-                matched = self.length[state]
+                state = link[state]
+                matched = length[state]
         return state, matched
 
     def nbytes(self) -> int:
@@ -200,14 +208,22 @@ def continuations(automaton: SuffixAutomaton, state: int, matched: int, limit: i
     the product of each step's share of the occurrences that went on.
     """
     count, link, length = automaton.count, automaton.link, automaton.length
+    edge_token, edge_target, branches = automaton.edge_token, automaton.edge_target, automaton.branches
     while state > 0 and matched >= min_match:
         tokens, chance, score, at = [], 1.0, 0.0, state
         while len(tokens) < limit:
-            going, best, best_count, best_state = 0, -1, 0, 0
-            for token, child in automaton.children(at):
-                going += count[child]
-                if count[child] > best_count:
-                    best, best_count, best_state = token, count[child], child
+            edge = edge_token[at]  # `automaton.children(at)`, inlined: most states have one edge
+            if edge == NO_EDGE:
+                break
+            if edge != MANY:
+                best, best_state = edge, edge_target[at]
+                best_count = going = count[best_state]
+            else:
+                going, best, best_count, best_state = 0, -1, 0, 0
+                for token, child in branches[at].items():
+                    going += count[child]
+                    if count[child] > best_count:
+                        best, best_count, best_state = token, count[child], child
             if not going:
                 break
             chance *= best_count / going
@@ -230,6 +246,12 @@ def own_continuations(text: RowText, limit: int, min_match: int, matches: Matche
     tokens, n = text.tokens, len(text.tokens)
     for depth in sorted({d for d in lengths if d >= min_match}, reverse=True):
         at = [e for e, d in zip(ends, lengths, strict=True) if d >= depth]
+        if len(at) == 1:  # one occurrence (most matches): the text after it, every token sure
+            drafted = tokens[at[0] : min(n, at[0] + limit)]
+            drafted = drafted[: drafted.index(SEPARATOR)] if SEPARATOR in drafted else drafted
+            if drafted:
+                yield Continuation(drafted, float(len(drafted)), depth)
+            continue
         drafted, chance, score = [], 1.0, 0.0
         while len(drafted) < limit:
             counts: dict[int, int] = {}
