@@ -129,6 +129,8 @@ def main() -> None:
             ", ".join(f"{name} {1e3 * statistics.median(t):.3f} ({len(t)})" for name, t in parts.items())
             or "-"
         ),
+        f"rounds that asked the drafters {s.asked_rounds}; the copiers' prices (CopierPrices): "
+        + ", ".join(f"{k} {v}" for k, v in engine.policy.copiers.record().items()),
         "",
     ]
     if o.split_only:

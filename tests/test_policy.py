@@ -25,7 +25,7 @@ from pipeline.decode.costs import (
     iid_survival,
 )
 from pipeline.decode.engine import SpeculativeEngine
-from pipeline.decode.policy import DraftingGate, Offer, Policy, RoundOptions
+from pipeline.decode.policy import CopierPrices, DraftingGate, Offer, Policy, RoundOptions, _Copies
 from pipeline.decode.settings import DRAFT_MODEL, HEAD, PROMPT_LOOKUP, SUFFIX, EngineConfig
 
 
@@ -548,6 +548,97 @@ def test_a_gated_engine_stays_lossless(case):
     outputs, stats = engine.generate(prompts, MAX_NEW, batch_size=3)
     assert [o.tokens for o in outputs] == refs
     assert engine.gate.rounds.get((False, 3), 0) > 0  # rounds that asked nothing ran
+
+
+def _copier_rounds(prices: CopierPrices, rounds: int, worth: dict[str, float], seconds: dict[str, float]):
+    """`rounds` rounds of both copiers on offer: which each asked, each observed as asked."""
+    asked = []
+    for _ in range(rounds):
+        names = prices.asked([PROMPT_LOOKUP, SUFFIX])
+        asked.append(names)
+        prices.observe({n: seconds[n] for n in names}, {n: worth[n] for n in names})
+    return asked
+
+
+def test_a_copier_that_adds_less_than_it_costs_rests_and_is_probed_now_and_then():
+    """At 64 rows on a CPU the suffix drafter took 3.0 ms a round and prompt lookup 0.8 ms:
+    where one's copies add next to nothing over the other's, it stops being asked, and probes
+    ask it again, backing off, up to 4 x probe_every rounds apart."""
+    prices = CopierPrices(probe_every=8)
+    seconds = {PROMPT_LOOKUP: 0.0008, SUFFIX: 0.003}
+    asked = _copier_rounds(prices, 200, {PROMPT_LOOKUP: 0.01, SUFFIX: 0.0001}, seconds)
+    assert asked[: prices.min_rounds] == [[PROMPT_LOOKUP, SUFFIX]] * prices.min_rounds
+    assert prices.resting == SUFFIX and asked[prices.min_rounds] == [PROMPT_LOOKUP]
+    probes = [i for i, names in enumerate(asked) if SUFFIX in names and i >= prices.min_rounds]
+    starts = [i for i in probes if i - 1 not in probes]
+    assert all(i + k in probes for i in starts for k in range(prices.PROBE_ROUNDS))  # a probe: 3 rounds
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] == prices.min_rounds + 8 - 1  # the 8th round after it rested
+    assert gaps[0] == 16 + prices.PROBE_ROUNDS - 1
+    assert max(gaps) == 32 + prices.PROBE_ROUNDS - 1  # backing off up to 4 x probe_every
+    record = prices.record()
+    assert record["resting"] == SUFFIX and record["rested_rounds"][SUFFIX] == len(asked) - len(probes) - 8
+    # the text turns to what only the suffix drafter finds: a probe wakes it
+    asked = _copier_rounds(prices, 40, {PROMPT_LOOKUP: 0.01, SUFFIX: 0.02}, seconds)
+    assert prices.resting is None and asked[-1] == [PROMPT_LOOKUP, SUFFIX]
+
+
+def test_copiers_that_both_pay_are_both_asked_and_a_lone_one_is_the_gates():
+    prices = CopierPrices(probe_every=8)
+    asked = _copier_rounds(
+        prices, 100, {PROMPT_LOOKUP: 0.002, SUFFIX: 0.004}, {PROMPT_LOOKUP: 0.001, SUFFIX: 0.003}
+    )
+    assert prices.resting is None and all(len(names) == 2 for names in asked)
+    # two that add nothing over each other: only the dearer rests, the other is the gate's to judge
+    asked = _copier_rounds(
+        prices, 100, {PROMPT_LOOKUP: 0.0, SUFFIX: 0.0}, {PROMPT_LOOKUP: 0.001, SUFFIX: 0.003}
+    )
+    assert prices.resting == SUFFIX and all(PROMPT_LOOKUP in names for names in asked)
+    alone = CopierPrices(probe_every=8)
+    for _ in range(50):
+        assert alone.asked([SUFFIX]) == [SUFFIX]
+        alone.observe({SUFFIX: 0.003}, {SUFFIX: 0.0})
+    assert alone.resting is None
+
+
+def test_a_copy_is_worth_what_it_adds_over_the_rows_best_other_offer(case):
+    """The worth `CopierPrices` weighs: per row that took a source's copy, its expected tokens
+    at the round's cap less the best other offer's (one token where none)."""
+    policy = _policy_with_costs(case, measured_costs(CPU_COSTS[0], {}), alpha=0.5)
+    offers = [
+        [Offer(PROMPT_LOOKUP, 4, 2), Offer(SUFFIX, 6, 4)],  # suffix taken: it adds over lookup's copy
+        [Offer(PROMPT_LOOKUP, 3, 2)],  # lookup alone: all it adds over one token
+        [Offer(SUFFIX, 2, 4)],  # not taken
+        [],
+    ]
+    copies = _Copies(offers, 8, policy._survival)
+    cap = 5
+    gains = policy._copy_gains(copies, cap, [SUFFIX, PROMPT_LOOKUP, None, None])
+
+    def expected(offer: Offer) -> float:
+        return sum(policy._survival(offer, 8)[: min(offer.tokens, cap) + 1])
+
+    assert gains[SUFFIX] == pytest.approx(expected(offers[0][1]) - expected(offers[0][0]))
+    assert gains[PROMPT_LOOKUP] == pytest.approx(expected(offers[1][0]) - 1.0)
+
+
+def test_a_resting_copier_is_not_asked_and_outputs_stay_the_targets(case):
+    target, draft, tokenizer, prompts, eos, refs = case
+    engine = SpeculativeEngine(
+        target,
+        draft,
+        eos_token_ids=eos,
+        pad_token_id=0,
+        config=EngineConfig(drafter="auto", probe_every=1000),
+    )
+    engine.gate.asks = lambda rows: True  # every round asks the drafters
+    engine.policy.copiers.resting = SUFFIX
+    calls = []
+    propose = engine.suffix.propose
+    engine.suffix.propose = lambda *a, **k: calls.append(1) or propose(*a, **k)
+    outputs, stats = engine.generate(prompts, MAX_NEW, batch_size=3)
+    assert [o.tokens for o in outputs] == refs
+    assert not calls and engine.policy.copiers.rested_rounds[SUFFIX] == stats.asked_rounds > 0
 
 
 def _best_row_by_row(policy: Policy, options: RoundOptions, from_model: list[float]) -> tuple:

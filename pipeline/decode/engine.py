@@ -346,13 +346,20 @@ class SpeculativeEngine:
                 return drafts
         # A lone row's prompt-lookup copy is also a guess at the draft model's own chain.
         guessing = batch.model is not None and len(seqs) == 1 and self.config.guess_tokens > 0
-        asked = batch.copiers + ([self.lookup] if guessing and self.lookup not in batch.copiers else [])
-        copies = {d.name: d.propose(seqs, gamma_cap, batch.sampling, batch.generator) for d in asked}
+        # where two copy, one whose copies add too little over the other's rests (`CopierPrices`)
+        copiers = self.policy.copiers.asked([d.name for d in batch.copiers]) if self.config.adaptive else None
+        asked = [d for d in batch.copiers if copiers is None or d.name in copiers]
+        asked += [self.lookup] if guessing and self.lookup not in asked else []
+        copies, seconds = {}, {}
+        for d in asked:
+            began = time.perf_counter()
+            copies[d.name] = d.propose(seqs, gamma_cap, batch.sampling, batch.generator)
+            seconds[d.name] = time.perf_counter() - began
         offers = [
             [
                 Offer(d.name, len(copies[d.name].tokens[i]), copies[d.name].depths[i])
                 for d in batch.copiers
-                if copies[d.name].tokens[i]
+                if d.name in copies and copies[d.name].tokens[i]
             ]
             for i in range(len(seqs))
         ]
@@ -369,7 +376,8 @@ class SpeculativeEngine:
             catch_up=self._draft_catch_up(seqs) if batch.model else 0.0,
             drain_budgets=None if batch.waiting else left,
         )
-        choice = self.policy.choose(options, probe=self.gate.probing)
+        copier_seconds = {name: seconds[name] for name in copiers or ()}  # those priced asked
+        choice = self.policy.choose(options, probe=self.gate.probing, copier_seconds=copier_seconds)
         guess = copies[PROMPT_LOOKUP].tokens[0][: self.config.guess_tokens] if guessing else None
         model = self._draft_model(batch, seqs, options, choice, guess)
         drafts = _Drafts([], [], [], model.model_passes)

@@ -264,6 +264,89 @@ class DraftingGate:
         }
 
 
+@dataclass
+class CopierPrices:
+    """Which free drafters (prompt lookup, suffix) a round asks, where more than one copies:
+    each one's own seconds in a round against the tokens it adds over the others' offers.
+
+    Why: the policy prices a round's passes, and `DraftingGate` whether asking pays at all,
+    but two copiers mostly offer the same copy, each at its own price. At 64 rows on a CPU a
+    round's suffix lookups took 3.0 ms and prompt lookup's 0.8 ms beside a 6.6 ms pass
+    (docs/engine.md); a captured GPU pass costs a few milliseconds, so a copier that adds
+    nothing the other offers costs a share of the round for no token.
+    A copier's worth in a round: for each row that took its copy, the copy's expected tokens
+    at the round's cap less those of the row's best other offer (one token where it has none),
+    the tokens the round would lose without it, each worth what a token costs lately
+    (`CostModel.token_seconds`). Worth and seconds are smoothed over the rounds that asked it.
+    Once every copier asked has `min_rounds` of both, the one whose worth falls furthest short
+    of its seconds rests: rounds ask the others. It is asked again in probes, `PROBE_ROUNDS`
+    rounds in a row, the first `probe_every` asking rounds later and each one after twice as
+    many rounds as the one before, up to 4 x `probe_every`; a probe that finds it worth its
+    seconds ends its rest. One rests at a time, so the last copier standing is judged by the
+    gate alone. Lossless either way: the copies only ever change how many tokens a pass checks.
+    """
+
+    probe_every: int = 32
+    smoothing: float = 0.1
+    min_rounds: int = 8
+    PROBE_ROUNDS = 3
+    resting: str | None = None  # the copier rounds do not ask now
+    rested_rounds: dict[str, int] = field(default_factory=dict)  # rounds each was not asked
+    _worth: dict[str, float] = field(default_factory=dict)  # smoothed seconds saved a round
+    _seconds: dict[str, float] = field(default_factory=dict)  # smoothed seconds of proposing
+    _rounds: dict[str, int] = field(default_factory=dict)
+    _since_probe: int = 0
+    _probe_gap: int = 0
+    _probe_left: int = 0
+
+    def asked(self, names: list[str]) -> list[str]:
+        """The copiers among `names` (those the batch uses) this round asks."""
+        if self.resting not in names:
+            return names
+        if self._probe_left:
+            self._probe_left -= 1
+            return names
+        self._since_probe += 1
+        if self._since_probe >= (self._probe_gap or self.probe_every):
+            self._since_probe = 0
+            self._probe_gap = min(2 * (self._probe_gap or self.probe_every), 4 * self.probe_every)
+            self._probe_left = self.PROBE_ROUNDS - 1
+            return names
+        self.rested_rounds[self.resting] = self.rested_rounds.get(self.resting, 0) + 1
+        return [n for n in names if n != self.resting]
+
+    def observe(self, seconds: dict[str, float], worth: dict[str, float]) -> None:
+        """One round's seconds of each copier asked and the seconds its copies saved."""
+        if len(seconds) < 2:  # a copier alone is the gate's to judge
+            return
+        probing = self.resting in seconds
+        for name, spent in seconds.items():
+            self._rounds[name] = rounds = self._rounds.get(name, 0) + 1
+            weight = max(0.5 if probing else self.smoothing, 1 / rounds)
+            self._seconds[name] = ema(self._seconds.get(name), spent, weight)
+            self._worth[name] = ema(self._worth.get(name), worth.get(name, 0.0), weight)
+        if probing:
+            if not self._probe_left and self._net(self.resting) >= 0:
+                self.resting, self._probe_gap = None, 0
+            return
+        if self.resting is None and min(self._rounds[n] for n in seconds) >= self.min_rounds:
+            dearest = min(seconds, key=self._net)
+            if self._net(dearest) < 0:
+                self.resting, self._since_probe = dearest, 0
+
+    def _net(self, name: str) -> float:
+        return self._worth[name] - self._seconds[name]
+
+    def record(self) -> dict:
+        """What was measured, for stats: each copier's seconds and worth a round, and rests."""
+        return {
+            "seconds_per_round": dict(sorted(self._seconds.items())),
+            "worth_seconds_per_round": dict(sorted(self._worth.items())),
+            "resting": self.resting,
+            "rested_rounds": dict(sorted(self.rested_rounds.items())),
+        }
+
+
 class Choice(NamedTuple):
     """A round's plan: copies of at most `cap` tokens, `gamma` draft-model passes at most, and
     each row's source (None: the row takes the target's token only)."""
@@ -306,7 +389,11 @@ class Policy:
     _rounds_without_copies: int = 0
     _rounds_without_head: int = 0  # rounds whose head drafts the rule cut to none (`head_length`)
     _rounds_since_plain: int = 0
+    copiers: CopierPrices = field(default_factory=CopierPrices)  # which free drafters a round asks
     PROBE_SHORTFALL = 0.5  # how far short of paying for its verify token a head's probe draft may fall
+
+    def __post_init__(self) -> None:
+        self.copiers.probe_every = self.config.probe_every
 
     def copy_rate(self, source: str, depth: int) -> AcceptanceByPosition:
         key = (source, depth)
@@ -320,7 +407,9 @@ class Policy:
             rates = self.model_rates if source == DRAFT_MODEL else self.copy_rate(source, depth)
             rates.observe(rows)
 
-    def choose(self, options: RoundOptions, probe: bool = False) -> Choice:
+    def choose(
+        self, options: RoundOptions, probe: bool = False, copier_seconds: dict[str, float] | None = None
+    ) -> Choice:
         """Pick the copy cap and the draft-model gamma that maximize expected tokens/s.
 
         Each row takes up to `cap` tokens of one free drafter's offer, or `gamma` draft-model
@@ -331,6 +420,8 @@ class Policy:
         copy is plain target-only decoding, always a candidate. The draft model may then stop
         short of gamma (`draft_length`). `probe`: the round is a `DraftingGate` probe, which
         must try the drafters, as the policy's own probes do, to be worth its time.
+        `copier_seconds`: the seconds each free drafter asked spent proposing this round, which
+        `copiers` weighs against the tokens the choice takes from its copies.
         """
         rows, gamma_cap = len(options.offers), options.gamma_cap
         plain = Choice(0, 0, [None] * rows)
@@ -352,7 +443,8 @@ class Policy:
         if probe:  # the probes below fire this round if its best choice drafts nothing
             self._rounds_without_model = max(self._rounds_without_model, self.config.probe_every - 1)
             self._rounds_without_copies = max(self._rounds_without_copies, self.config.probe_every - 1)
-        cap, gamma, sources = self.best(options, self.model_rates.survival(gamma_cap))
+        copies = _Copies(options.offers, gamma_cap, self._survival)
+        cap, gamma, sources = self.best(options, self.model_rates.survival(gamma_cap), copies)
         if options.use_model and gamma == 0 and None in sources:
             self._rounds_without_model += 1
             if self._rounds_without_model >= self.config.probe_every:
@@ -364,7 +456,7 @@ class Policy:
                 plain_left = options.remaining / rows * self.costs.target_time(rows)
                 affordable = options.catch_up <= self.config.probe_budget * plain_left
                 hopeful = iid_survival(self.config.probe_alpha, gamma_cap)
-                if affordable and self.best(options, hopeful).gamma:
+                if affordable and self.best(options, hopeful, copies).gamma:
                     gamma, sources = 1, [s or DRAFT_MODEL for s in sources]
         copying = any(s not in (None, DRAFT_MODEL) for s in sources)
         if gamma == 0 and not copying and any(options.offers):
@@ -379,7 +471,30 @@ class Policy:
                 copying = True
         if gamma == 0 and not copying:
             self._rounds_since_plain = 0  # this round measures plain decoding anyway
+        token_seconds = self.costs.token_seconds()
+        if copying and len(copier_seconds or ()) > 1 and token_seconds:
+            gained = self._copy_gains(copies, cap, sources)
+            self.copiers.observe(copier_seconds, {s: n * token_seconds for s, n in gained.items()})
         return Choice(cap, gamma, sources)
+
+    @staticmethod
+    def _copy_gains(copies: _Copies, cap: int, sources: list[str | None]) -> dict[str, float]:
+        """Expected tokens each source's copies add this round over each row's best other
+        offer (one token where it has none), as taken at `cap` (see `CopierPrices`)."""
+        gains: dict[str, float] = {}
+        drafts = np.minimum(copies.tokens, cap)
+        expected = np.take_along_axis(copies.expected, drafts[:, :, None], axis=2)[:, :, 0].tolist()
+        for i, source in enumerate(sources):
+            if source is None or source == DRAFT_MODEL:
+                continue
+            mine, other = 1.0, 1.0
+            for j, offer in enumerate(copies.offers[i]):
+                if offer.source == source:
+                    mine = expected[i][j]
+                else:
+                    other = max(other, expected[i][j])
+            gains[source] = gains.get(source, 0.0) + max(mine - other, 0.0)
+        return gains
 
     def draft_length(
         self, options: RoundOptions, cap: int, gamma: int, sources: list[str | None]
@@ -487,7 +602,7 @@ class Policy:
 
         return rule
 
-    def best(self, options: RoundOptions, from_model: list[float]) -> Choice:
+    def best(self, options: RoundOptions, from_model: list[float], copies: _Copies | None = None) -> Choice:
         """The choice of `choose` when the draft model, drafting k tokens, gains at least j of
         them with chance `from_model[j]` (j = 0..gamma_cap, see `AcceptanceByPosition.survival`).
 
@@ -519,7 +634,8 @@ class Policy:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
         best = Choice(0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
-        candidates = _Candidates(self, options, from_model, _Copies(offers, gamma_cap, self._survival))
+        copies = copies or _Copies(offers, gamma_cap, self._survival)  # `choose` lays them out once
+        candidates = _Candidates(self, options, from_model, copies)
         start = 0
         while (better := candidates.first_better(start, best_rate, best_rate * per_token)) is not None:
             start, best_rate = better

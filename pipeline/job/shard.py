@@ -436,6 +436,7 @@ class ShardProcessor:
             speedup=sample,
             context={
                 "drafting_gate": self.engine.gate.record(),
+                "copiers": self.engine.policy.copiers.record(),
                 "static_passes": self.engine.static_record(),
                 "models": self.model_info,
                 "worker": {"host": socket.gethostname(), "pid": os.getpid(), "node": _ray_node()},
