@@ -583,6 +583,20 @@ def test_a_copier_that_adds_less_than_it_costs_rests_and_is_probed_now_and_then(
     assert prices.resting is None and asked[-1] == [PROMPT_LOOKUP, SUFFIX]
 
 
+def test_a_probe_is_judged_when_it_ends_though_its_last_rounds_took_no_copy():
+    """Only rounds that take a copy are weighed: a probe whose later rounds copied nothing is
+    judged on what its first found, when it ends."""
+    prices = CopierPrices(probe_every=4)
+    seconds = {PROMPT_LOOKUP: 0.0008, SUFFIX: 0.003}
+    _copier_rounds(prices, 12, {PROMPT_LOOKUP: 0.01, SUFFIX: 0.0}, seconds)
+    assert prices.resting == SUFFIX
+    for _ in range(20):
+        names = prices.asked([PROMPT_LOOKUP, SUFFIX])
+        if SUFFIX in names and prices.resting and prices._probe_left == prices.PROBE_ROUNDS - 1:
+            prices.observe(seconds, {PROMPT_LOOKUP: 0.01, SUFFIX: 0.05})  # the probe's first round only
+    assert prices.resting is None
+
+
 def test_copiers_that_both_pay_are_both_asked_and_a_lone_one_is_the_gates():
     prices = CopierPrices(probe_every=8)
     asked = _copier_rounds(

@@ -298,6 +298,7 @@ class CopierPrices:
     _since_probe: int = 0
     _probe_gap: int = 0
     _probe_left: int = 0
+    _probed: bool = False  # a probe's rounds ran since the copier rested or was last judged
 
     def asked(self, names: list[str]) -> list[str]:
         """The copiers among `names` (those the batch uses) this round asks."""
@@ -306,11 +307,16 @@ class CopierPrices:
         if self._probe_left:
             self._probe_left -= 1
             return names
+        if self._probed:  # a probe just ended (judged here: its rounds may not all have copied)
+            self._probed = False
+            if self._net(self.resting) >= 0:
+                self.resting, self._probe_gap, self._since_probe = None, 0, 0
+                return names
         self._since_probe += 1
         if self._since_probe >= (self._probe_gap or self.probe_every):
             self._since_probe = 0
             self._probe_gap = min(2 * (self._probe_gap or self.probe_every), 4 * self.probe_every)
-            self._probe_left = self.PROBE_ROUNDS - 1
+            self._probe_left, self._probed = self.PROBE_ROUNDS - 1, True
             return names
         self.rested_rounds[self.resting] = self.rested_rounds.get(self.resting, 0) + 1
         return [n for n in names if n != self.resting]
@@ -325,9 +331,7 @@ class CopierPrices:
             weight = max(0.5 if probing else self.smoothing, 1 / rounds)
             self._seconds[name] = ema(self._seconds.get(name), spent, weight)
             self._worth[name] = ema(self._worth.get(name), worth.get(name, 0.0), weight)
-        if probing:
-            if not self._probe_left and self._net(self.resting) >= 0:
-                self.resting, self._probe_gap = None, 0
+        if probing:  # judged once the probe ends (`asked`)
             return
         if self.resting is None and min(self._rounds[n] for n in seconds) >= self.min_rounds:
             dearest = min(seconds, key=self._net)
