@@ -550,13 +550,19 @@ def test_a_gated_engine_stays_lossless(case):
     assert engine.gate.rounds.get((False, 3), 0) > 0  # rounds that asked nothing ran
 
 
-def _copier_rounds(prices: CopierPrices, rounds: int, worth: dict[str, float], seconds: dict[str, float]):
+def _copier_rounds(
+    prices: CopierPrices,
+    rounds: int,
+    worth: dict[str, float],
+    seconds: dict[str, float],
+    plain_seconds: float = 0.004,
+):
     """`rounds` rounds of both copiers on offer: which each asked, each observed as asked."""
     asked = []
     for _ in range(rounds):
         names = prices.asked([PROMPT_LOOKUP, SUFFIX])
         asked.append(names)
-        prices.observe({n: seconds[n] for n in names}, {n: worth[n] for n in names})
+        prices.observe({n: seconds[n] for n in names}, {n: worth[n] for n in names}, plain_seconds)
     return asked
 
 
@@ -593,7 +599,9 @@ def test_a_probe_is_judged_when_it_ends_though_its_last_rounds_took_no_copy():
     for _ in range(20):
         names = prices.asked([PROMPT_LOOKUP, SUFFIX])
         if SUFFIX in names and prices.resting and prices._probe_left == prices.PROBE_ROUNDS - 1:
-            prices.observe(seconds, {PROMPT_LOOKUP: 0.01, SUFFIX: 0.05})  # the probe's first round only
+            prices.observe(
+                seconds, {PROMPT_LOOKUP: 0.01, SUFFIX: 0.05}, 0.004
+            )  # the probe's first round only
     assert prices.resting is None
 
 
@@ -611,8 +619,14 @@ def test_copiers_that_both_pay_are_both_asked_and_a_lone_one_is_the_gates():
     alone = CopierPrices(probe_every=8)
     for _ in range(50):
         assert alone.asked([SUFFIX]) == [SUFFIX]
-        alone.observe({SUFFIX: 0.003}, {SUFFIX: 0.0})
+        alone.observe({SUFFIX: 0.003}, {SUFFIX: 0.0}, 0.004)
     assert alone.resting is None
+    # beside a CPU pass of tens of milliseconds neither costs enough to rest
+    slow = CopierPrices(probe_every=8)
+    asked = _copier_rounds(
+        slow, 100, {PROMPT_LOOKUP: 0.0, SUFFIX: 0.0}, {PROMPT_LOOKUP: 0.0002, SUFFIX: 0.001}, 0.05
+    )
+    assert slow.resting is None and all(len(names) == 2 for names in asked)
 
 
 def test_a_copy_is_worth_what_it_adds_over_the_rows_best_other_offer(case):

@@ -5,6 +5,7 @@ does not fit in memory is halved, a shard missing a column is an unreadable shar
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -14,7 +15,7 @@ from pipeline_helpers import DOCS, clean_corpus, expected_text, job_dict
 
 from pipeline.cli import main
 from pipeline.decode.engine import RowOutput
-from pipeline.decode.policy import DraftingGate
+from pipeline.decode.policy import CopierPrices, DraftingGate
 from pipeline.decode.stats import BatchStats, RowStats
 from pipeline.job.shard import ShardProcessor
 from pipeline.job.stats import job_totals
@@ -84,6 +85,7 @@ class ClockedEngine:
         self.calls: list[tuple[str | None, int]] = []
         self.warmups: list[tuple[str | None, int]] = []
         self.gate = DraftingGate()
+        self.policy = SimpleNamespace(copiers=CopierPrices())  # what the shard's stats read of it
         self.learner = None  # no learning head
 
     def static_record(self) -> None:

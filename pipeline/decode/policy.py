@@ -283,12 +283,17 @@ class CopierPrices:
     rounds in a row, the first `probe_every` asking rounds later and each one after twice as
     many rounds as the one before, up to 4 x `probe_every`; a probe that finds it worth its
     seconds ends its rest. One rests at a time, so the last copier standing is judged by the
-    gate alone. Lossless either way: the copies only ever change how many tokens a pass checks.
+    gate alone. A copier whose seconds are under `margin` of a plain pass never rests (a CPU
+    pass of tens of milliseconds against a lookup of one): resting could save little, and a
+    copier whose worth comes in rare long copies (a recurring term from the corpus) is seen
+    only in its probes while it rests.
+    Lossless either way: the copies only ever change how many tokens a pass checks.
     """
 
     probe_every: int = 32
     smoothing: float = 0.1
     min_rounds: int = 8
+    margin: float = 0.03  # of a plain pass: a copier cheaper than that never rests
     PROBE_ROUNDS = 3
     resting: str | None = None  # the copier rounds do not ask now
     rested_rounds: dict[str, int] = field(default_factory=dict)  # rounds each was not asked
@@ -321,8 +326,10 @@ class CopierPrices:
         self.rested_rounds[self.resting] = self.rested_rounds.get(self.resting, 0) + 1
         return [n for n in names if n != self.resting]
 
-    def observe(self, seconds: dict[str, float], worth: dict[str, float]) -> None:
-        """One round's seconds of each copier asked and the seconds its copies saved."""
+    def observe(self, seconds: dict[str, float], worth: dict[str, float], plain_seconds: float) -> None:
+        """One round's seconds of each copier asked and the seconds its copies saved;
+        `plain_seconds`: a plain pass's at this batch size, beside which a copier under
+        `margin` of it is too cheap to rest."""
         if len(seconds) < 2:  # a copier alone is the gate's to judge
             return
         probing = self.resting in seconds
@@ -334,8 +341,9 @@ class CopierPrices:
         if probing:  # judged once the probe ends (`asked`)
             return
         if self.resting is None and min(self._rounds[n] for n in seconds) >= self.min_rounds:
-            dearest = min(seconds, key=self._net)
-            if self._net(dearest) < 0:
+            dear = [n for n in seconds if self._seconds[n] >= self.margin * plain_seconds]
+            dearest = min(dear, key=self._net, default=None)
+            if dearest is not None and self._net(dearest) < 0:
                 self.resting, self._since_probe = dearest, 0
 
     def _net(self, name: str) -> float:
@@ -478,7 +486,8 @@ class Policy:
         token_seconds = self.costs.token_seconds()
         if copying and len(copier_seconds or ()) > 1 and token_seconds:
             gained = self._copy_gains(copies, cap, sources)
-            self.copiers.observe(copier_seconds, {s: n * token_seconds for s, n in gained.items()})
+            worth = {s: n * token_seconds for s, n in gained.items()}
+            self.copiers.observe(copier_seconds, worth, self.costs.target_time(rows))
         return Choice(cap, gamma, sources)
 
     @staticmethod
