@@ -270,10 +270,10 @@ class CopierPrices:
     each one's own seconds in a round against the tokens it adds over the others' offers.
 
     Why: the policy prices a round's passes, and `DraftingGate` whether asking pays at all,
-    but two copiers mostly offer the same copy, each at its own price. At 64 rows on a CPU a
-    round's suffix lookups took 3.0 ms and prompt lookup's 0.8 ms beside a 6.6 ms pass
-    (docs/engine.md); a captured GPU pass costs a few milliseconds, so a copier that adds
-    nothing the other offers costs a share of the round for no token.
+    but two copiers mostly offer the same copy, each at its own price. At 64 rows on a CPU the
+    two took most of a round's time besides its pass (docs/engine.md), and a captured GPU pass
+    costs a few milliseconds, so a copier that adds nothing the other offers costs a share of
+    the round for no token.
     A copier's worth in a round: for each row that took its copy, the copy's expected tokens
     at the round's cap less those of the row's best other offer (one token where it has none),
     the tokens the round would lose without it, each worth what a token costs lately

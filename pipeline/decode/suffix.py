@@ -121,13 +121,6 @@ class SuffixAutomaton:
             return self.branches[state].get(token, -1)
         return -1
 
-    def children(self, state: int) -> Iterable[tuple[int, int]]:
-        """(token, state) of every edge out of `state`."""
-        edge = self.edge_token[state]
-        if edge == MANY:
-            return self.branches[state].items()
-        return ((edge, self.edge_target[state]),) if edge != NO_EDGE else ()
-
     def match(self, context: Sequence[int]) -> tuple[int, int]:
         """The state of the longest suffix of `context` that occurs here, and its length."""
         # `step` inlined: this runs for every row's last MAX_DEPTH tokens in every corpus block
@@ -212,7 +205,7 @@ def continuations(automaton: SuffixAutomaton, state: int, matched: int, limit: i
     while state > 0 and matched >= min_match:
         tokens, chance, score, at = [], 1.0, 0.0, state
         while len(tokens) < limit:
-            edge = edge_token[at]  # `automaton.children(at)`, inlined: most states have one edge
+            edge = edge_token[at]  # the state's edges: most states have one, in the flat arrays
             if edge == NO_EDGE:
                 break
             if edge != MANY:
