@@ -566,6 +566,16 @@ def _copier_rounds(
     return asked
 
 
+def test_a_round_with_nothing_to_offer_is_plain_without_weighing(case):
+    """Prompt lookup alone, a round whose rows match nothing: the choice is plain decoding, as
+    the search would find, without its arrays (a third of a millisecond at one row on a CPU)."""
+    policy = _policy_with_costs(case, measured_costs(CPU_COSTS[0], {}), alpha=0.5)
+    options = RoundOptions([[], []], False, 8, remaining=100, catch_up=0.0)
+    assert policy.best(options, [1.0] * 9) == (0, 0, [None, None])
+    policy.best = None  # not called
+    assert policy.choose(options) == (0, 0, [None, None]) and policy._rounds_since_plain == 0
+
+
 def test_a_copier_that_adds_less_than_it_costs_rests_and_is_probed_now_and_then():
     """At 64 rows on a CPU the suffix drafter took 3.0 ms a round and prompt lookup 0.8 ms:
     where one's copies add next to nothing over the other's, it stops being asked, and probes

@@ -455,6 +455,9 @@ class Policy:
         if probe:  # the probes below fire this round if its best choice drafts nothing
             self._rounds_without_model = max(self._rounds_without_model, self.config.probe_every - 1)
             self._rounds_without_copies = max(self._rounds_without_copies, self.config.probe_every - 1)
+        if not options.use_model and not any(options.offers):  # nothing to weigh: plain, as `best` says
+            self._rounds_since_plain = 0
+            return plain
         copies = _Copies(options.offers, gamma_cap, self._survival)
         cap, gamma, sources = self.best(options, self.model_rates.survival(gamma_cap), copies)
         if options.use_model and gamma == 0 and None in sources:
