@@ -16,6 +16,7 @@ from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.sampling import RowLogits, greedy_choices
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.static_lm import StaticLM
+from pipeline.decode.suffix import SuffixDrafter
 from pipeline.models import invariant
 from pipeline.models.architecture import static_support
 from pipeline.models.loading import ModelError, ModelRef, load_pair
@@ -150,6 +151,42 @@ def test_outputs_equal_the_dynamic_paths_for_every_drafter(pairs, drafter, batch
         done, _ = engine.generate(prompts, MAX_NEW, batch_size=batch_size)
         outputs.append([o.tokens for o in done])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("drafter, adaptive", [("suffix", False), ("auto", True)])
+def test_the_suffix_drafters_waiting_work_done_during_passes_keeps_outputs_the_targets(
+    pairs, drafter, adaptive, monkeypatch
+):
+    """`prepare_in_passes` (on by default where a GPU runs the pass): the suffix drafter reflows
+    rows and fills its corpus while each pass runs; on both paths every output stays the
+    target's own, and the runner is left without the hook after the batch."""
+    prepared, real = [], SuffixDrafter.prepare
+
+    def prepare(self, until: float) -> None:
+        prepared.append(until)
+        real(self, until)
+
+    monkeypatch.setattr(SuffixDrafter, "prepare", prepare)
+    for loaded in pairs:
+        tokenizer = loaded.tokenizer
+        prompts = [tokenizer(t).input_ids for t in TEXTS]
+        outputs = {}
+        for name, prepare in ((drafter, True), ("none", None)):
+            engine = SpeculativeEngine(
+                loaded.target,
+                loaded.draft,
+                eos_token_ids=[1],
+                pad_token_id=0,
+                config=EngineConfig(drafter=name, gamma_max=6, adaptive=adaptive, prepare_in_passes=prepare),
+                decode_text=tokenizer.decode,
+                encode_text=functools.partial(tokenizer.encode, add_special_tokens=False),
+            )
+            for _ in range(2):  # the second call's rows find the first's outputs in the corpus
+                done, _ = engine.generate(prompts, MAX_NEW, batch_size=3)
+            outputs[name] = [o.tokens for o in done]
+            assert engine.target.meanwhile is None
+        assert outputs[drafter] == outputs["none"]
+    assert prepared  # the hook ran (a CPU has no pass to wait for: on by request only)
 
 
 def test_pass_widths_and_costs():

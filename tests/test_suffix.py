@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 
 import pytest
 import torch
@@ -199,6 +200,30 @@ def test_a_drafter_never_asked_builds_nothing_and_catches_up_when_asked():
         outputs[-1][2:],
         [],
     ]
+
+
+def test_waiting_work_is_done_while_a_pass_runs_as_a_later_round_would():
+    """`prepare` (called while a device's pass runs) reflows the rows' prompts and adds the
+    finished outputs to the corpus, oldest first, and stops at its deadline; the proposals are
+    then a lazy drafter's."""
+    greedy, generator = SamplingParams(), torch.Generator()
+    reflowed = []
+    drafters = [SuffixDrafter(1 << 12, 2, reflow=lambda p: reflowed.append(p) or p) for _ in range(2)]
+    rows = [[30, 31, 40, 41], [50, 51, 52]]
+    for drafter in drafters:
+        drafter.start([list(r) for r in rows])
+        drafter.evict([0, 1], [[40, 41, 42, 43, 44], [50, 51, 52, 53]])
+    eager, lazy = drafters
+    eager.prepare(time.perf_counter() - 1.0)  # past its deadline: nothing done
+    assert reflowed == [] and eager._corpus.tokens == 0
+    eager.prepare(time.perf_counter() + 60.0)
+    assert reflowed == rows and eager._corpus.tokens == 9 and eager._finished_tokens == 0
+    assert eager._corpus.outputs == 2 and not eager._finished
+    before = len(reflowed)
+    assert [eager.propose(rows, 3, greedy, generator).tokens] == [
+        lazy.propose(rows, 3, greedy, generator).tokens
+    ]
+    assert len(reflowed) == before + 2  # the lazy drafter reflowed its rows only now; the eager one not again
 
 
 def test_depth_classes_are_powers_of_two_up_to_the_deepest_match_told_apart():

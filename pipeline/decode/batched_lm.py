@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,9 @@ class BatchedLM:
         # the most tokens a row's decode or verify pass may feed and keep its numerics (None: any)
         self.max_verify_tokens: int | None = None
         self.forward_seconds = 0.0
+        # host work no pass's result changes, run while a device's pass runs (the host would
+        # only wait for it): called with the pass's start (`time.perf_counter`), set by the engine
+        self.meanwhile: Callable[[float], None] | None = None
         self.fed_tokens = 0  # tokens the last `forward` computed (not padding, not reused ones)
         self.prefill_passes = 0  # passes the last prefill (`admit`, a cold `forward`) took
         # None: one prefill pass per row on a CPU, one padded pass for the batch elsewhere
@@ -213,6 +217,15 @@ class BatchedLM:
         """What a pass over blocks of these lengths costs, in tokens: the real ones when
         packed, else the whole rectangle (padding included)."""
         return sum(lengths) if self.pack else len(lengths) * max(lengths, default=0)
+
+    def _timed(self, began: float) -> None:
+        """A pass launched at `began` ends: `meanwhile` runs first, then the host waits for the
+        device, and the pass's seconds count."""
+        if self.meanwhile is not None:
+            self.meanwhile(began)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - began
 
     @property
     def cold(self) -> bool:
@@ -381,9 +394,7 @@ class BatchedLM:
             layout = packing.Layout.of(lengths, width, self.device)
         began = time.perf_counter()
         logits = self._logits(inputs, torch.tensor(wanted, device=self.device), layout)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_seconds += time.perf_counter() - began
+        self._timed(began)
 
         self.mask = attention
         if self.keep_features:

@@ -87,6 +87,10 @@ class _Batch:
 # pass of width 4, one of the captured widths (`static_lm.WIDTHS`), or of width 2 where
 # gamma_max is below 3
 LOOKUP_GAMMA = 3
+# Of a plain pass's expected seconds, the most the host spends on the suffix drafter's waiting
+# work while a pass runs (`EngineConfig.prepare_in_passes`): past the pass's end it would delay
+# the round.
+PREPARE_SHARE = 0.5
 
 
 @dataclass
@@ -208,8 +212,12 @@ class SpeculativeEngine:
         started = time.perf_counter()
         target_seconds0, draft_seconds0 = self.target.forward_seconds, self._draft_seconds()
         self._fill(batch)
-        while batch.active:
-            self._round(batch)
+        self.target.meanwhile = self._meanwhile(batch)
+        try:
+            while batch.active:
+                self._round(batch)
+        finally:
+            self.target.meanwhile = None
 
         stats = batch.stats
         stats.new_tokens = sum(r.stats.new_tokens for r in rows)
@@ -324,6 +332,24 @@ class SpeculativeEngine:
             batch.idle_seconds += seconds * (batch.size - rows) / batch.size
         self._evict(batch)
         self._fill(batch)
+
+    def _meanwhile(self, batch: _Batch) -> Callable[[float], None] | None:
+        """What the host does while the target's passes run (`BatchedLM.meanwhile`): the batch's
+        suffix drafter prepares (`SuffixDrafter.prepare`), for up to PREPARE_SHARE of a plain
+        pass at the batch's rows then. None where it is off (`EngineConfig.prepare_in_passes`)
+        or the batch has no suffix drafter."""
+        on = self.config.prepare_in_passes
+        on = self.target.device.type == "cuda" if on is None else on
+        suffix = next((d for d in batch.copiers if isinstance(d, SuffixDrafter)), None)
+        if not on or suffix is None:
+            return None
+
+        def prepare(began: float) -> None:
+            plain = self.costs.target_time(self.target.pass_tokens([1] * max(len(batch.active), 1)))
+            if plain:
+                suffix.prepare(began + PREPARE_SHARE * plain)
+
+        return prepare
 
     def _draft(self, batch: _Batch) -> _Drafts:
         """The free drafters' copies and the draft head's chains, then the draft model for the

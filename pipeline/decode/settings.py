@@ -108,6 +108,11 @@ class EngineConfig:
     # 1: every round on the host. Not a job setting yet: at 1 until a GPU measures the loop
     # against host rounds (scripts/gpu_profile.py --lookup-steps, docs/gpu.md).
     lookup_steps: int = 1
+    # While a target pass runs on a GPU the host only waits for it: the suffix drafter then does
+    # what no round's result changes (rows' reflowed prompts, finished outputs into its corpus)
+    # for at most PREPARE_SHARE of a plain pass's time (`SuffixDrafter.prepare`). None: where
+    # the host waits on a device (CUDA); True on a CPU too, where it only does that work sooner.
+    prepare_in_passes: bool | None = None
 
     def __post_init__(self) -> None:
         check(self)

@@ -546,11 +546,6 @@ class StaticLM(BatchedLM):
             values[slot, :, :n] = v[0]
         self.tokens[row] = list(self.template.tokens[:n])
 
-    def _timed(self, began: float) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_seconds += time.perf_counter() - began
-
     def _eager(self, rows: list[int], blocks: list[list[int]], wanted: list[int]) -> list[torch.Tensor]:
         """One eager pass over `rows` only, each fed its block (right-padded)."""
         width = max(map(len, blocks))
