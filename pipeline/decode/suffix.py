@@ -353,11 +353,13 @@ class SuffixDrafter:
         self._absorb()
         return self._corpus
 
-    def _absorb(self) -> None:
-        """Add the outputs finished since the last read to the corpus, oldest first."""
-        while self._finished:
-            self._corpus.add(self._finished.popleft())
-        self._finished_tokens = 0
+    def _absorb(self, until: float | None = None) -> None:
+        """Add the outputs finished since the last read to the corpus, oldest first (while
+        `time.perf_counter()` is before `until`, if given)."""
+        while self._finished and (until is None or time.perf_counter() < until):
+            output = self._finished.popleft()
+            self._finished_tokens -= len(output)
+            self._corpus.add(output)
 
     @corpus.setter
     def corpus(self, corpus: SuffixCorpus) -> None:
@@ -367,16 +369,13 @@ class SuffixDrafter:
         """Until `until` (`time.perf_counter`), what no round's result changes and a later round
         would do anyway: the rows' reflowed prompts, then the finished outputs into the corpus,
         oldest first. Called while a device's pass runs (`EngineConfig.prepare_in_passes`),
-        when the host would only wait: a probe at 64 rows reflowed 64 prompts, about 0.7 ms
-        each on a CPU, in its first round (docs/engine.md)."""
+        when the host would only wait, rather than by the next round that asks, which would
+        pay it all at once (a probe at 64 rows reflowing 64 prompts, docs/engine.md)."""
         for row in range(len(self._rows)):
             if time.perf_counter() >= until:
                 return
             self._own(row)
-        while self._finished and time.perf_counter() < until:
-            output = self._finished.popleft()
-            self._finished_tokens -= len(output)
-            self._corpus.add(output)
+        self._absorb(until)
 
     def start(self, prompts: list[list[int]]) -> None:
         self._rows = []
