@@ -731,35 +731,42 @@ def _best_row_by_row(policy: Policy, options: RoundOptions, from_model: list[flo
     return best
 
 
-def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case):
+@pytest.mark.parametrize("coarse", [False, True])
+def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case, coarse):
     """`Policy.best` weighs every row's offers, for every cap and gamma, as arrays (a row at a
     time, at batch 64, cost more than a captured GPU pass; a candidate at a time, at 3 rows on
     a CPU, more than the round's pass); it chooses as the row-by-row, candidate-by-candidate
     reference does, on random rounds: 1 to 64 rows, lookup, suffix and head offers, the draft
     model or not, draining or not, packed passes or padded. (A verify token's price held at
-    its first value, or a drain's bound set too low, fails it.)"""
+    its first value, or a drain's bound set too low, fails it.) `coarse`: chances of 0, 1/2
+    and 1 only, so that offers, the draft model and plain often tie, and the first of equals
+    must win as in the reference (a lone row's search taking the last one fails it)."""
     rng = random.Random(0)
+
+    def chance() -> float:
+        return rng.choice([0.0, 0.5, 1.0]) if coarse else rng.random()
+
     costs = measured_costs(
         {1: 0.15, 2: 0.152, 4: 0.156, 8: 0.186, 64: 0.3, 192: 0.5, 600: 1.2}, {1: 0.02, 64: 0.06}
     )
     for trial in range(400):
-        policy = _policy_with_costs(case, costs, alpha=rng.random(), min_gain=rng.choice([0.0, 0.02]))
+        policy = _policy_with_costs(case, costs, alpha=chance(), min_gain=rng.choice([0.0, 0.02]))
         policy.target.pack = rng.random() < 0.5
         for source, depth in [(PROMPT_LOOKUP, d) for d in (1, 2, 3, 4)] + [
             (SUFFIX, d) for d in (1, 2, 4, 8, 16)
         ]:
-            policy.copy_rates[(source, depth)] = AcceptanceByPosition(prior=rng.random(), weight=1e6)
-        policy.runs_to_limit = RunningRate(prior=rng.random(), weight=1e6)
+            policy.copy_rates[(source, depth)] = AcceptanceByPosition(prior=chance(), weight=1e6)
+        policy.runs_to_limit = RunningRate(prior=chance(), weight=1e6)
         rows, gamma_cap = rng.choice([1, 2, 3, 8, 64]), rng.randint(1, 8)
 
         def offer() -> Offer:
             kind = rng.choice([PROMPT_LOOKUP, SUFFIX, HEAD])
             tokens = rng.randint(1, 10)
             if kind == HEAD:
-                chances, chance = [], 1.0
+                chances, held = [], 1.0
                 for _ in range(rng.randint(0, tokens)):
-                    chance *= rng.random()
-                    chances.append(chance)
+                    held *= chance()
+                    chances.append(held)
                 return Offer(HEAD, tokens, 0, tuple(chances))
             return Offer(kind, tokens, rng.choice([1, 2, 4]) if kind == SUFFIX else rng.randint(1, 4))
 
@@ -768,5 +775,5 @@ def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case):
         options = RoundOptions(
             offers, rng.random() < 0.5, gamma_cap, rows * 30, rng.choice([0.0, 0.5]), budgets
         )
-        from_model = iid_survival(rng.random(), gamma_cap)
+        from_model = iid_survival(chance(), gamma_cap)
         assert tuple(policy.best(options, from_model)) == _best_row_by_row(policy, options, from_model), trial

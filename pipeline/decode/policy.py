@@ -458,7 +458,7 @@ class Policy:
         if not options.use_model and not any(options.offers):  # nothing to weigh: plain, as `best` says
             self._rounds_since_plain = 0
             return plain
-        copies = _Copies(options.offers, gamma_cap, self._survival)
+        copies = _lay_out(options.offers, gamma_cap, self._survival)
         cap, gamma, sources = self.best(options, self.model_rates.survival(gamma_cap), copies)
         if options.use_model and gamma == 0 and None in sources:
             self._rounds_without_model += 1
@@ -494,12 +494,11 @@ class Policy:
         return Choice(cap, gamma, sources)
 
     @staticmethod
-    def _copy_gains(copies: _Copies, cap: int, sources: list[str | None]) -> dict[str, float]:
+    def _copy_gains(copies: _Copies | _LoneCopies, cap: int, sources: list[str | None]) -> dict[str, float]:
         """Expected tokens each source's copies add this round over each row's best other
         offer (one token where it has none), as taken at `cap` (see `CopierPrices`)."""
         gains: dict[str, float] = {}
-        drafts = np.minimum(copies.tokens, cap)
-        expected = np.take_along_axis(copies.expected, drafts[:, :, None], axis=2)[:, :, 0].tolist()
+        expected = copies.expected_at(cap)
         for i, source in enumerate(sources):
             if source is None or source == DRAFT_MODEL:
                 continue
@@ -618,7 +617,9 @@ class Policy:
 
         return rule
 
-    def best(self, options: RoundOptions, from_model: list[float], copies: _Copies | None = None) -> Choice:
+    def best(
+        self, options: RoundOptions, from_model: list[float], copies: _Copies | _LoneCopies | None = None
+    ) -> Choice:
         """The choice of `choose` when the draft model, drafting k tokens, gains at least j of
         them with chance `from_model[j]` (j = 0..gamma_cap, see `AcceptanceByPosition.survival`).
 
@@ -640,17 +641,21 @@ class Policy:
         (`_Candidates`): one by one, in Python, the search cost a round at 3 rows on a CPU
         more than the round's pass (docs/engine.md). Since a verify token's price follows the
         best rate so far, the candidates after each better one are weighed again at its price,
-        so the choice is the one the candidates tried one by one would make.
+        so the choice is the one the candidates tried one by one would make. A lone row's
+        few candidates are tried one by one (`_best_lone`): there the arrays' own overhead was
+        most of a round's host time (docs/engine.md).
         """
         offers, gamma_cap = options.offers, options.gamma_cap
         rows = len(offers)
+        copies = copies or _lay_out(offers, gamma_cap, self._survival)  # `choose` lays them out once
+        if rows == 1:
+            return self._best_lone(options, from_model, copies)
         plain_seconds = self.costs.target_time(rows)
         per_token = 0.0  # seconds per extra verify token at this batch size; one row: see above
         if self.target.pack and rows > 1:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
         best = Choice(0, 0, [None] * rows)
         best_rate = rows / plain_seconds * (1 + self.config.min_gain)
-        copies = copies or _Copies(offers, gamma_cap, self._survival)  # `choose` lays them out once
         candidates = _Candidates(self, options, from_model, copies)
         start = 0
         while (better := candidates.first_better(start, best_rate, best_rate * per_token)) is not None:
@@ -658,6 +663,74 @@ class Policy:
             best = candidates.choice(start)
             start += 1
         return best
+
+    def _best_lone(self, options: RoundOptions, from_model: list[float], copies: _LoneCopies) -> Choice:
+        """`best` for a lone row, its candidates tried one by one in the same order, on the same
+        numbers, by the same operations as `_Candidates` weighs them (a lone row: every weight 1,
+        a verify token priced at nothing, no drain), so the choice is the same. A candidate
+        whose draft model the row would not take is not tried; one with the draft model is worth
+        the same at every cap where the row takes it, so only its first such cap can win."""
+        costs, target = self.costs, self.target
+        best, best_rate = Choice(0, 0, [None]), 1 / costs.target_time(1) * (1 + self.config.min_gain)
+        model_tokens = list(itertools.accumulate(from_model[: options.gamma_cap + 1]))  # summed in order
+        draft_time = costs.draft_time(1) or 0.0
+        gammas = range(options.gamma_cap + 1) if options.use_model else range(1)
+        seconds: dict[int, float] = {}  # a pass's seconds by its row's length
+
+        def pass_seconds(length: int) -> float:
+            if length not in seconds:
+                seconds[length] = costs.target_time(target.pass_tokens([length]))
+            return seconds[length]
+
+        for cap in range(copies.longest + 1) if copies.offers[0] else range(1):
+            copy_tokens, copy_drafts, copy_source = copies.best_at(cap)
+            for gamma in gammas:
+                if gamma:
+                    tokens = model_tokens[gamma]
+                    if not tokens > 1.0 or copy_tokens > tokens:
+                        continue  # the row takes a copy or plain: the draft model would run for nobody
+                    drafts, source = gamma, DRAFT_MODEL
+                elif copy_tokens > 1.0:
+                    tokens, drafts, source = copy_tokens, copy_drafts, copy_source
+                else:
+                    tokens, drafts, source = 1.0, 0, None
+                round_seconds = gamma * draft_time + pass_seconds(drafts + 1)
+                if gamma:
+                    round_seconds += options.catch_up * min(tokens / max(options.remaining, 1), 1.0)
+                if tokens / round_seconds > best_rate * 1.0001:
+                    best, best_rate = Choice(cap, gamma, [source]), tokens / round_seconds
+        return best
+
+
+def _lay_out(offers: list[list[Offer]], gamma_cap: int, survival) -> _Copies | _LoneCopies:
+    """A round's copies as `Policy.best` weighs them: a lone row's in Python, more rows' in arrays."""
+    return (_LoneCopies if len(offers) == 1 else _Copies)(offers, gamma_cap, survival)
+
+
+class _LoneCopies:
+    """A lone row's copies for `Policy._best_lone`: each offer's drafts up to `gamma_cap` and the
+    expected tokens of its first k drafts, k = 0..., summed in order as `_Copies` sums them."""
+
+    def __init__(self, offers: list[list[Offer]], gamma_cap: int, survival):
+        self.offers = offers
+        self.drafts = [min(offer.tokens, gamma_cap) for offer in offers[0]]
+        self.sums = [list(itertools.accumulate(survival(offer, gamma_cap))) for offer in offers[0]]
+        self.longest = max(self.drafts, default=0)
+
+    def expected_at(self, cap: int) -> list[list[float]]:
+        """Each offer's expected tokens when it is taken at `cap`, as `_Copies.expected_at`."""
+        return [[sums[min(drafts, cap, len(sums) - 1)] for drafts, sums in zip(self.drafts, self.sums)]]
+
+    def best_at(self, cap: int) -> tuple[float, int, str | None]:
+        """The offer worth most at `cap` (the first of equals): its expected tokens, drafts and
+        source; -inf tokens where none can be taken (cap 0, no offer)."""
+        found = (-math.inf, 0, None)
+        if cap:
+            for offer, drafts, sums in zip(self.offers[0], self.drafts, self.sums):
+                taken = min(drafts, cap)
+                if sums[min(taken, len(sums) - 1)] > found[0]:
+                    found = (sums[min(taken, len(sums) - 1)], taken, offer.source)
+        return found
 
 
 class _Copies:
@@ -698,6 +771,11 @@ class _Copies:
 
     def source(self, row: int, offer: int) -> str:
         return self.offers[row][offer].source
+
+    def expected_at(self, cap: int) -> list[list[float]]:
+        """Each row's offers' expected tokens when taken at `cap` (a column held by none: 1)."""
+        drafts = np.minimum(self.tokens, cap)
+        return np.take_along_axis(self.expected, drafts[:, :, None], axis=2)[:, :, 0].tolist()
 
 
 class _Candidates:
