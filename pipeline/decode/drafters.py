@@ -146,7 +146,10 @@ def texts_matches(texts: list[RowText], deepest: int) -> list[Matches]:
     of a row's last token compared with that row's end at every distance back in one table.
 
     A row at a time, or a distance at a time while any match lasted, each was a few array
-    operations: at batch 64, more than a captured GPU pass in all (docs/engine.md)."""
+    operations: at batch 64, more than a captured GPU pass in all (docs/engine.md). A lone row
+    skips the laying out (`_lone_matches`)."""
+    if len(texts) == 1:
+        return [_lone_matches(texts[0], deepest)]
     sizes = np.array([len(t.tokens) for t in texts], dtype=np.int64)
     if not sizes.sum():
         return [([], []) for _ in texts]
@@ -171,6 +174,22 @@ def texts_matches(texts: list[RowText], deepest: int) -> list[Matches]:
     ends = (at_end + 1 - offsets[rows]).tolist()
     cuts = np.cumsum(np.bincount(rows, minlength=len(texts))).tolist()
     return [(ends[a:b], lengths[a:b]) for a, b in zip([0, *cuts], cuts)]
+
+
+def _lone_matches(text: RowText, deepest: int) -> Matches:
+    """`texts_matches` of one row, with none of the bookkeeping that lays rows end to end."""
+    size, fed = len(text.tokens), text.fed
+    if fed <= 0:
+        return [], []
+    flat = text.array[:size]
+    at_end = np.flatnonzero(flat[: size - 1] == flat[size - 1])
+    if not len(at_end):
+        return [], []
+    back = np.arange(1, max(deepest, 1))
+    at = at_end[:, None] - back
+    inside = (back < min(deepest, fed)) & (at >= 0)
+    same = inside & (flat[np.maximum(at, 0)] == flat[np.maximum(size - 1 - back, 0)])
+    return (at_end + 1).tolist(), (1 + np.cumprod(same, axis=1).sum(axis=1)).tolist()
 
 
 @dataclass
