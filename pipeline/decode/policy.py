@@ -749,24 +749,42 @@ class _Copies:
         self.held = np.zeros((rows, self.width), dtype=bool)
         self.columns = np.arange(self.width)  # an offer's column, for indexing [rows, offers, k]
         # Offers of one source and depth share their chances, a shorter one the first of a
-        # longer one's (a head's are its own): each group is weighed and written at once.
-        groups: dict[object, list[tuple[int, int]]] = {}
+        # longer one's (a head's are its own): each group's chances are asked for once, as deep
+        # as its deepest offer, and every offer is written from its group's row of one table.
+        groups: dict[object, int] = {}  # a group's key -> its row of the table
+        firsts: list[Offer] = []  # each group's first offer
+        deepest: list[int] = []  # each group's most drafts
+        places: list[tuple[int, int, int, int]] = []  # each offer's row, column, group, drafts
         for i, row in enumerate(offers):
             for j, offer in enumerate(row):
-                groups.setdefault((i, j) if offer.chances else (offer.source, offer.depth), []).append((i, j))
-        k = np.arange(gamma_cap + 1)[None, :]
-        for places in groups.values():
-            at = tuple(np.array(places).T)
-            drafts = np.minimum([offers[i][j].tokens for i, j in places], gamma_cap)
-            deepest = replace(offers[places[0][0]][places[0][1]], tokens=int(drafts.max()))
-            chances = np.asarray(survival(deepest, gamma_cap))
-            sums = np.cumsum(chances)  # summed in order, as `sum` would
-            known = np.minimum(drafts + 1, len(chances))[:, None]  # the chances each offer has
-            self.tokens[at] = drafts
-            self.expected[at] = sums[np.minimum(k, known - 1)]  # no more past its last chance
-            self.survivals[at] = np.where(k < known, chances[np.minimum(k, len(chances) - 1)], 1.0)
-            self.survival_lengths[at] = known[:, 0]
-            self.held[at] = True
+                key = (i, j) if offer.chances else (offer.source, offer.depth)
+                drafts = min(offer.tokens, gamma_cap)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = len(firsts)
+                    firsts.append(offer)
+                    deepest.append(drafts)
+                elif drafts > deepest[group]:
+                    deepest[group] = drafts
+                places.append((i, j, group, drafts))
+        if places:
+            chances = np.ones((len(firsts), gamma_cap + 1))  # past a group's last chance: unread
+            known_by_group = np.empty(len(firsts), dtype=np.int64)
+            for group, (offer, drafts) in enumerate(zip(firsts, deepest)):
+                own = survival(replace(offer, tokens=drafts), gamma_cap)
+                chances[group, : len(own)] = own
+                known_by_group[group] = len(own)
+            sums = np.cumsum(chances, axis=1)  # summed in order, as `sum` would
+            i, j, group, drafts = (np.array(column) for column in zip(*places))
+            group = group[:, None]
+            k = np.arange(gamma_cap + 1)[None, :]
+            most = known_by_group[group]
+            known = np.minimum(drafts[:, None] + 1, most)  # the chances each offer has
+            self.tokens[i, j] = drafts
+            self.expected[i, j] = sums[group, np.minimum(k, known - 1)]  # no more past its last chance
+            self.survivals[i, j] = np.where(k < known, chances[group, np.minimum(k, most - 1)], 1.0)
+            self.survival_lengths[i, j] = known[:, 0]
+            self.held[i, j] = True
         self.longest = int(self.tokens.max(initial=0))
 
     def source(self, row: int, offer: int) -> str:
