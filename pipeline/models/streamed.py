@@ -25,14 +25,9 @@ model keeps PyTorch's kernels and one log line says why.
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import logging
-import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,6 +38,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from pipeline import native
 from pipeline.models import packing
 
 log = logging.getLogger(__name__)
@@ -67,43 +63,14 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build(target: Path) -> None:
-    """Compile the kernel into `target` (atomically: other processes may be loading it)."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise OSError("no C++ compiler (g++ or c++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(SOURCE)], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (and one warning) where it cannot be."""
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags():
         log.warning("streamed linear kernel off: the CPU lacks AVX2/FMA; float32 passes use torch's kernels")
         return None
-    from pipeline.models.pairs import cache_dir
-
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir().parent / "kernels" / f"streamed_linear-{key}.so"
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target.parent / ".lock", "w") as lock:  # one build per machine at a time
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not target.exists():
-                    _build(target)
-        lib = ctypes.CDLL(str(target))  # torch is loaded: its OpenMP runtime serves this one too
+        lib = native.compiled(SOURCE, FLAGS)  # torch is loaded: its OpenMP runtime serves this one too
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("streamed linear kernel off (%s); float32 passes use torch's kernels", e)
         return None
