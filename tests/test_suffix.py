@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import build_tokenizer
 
+from pipeline.decode import suffix
 from pipeline.decode.drafters import RowText
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.suffix import (
@@ -24,6 +25,17 @@ from pipeline.decode.suffix import (
     depth_class,
     own_continuations,
 )
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def lookups(request, monkeypatch):
+    """Every test here runs with the drafter's rounds in Python and, where the C++ builds
+    (`suffix_native.cpp`), in C++."""
+    if request.param == "python":
+        monkeypatch.setattr(suffix, "library", lambda: None)
+    elif suffix.library() is None:
+        pytest.skip("suffix_native.cpp cannot be built here")
+    return request.param
 
 
 def occurrences(docs: list[list[int]], pattern: list[int]) -> int:
@@ -284,7 +296,9 @@ def test_a_lookup_stops_at_a_sure_continuation_and_proposes_what_weighing_all_wo
         copied = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
         row = copied + [rng.randrange(vocab) for _ in range(rng.randint(0, 5))] + copied[: rng.randint(1, 25)]
         # a small corpus keeps its outputs in several blocks, each weighed on its own
-        drafter = SuffixDrafter(max_tokens=rng.choice([1 << 12, 48]), min_match=rng.choice([1, 2]))
+        drafter = SuffixDrafter(
+            max_tokens=rng.choice([1 << 12, 48]), min_match=rng.choice([1, 2]), native=False
+        )
         drafter.evict([], earlier)
         drafter.start([row])
         own = RowText()
@@ -299,3 +313,44 @@ def test_a_lookup_stops_at_a_sure_continuation_and_proposes_what_weighing_all_wo
         mine = drafter._own(0)
         mine.feed(row)
         assert drafter.lookup(mine, row, limit) == best
+
+
+def test_the_native_lookup_proposes_what_the_python_one_does(lookups):
+    """`suffix_native.cpp` holds the corpus and runs a round's lookups for every row at once;
+    its proposals are the Python path's, round after round as rows grow, on random rows with
+    reflowed prompts, rows that copy themselves past `MAX_DEPTH`, corpora of several blocks
+    (states with many edges among them), every `min_match` and gamma, ties and all (small
+    vocabularies make them common)."""
+    if lookups == "python":
+        pytest.skip("compares the two paths")
+    rng = random.Random(0)
+    greedy, generator = SamplingParams(), torch.Generator()
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 5, 20, 60])
+        max_tokens, min_match = rng.choice([1 << 12, 64, 200]), rng.choice([1, 2, 3])
+        drafters = [
+            SuffixDrafter(max_tokens, min_match, reflow=lambda p: p[::-1], native=n) for n in (False, True)
+        ]
+        earlier = [
+            [rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(0, 12))
+        ]
+        rows = [[rng.randrange(vocab) for _ in range(rng.randint(1, 50))] for _ in range(rng.randint(1, 9))]
+        for row in rows[: rng.randint(0, 2)]:  # a row that copies itself: matches past MAX_DEPTH
+            row += row * (40 // len(row) + 1)
+        for drafter in drafters:
+            drafter.evict([], [list(e) for e in earlier])
+            drafter.start([list(r) for r in rows])
+        for _ in range(rng.randint(1, 6)):
+            gamma = rng.choice([0, 1, 3, 8, 12])
+            python, native = (d.propose([list(r) for r in rows], gamma, greedy, generator) for d in drafters)
+            assert (native.tokens, native.depths) == (python.tokens, python.depths), trial
+            for row, drafted in zip(rows, python.tokens):
+                row += drafted[: rng.randint(0, len(drafted))] + [rng.randrange(vocab)]
+            if rng.random() < 0.3:  # a row finishes: its output joins both corpora
+                done = rng.randrange(len(rows))
+                keep = [r for r in range(len(rows)) if r != done] or [done]
+                output = rows[done][-rng.randint(1, 30) :]
+                for drafter in drafters:
+                    drafter.evict(keep, [list(output)])
+                rows = [rows[r] for r in keep]
+        assert [b.tokens for b in drafters[0].corpus.blocks] == [b.tokens for b in drafters[1].corpus.blocks]

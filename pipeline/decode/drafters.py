@@ -108,13 +108,14 @@ class RowText:
     milliseconds that work outweighed the drafts (docs/engine.md, at batch 64).
     """
 
-    __slots__ = ("array", "tokens", "start")
+    __slots__ = ("address", "array", "tokens", "start")
 
     def __init__(self, reflowed: list[int] | tuple[()] = ()):
         self.tokens: list[int] = [*reflowed, SEPARATOR] if reflowed else []
         self.start = len(self.tokens)  # where the row's text begins
         self.array = np.empty(max(256, 2 * self.start), dtype=np.int64)
         self.array[: self.start] = self.tokens
+        self.address = self.array.ctypes.data  # where `suffix_native.cpp` reads it
 
     @property
     def fed(self) -> int:
@@ -130,7 +131,7 @@ class RowText:
         if n + len(new) > len(self.array):
             grown = np.empty(2 * (n + len(new)), dtype=np.int64)
             grown[:n] = self.array[:n]
-            self.array = grown
+            self.array, self.address = grown, grown.ctypes.data
         self.array[n : n + len(new)] = new
         self.tokens += new
 

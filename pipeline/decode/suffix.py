@@ -30,16 +30,23 @@ newline, "Math" is "Stichting", " Math" quoted), and a copy of the prompt as it 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import re
+import subprocess
 import sys
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from pipeline import native
 from pipeline.decode.drafters import SEPARATOR, KeepRule, Matches, Proposal, RowText, texts_matches
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import SUFFIX, SUFFIX_MAX_DEPTH
@@ -58,6 +65,42 @@ CORPUS_BLOCKS = 4
 # oldest dropped: otherwise a probe builds the whole backlog into automata for drafts that had
 # not paid (docs/engine.md, at batch 64). Drafting rounds take each output as it finishes.
 BACKLOG_TOKENS = 4096
+# The corpus automata and the round's lookups in C++ (`suffix_native.cpp`), where it can be built.
+SOURCE = Path(__file__).with_name("suffix_native.cpp")
+FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++17"]
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """`suffix_native.cpp` compiled (on first use) and loaded; None, with one warning, where it
+    cannot be: the drafter then runs this module's Python, which proposes the same drafts."""
+    try:
+        lib = native.compiled(SOURCE, FLAGS)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("suffix drafter's native lookup off (%s); it runs in Python", e)
+        return None
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    lib.suffix_automaton_new.restype = pointer
+    lib.suffix_automaton_free.argtypes = [pointer]
+    lib.suffix_automaton_add.argtypes = [pointer, pointer, integer]
+    for name in ("suffix_automaton_tokens", "suffix_automaton_nbytes"):
+        getattr(lib, name).argtypes = [pointer]
+        getattr(lib, name).restype = integer
+    lib.suffix_automaton_match.argtypes = [pointer, pointer, integer, pointer]
+    lib.suffix_automaton_match.restype = integer
+    lib.suffix_lookup.argtypes = [
+        integer,
+        pointer,
+        pointer,
+        pointer,
+        *[integer] * 4,
+        pointer,
+        integer,
+        *[pointer] * 3,
+    ]
+    return lib
 
 
 class SuffixAutomaton:
@@ -183,6 +226,44 @@ class SuffixAutomaton:
         return clone
 
 
+class NativeAutomaton:
+    """A `SuffixAutomaton` held by `suffix_native.cpp`: the same states, counts and edge order,
+    built and read there (`SuffixDrafter.propose` reads a round's rows from it at once)."""
+
+    __slots__ = ("handle", "_lib")
+
+    def __init__(self) -> None:
+        self._lib = library()
+        self.handle = self._lib.suffix_automaton_new()
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self._lib.suffix_automaton_free(self.handle)
+            self.handle = None
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Add a document (as `SuffixAutomaton.add`)."""
+        held = np.ascontiguousarray(np.fromiter(tokens, dtype=np.int64))
+        self._lib.suffix_automaton_add(self.handle, held.ctypes.data, len(held))
+
+    @property
+    def tokens(self) -> int:
+        return self._lib.suffix_automaton_tokens(self.handle)
+
+    def match(self, context: Sequence[int]) -> tuple[int, int]:
+        """As `SuffixAutomaton.match`."""
+        held = np.ascontiguousarray(np.asarray(context, dtype=np.int64))
+        matched = ctypes.c_int64()
+        state = self._lib.suffix_automaton_match(
+            self.handle, held.ctypes.data, len(held), ctypes.byref(matched)
+        )
+        return state, matched.value
+
+    def nbytes(self) -> int:
+        """Bytes held, about: the flat arrays and the branching states' edges."""
+        return self._lib.suffix_automaton_nbytes(self.handle)
+
+
 @dataclass(frozen=True)
 class Continuation:
     """A proposal from one match: its tokens, its score (the expected number of them accepted
@@ -277,9 +358,11 @@ class SuffixCorpus:
     the cap, and when a new one starts past the cap the oldest goes as a whole.
     """
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, native: bool | None = None):
+        """`native`: blocks held in C++ (`NativeAutomaton`); None: where it can be built."""
         self.max_tokens = max_tokens
-        self.blocks: deque[SuffixAutomaton] = deque()
+        self.native = library() is not None if native is None else native
+        self.blocks: deque[SuffixAutomaton | NativeAutomaton] = deque()
         self.outputs = 0  # ever added (dropped ones included)
 
     @property
@@ -291,7 +374,7 @@ class SuffixCorpus:
         if not output or len(output) > share:
             return
         if not self.blocks or self.blocks[-1].tokens + len(output) > share:
-            self.blocks.append(SuffixAutomaton())
+            self.blocks.append(NativeAutomaton() if self.native else SuffixAutomaton())
             while self.tokens + len(output) > self.max_tokens:
                 self.blocks.popleft()
         self.blocks[-1].add(output)
@@ -335,8 +418,10 @@ class SuffixDrafter:
         max_tokens: int = 1 << 20,
         min_match: int = 1,
         reflow: Callable[[list[int]], list[int]] | None = None,
+        native: bool | None = None,
     ):
-        self._corpus = SuffixCorpus(max_tokens)
+        """`native`: the corpus and the rounds' lookups in C++ (see `SuffixCorpus`)."""
+        self._corpus = SuffixCorpus(max_tokens, native)
         self._finished: deque[list[int]] = deque()  # outputs not in the corpus yet (`corpus`)
         self._finished_tokens = 0
         self.min_match = min_match
@@ -408,6 +493,8 @@ class SuffixDrafter:
         owns = [self._own(row) for row in range(len(seqs))]
         for own, seq in zip(owns, seqs, strict=True):
             own.feed(seq)
+        if gamma > 0 and self.corpus.native:  # (the backlog joins the corpus before any row reads it)
+            return self._propose_native(owns, gamma)
         every = texts_matches(owns, MAX_DEPTH) if gamma > 0 else [None] * len(seqs)
         for own, seq, matches in zip(owns, seqs, every):
             found = self.lookup(own, seq, gamma, matches)
@@ -415,12 +502,34 @@ class SuffixDrafter:
             depths.append(depth_class(found.depth) if found else 0)
         return Proposal(tokens=tokens, probs=[None] * len(seqs), depths=depths)
 
+    def _propose_native(self, owns: list[RowText], gamma: int) -> Proposal:
+        """`propose` in one call of `suffix_native.cpp` for every row: each row's `lookup`."""
+        rows, blocks = len(owns), self._corpus.blocks
+        addresses = np.array([own.address for own in owns], dtype=np.uint64)
+        sizes = np.array([len(own.tokens) for own in owns], dtype=np.int64)
+        starts = np.array([own.start for own in owns], dtype=np.int64)
+        handles = (ctypes.c_void_p * max(len(blocks), 1))(*[block.handle for block in blocks])
+        drafted = np.zeros((rows, gamma), dtype=np.int64)
+        lengths, found = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        library().suffix_lookup(
+            rows, addresses.ctypes.data, sizes.ctypes.data, starts.ctypes.data,
+            gamma, self.min_match, MAX_DEPTH, SEPARATOR, handles, len(blocks),
+            drafted.ctypes.data, lengths.ctypes.data, found.ctypes.data,
+        )  # fmt: skip
+        lengths = lengths.tolist()
+        return Proposal(
+            tokens=[row[:n] for row, n in zip(drafted.tolist(), lengths)],
+            probs=[None] * rows,
+            depths=[depth_class(depth) if n else 0 for depth, n in zip(found.tolist(), lengths)],
+        )
+
     def lookup(
         self, own: RowText, seq: list[int], limit: int, matches: Matches | None = None
     ) -> Continuation | None:
         """The best continuation of `seq`'s end: in its own text (`matches`: its matches, where
         taken for a batch at once) and in each corpus block, matched on the text's last
-        `MAX_DEPTH` tokens. A higher score wins, a deeper match on a tie."""
+        `MAX_DEPTH` tokens. A higher score wins, a deeper match on a tie. (Python's path: a
+        native corpus is read by `_propose_native`.)"""
         if limit <= 0:
             return None
         found = []
