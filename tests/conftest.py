@@ -85,3 +85,16 @@ def case(tiny_models):
     refs = [reference(target, p, MAX_NEW, eos) for p in prompts]
     assert len({len(r) for r in refs}) > 2, "rows should stop at different times"
     return target, draft, tokenizer, prompts, eos, refs
+
+
+@pytest.fixture(params=["python", "native"])
+def lookups(request, monkeypatch):
+    """The copying drafters' rounds in Python, then, where `lookups.cpp` builds, in C++ (each
+    test runs twice): "python" or "native"."""
+    from pipeline.decode import lookups as native_lookups
+
+    if request.param == "python":
+        monkeypatch.setattr(native_lookups, "library", lambda: None)
+    elif native_lookups.library() is None:
+        pytest.skip("lookups.cpp cannot be built here")
+    return request.param

@@ -43,8 +43,9 @@ def test_a_guess_at_the_drafts_chain_saves_passes_and_changes_no_draft(case):
     assert guessed.propose([later], 4, greedy, generator).tokens == expected
 
 
-def test_prompt_lookup_copies_after_the_most_recent_occurrence_of_the_longest_ngram():
-    """Against the rule read literally, on texts that grow between proposals as rows do."""
+def test_prompt_lookup_copies_after_the_most_recent_occurrence_of_the_longest_ngram(lookups):
+    """Against the rule read literally, on texts that grow between proposals as rows do, in
+    Python and in C++ (`lookups.cpp`)."""
 
     def literal(seq, gamma, ngram_max, ngram_min):
         for n in range(min(ngram_max, len(seq)), ngram_min - 1, -1):

@@ -10,7 +10,6 @@ import pytest
 import torch
 from tiny_models import build_tokenizer
 
-from pipeline.decode import suffix
 from pipeline.decode.drafters import RowText
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.suffix import (
@@ -26,16 +25,8 @@ from pipeline.decode.suffix import (
     own_continuations,
 )
 
-
-@pytest.fixture(autouse=True, params=["python", "native"])
-def lookups(request, monkeypatch):
-    """Every test here runs with the drafter's rounds in Python and, where the C++ builds
-    (`suffix_native.cpp`), in C++."""
-    if request.param == "python":
-        monkeypatch.setattr(suffix, "library", lambda: None)
-    elif suffix.library() is None:
-        pytest.skip("suffix_native.cpp cannot be built here")
-    return request.param
+# every test here runs with the drafter's rounds in Python and, where it builds, in C++
+pytestmark = pytest.mark.usefixtures("lookups")
 
 
 def occurrences(docs: list[list[int]], pattern: list[int]) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.decode import static_lm
+from pipeline.decode import lookups, static_lm
 from pipeline.decode.sampling import SamplingParams, choose, confidence, greedy_choices
 from pipeline.decode.settings import DRAFT_MODEL, PROMPT_LOOKUP
 
@@ -226,14 +226,27 @@ class PromptLookupDrafter:
         tokens, depths = [], []
         for text, seq in zip(self._rows, seqs, strict=True):
             text.feed(seq)
-        for seq, (ends, lengths) in zip(seqs, texts_matches(self._rows, self.ngram_max)):
-            # the longest n-gram, then its most recent occurrence
-            matched, follower = max(zip(lengths, ends, strict=True), default=(0, 0))
+        for seq, (matched, follower) in zip(seqs, self._longest()):
             if matched < self.ngram_min:
                 matched = 0
             tokens.append(seq[follower : follower + gamma] if gamma and matched else [])
             depths.append(matched)
         return Proposal(tokens=tokens, probs=[None] * len(seqs), depths=depths)
+
+    def _longest(self) -> list[tuple[int, int]]:
+        """Each row's longest n-gram match and the index after its most recent occurrence
+        ((0, 0): none): in one call of `lookups.cpp`, or from `texts_matches`."""
+        lib = lookups.library()
+        if lib is None:
+            every = texts_matches(self._rows, self.ngram_max)
+            return [max(zip(lengths, ends, strict=True), default=(0, 0)) for ends, lengths in every]
+        addresses, sizes, starts = lookups.row_texts(self._rows)
+        lengths, ends = np.zeros(len(self._rows), dtype=np.int64), np.zeros(len(self._rows), dtype=np.int64)
+        lib.longest_matches(
+            len(self._rows), addresses.ctypes.data, sizes.ctypes.data, starts.ctypes.data,
+            self.ngram_max, lengths.ctypes.data, ends.ctypes.data,
+        )  # fmt: skip
+        return list(zip(lengths.tolist(), ends.tolist()))
 
     def evict(self, keep: list[int], finished: list[list[int]]) -> None:
         self._rows = [self._rows[r] for r in keep]

@@ -31,22 +31,18 @@ newline, "Math" is "Stichting", " Math" quoted), and a copy of the prompt as it 
 from __future__ import annotations
 
 import ctypes
-import logging
 import re
-import subprocess
 import sys
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline import native
+from pipeline.decode import lookups
 from pipeline.decode.drafters import SEPARATOR, KeepRule, Matches, Proposal, RowText, texts_matches
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import SUFFIX, SUFFIX_MAX_DEPTH
@@ -65,42 +61,6 @@ CORPUS_BLOCKS = 4
 # oldest dropped: otherwise a probe builds the whole backlog into automata for drafts that had
 # not paid (docs/engine.md, at batch 64). Drafting rounds take each output as it finishes.
 BACKLOG_TOKENS = 4096
-# The corpus automata and the round's lookups in C++ (`suffix_native.cpp`), where it can be built.
-SOURCE = Path(__file__).with_name("suffix_native.cpp")
-FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++17"]
-
-log = logging.getLogger(__name__)
-
-
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """`suffix_native.cpp` compiled (on first use) and loaded; None, with one warning, where it
-    cannot be: the drafter then runs this module's Python, which proposes the same drafts."""
-    try:
-        lib = native.compiled(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("suffix drafter's native lookup off (%s); it runs in Python", e)
-        return None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    lib.suffix_automaton_new.restype = pointer
-    lib.suffix_automaton_free.argtypes = [pointer]
-    lib.suffix_automaton_add.argtypes = [pointer, pointer, integer]
-    for name in ("suffix_automaton_tokens", "suffix_automaton_nbytes"):
-        getattr(lib, name).argtypes = [pointer]
-        getattr(lib, name).restype = integer
-    lib.suffix_automaton_match.argtypes = [pointer, pointer, integer, pointer]
-    lib.suffix_automaton_match.restype = integer
-    lib.suffix_lookup.argtypes = [
-        integer,
-        pointer,
-        pointer,
-        pointer,
-        *[integer] * 4,
-        pointer,
-        integer,
-        *[pointer] * 3,
-    ]
-    return lib
 
 
 class SuffixAutomaton:
@@ -227,13 +187,13 @@ class SuffixAutomaton:
 
 
 class NativeAutomaton:
-    """A `SuffixAutomaton` held by `suffix_native.cpp`: the same states, counts and edge order,
+    """A `SuffixAutomaton` held by `lookups.cpp`: the same states, counts and edge order,
     built and read there (`SuffixDrafter.propose` reads a round's rows from it at once)."""
 
     __slots__ = ("handle", "_lib")
 
     def __init__(self) -> None:
-        self._lib = library()
+        self._lib = lookups.library()
         self.handle = self._lib.suffix_automaton_new()
 
     def __del__(self) -> None:
@@ -361,7 +321,7 @@ class SuffixCorpus:
     def __init__(self, max_tokens: int, native: bool | None = None):
         """`native`: blocks held in C++ (`NativeAutomaton`); None: where it can be built."""
         self.max_tokens = max_tokens
-        self.native = library() is not None if native is None else native
+        self.native = lookups.library() is not None if native is None else native
         self.blocks: deque[SuffixAutomaton | NativeAutomaton] = deque()
         self.outputs = 0  # ever added (dropped ones included)
 
@@ -503,15 +463,13 @@ class SuffixDrafter:
         return Proposal(tokens=tokens, probs=[None] * len(seqs), depths=depths)
 
     def _propose_native(self, owns: list[RowText], gamma: int) -> Proposal:
-        """`propose` in one call of `suffix_native.cpp` for every row: each row's `lookup`."""
+        """`propose` in one call of `lookups.cpp` for every row: each row's `lookup`."""
         rows, blocks = len(owns), self._corpus.blocks
-        addresses = np.array([own.address for own in owns], dtype=np.uint64)
-        sizes = np.array([len(own.tokens) for own in owns], dtype=np.int64)
-        starts = np.array([own.start for own in owns], dtype=np.int64)
+        addresses, sizes, starts = lookups.row_texts(owns)
         handles = (ctypes.c_void_p * max(len(blocks), 1))(*[block.handle for block in blocks])
         drafted = np.zeros((rows, gamma), dtype=np.int64)
         lengths, found = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-        library().suffix_lookup(
+        lookups.library().suffix_lookup(
             rows, addresses.ctypes.data, sizes.ctypes.data, starts.ctypes.data,
             gamma, self.min_match, MAX_DEPTH, SEPARATOR, handles, len(blocks),
             drafted.ctypes.data, lengths.ctypes.data, found.ctypes.data,

@@ -1,8 +1,7 @@
-// The suffix drafter's corpus automata and its per-round lookup, as `suffix.py` has them in
-// Python (the reference, and the path where this cannot be built): the same states, counts,
-// edge order, float operations and ties, so every proposal is the same (tests compare them).
-//
-// Why: at 64 rows a round's lookups took 2-3 ms of Python, beside a GPU pass of a few.
+// The copying drafters' per-round work (see lookups.py): the suffix drafter's corpus automata
+// and lookups as `suffix.py` has them in Python, and prompt lookup's matches as `drafters.py`
+// has them (the references, and the paths where this cannot be built): the same states,
+// counts, edge order, float operations and ties, so every proposal is the same (tests compare).
 
 #include <algorithm>
 #include <cstdint>
@@ -355,6 +354,31 @@ void suffix_lookup(int64_t rows, const int64_t* const* texts, const int64_t* siz
         out_lengths[r] = found.any ? (int64_t)found.tokens.size() : 0;
         out_depths[r] = found.any ? found.depth : 0;
         for (size_t i = 0; i < found.tokens.size(); ++i) out_tokens[r * limit + i] = found.tokens[i];
+    }
+}
+
+// Prompt lookup's matches (`drafters.texts_matches`, then the longest, most recent): for each
+// row the earlier occurrence of its last token that matches its end furthest back (at most
+// `deepest` tokens, never past the row's own text), the most recent of equals; its length to
+// out_lengths[r] (0: none) and the index after it to out_ends[r].
+void longest_matches(int64_t rows, const int64_t* const* texts, const int64_t* sizes, const int64_t* starts,
+                     int64_t deepest, int64_t* out_lengths, int64_t* out_ends) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t* text = texts[r];
+        const int64_t size = sizes[r], fed = size - starts[r], last = size - 1;
+        const int64_t bound = std::min(deepest, fed);
+        int64_t best = 0, end = 0;
+        for (int64_t at = fed > 0 ? last - 1 : -1; at >= 0; --at) {  // most recent first
+            if (text[at] != text[last]) continue;
+            int64_t len = 1;
+            while (len < bound && at - len >= 0 && text[at - len] == text[last - len]) ++len;
+            if (len > best) {
+                best = len;
+                end = at + 1;
+            }
+        }
+        out_lengths[r] = best;
+        out_ends[r] = end;
     }
 }
 }
