@@ -26,6 +26,8 @@ from urllib.parse import unquote, urlparse
 
 import torch
 
+from pipeline.decode import lookups
+
 from . import draft_int8 as int8_draft
 from . import fixed_attention, fixed_linear, fusion, gguf_blocks, invariant, streamed
 from .architecture import static_support
@@ -341,6 +343,7 @@ class LoadedPair:
             "batch_invariant": self.batch_invariant,
             "draft_int8": self.draft_int8,
             "streamed_linears": self.streamed,
+            "native_lookups": lookups.library() is not None,  # the copying drafters' rounds in C++
             "weights": self.weights,
             "block_layers": self.block_layers,
             "block_activations": self.block_activations,
