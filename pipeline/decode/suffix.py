@@ -398,8 +398,8 @@ class SuffixDrafter:
     def corpus(self) -> SuffixCorpus:
         """The earlier outputs, those finished since the last draft added now (the last
         `BACKLOG_TOKENS` of them). Why the wait: an automaton is built token by token (in
-        Python where `lookups.cpp` cannot be built), and where the engine's rounds stop asking for drafts (`DraftingGate`) a drafter that is
-        not asked should cost nothing."""
+        Python where `lookups.cpp` cannot be built), and where the engine's rounds stop asking
+        for drafts (`DraftingGate`) a drafter that is not asked should cost nothing."""
         self._absorb()
         return self._corpus
 
