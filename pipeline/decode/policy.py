@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
@@ -93,13 +92,13 @@ class DraftingGate:
     (the 1.5B's license summaries on a Zen 4 EPYC, measured in docs/engine.md). Which drafts pay
     is then the policy's call, round by round, from each source's measured acceptance and the
     measured pass costs.
-    A plain round does the same work whatever the text (one token per row a pass), so its
-    rate is the median of the last `PLAIN_KEPT` plain rounds at that batch size: a round that
-    the cores spent elsewhere for a moment (Ray's own processes, a collection) is not news. As
-    one of a smoothed rate, one plain round timed at about 5 times its usual seconds kept the
-    tiny pair's gate drafting at one row, where drafting lost, for half a job; of the last 3,
-    two were often slow there, a one-row round being a few milliseconds on 2 cores shared with
-    Ray (docs/engine.md).
+    A plain round does the same work whatever the text (one token per row a pass), so a
+    slower one is the machine's other work (Ray's own processes, a collection), not news, and
+    its rate is that of the fastest of the last `PLAIN_KEPT` plain rounds at that batch size.
+    As one of a smoothed rate, one plain round timed at about 5 times its usual seconds kept
+    the tiny pair's gate drafting at one row, where drafting lost, for half a job; as the
+    median of the last 5, a spell that slowed 3 of them did the same for 5 to 7 shards, plain
+    rounds being re-timed one in 128 while drafting is on (docs/engine.md).
     A batch that drains (no document left to admit) passes through row counts that last a round
     or two each, too few to judge: a count not judged yet follows the nearest judged count above
     it, the batch it drained from, rather than drafting its first rounds at each count.
@@ -122,7 +121,7 @@ class DraftingGate:
     _seconds: dict[int, float] = field(default_factory=dict)
     # rows -> the last PLAIN_KEPT plain rounds' seconds per token
     _plain: dict[int, deque[float]] = field(default_factory=dict)
-    _plain_rate: dict[int, float] = field(default_factory=dict)  # rows -> 1 / the median of `_plain`
+    _plain_rate: dict[int, float] = field(default_factory=dict)  # rows -> 1 / the least of `_plain`
     off: set[int] = field(default_factory=set)  # batch sizes whose rounds do not ask
     judged: set[int] = field(default_factory=set)  # batch sizes timed both ways enough to judge
     _since_switch: int = 0  # rounds since the last probe
@@ -131,7 +130,7 @@ class DraftingGate:
     probing: bool = False  # this round asks only to probe: the policy should try its drafters
     _probe_left: int = 0  # rounds a probe that has drafted nothing yet may still ask
     PROBE_ROUNDS = 3  # the most rounds one probe asks in, waiting for something to draft
-    PLAIN_KEPT = 5  # plain rounds whose median is the plain rate
+    PLAIN_KEPT = 5  # plain rounds whose fastest is the plain rate
     # rows -> smoothed seconds a round spent asking the drafters, their model passes aside
     _asking: dict[int, float] = field(default_factory=dict)
 
@@ -216,7 +215,7 @@ class DraftingGate:
         else:
             kept = self._plain.setdefault(rows, deque(maxlen=self.PLAIN_KEPT))
             kept.append(seconds / tokens)
-            self._plain_rate[rows] = 1 / statistics.median(kept)  # read every round: kept, not recomputed
+            self._plain_rate[rows] = 1 / min(kept)  # read every round: kept, not recomputed
         drafting, plain = self.rate(True, rows), self.rate(False, rows)
         if self.rounds.get((True, rows), 0) < self.min_rounds or self.rounds.get((False, rows), 0) < 2:
             return
