@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 import random
 import time
 
@@ -345,3 +347,17 @@ def test_the_native_lookup_proposes_what_the_python_one_does(lookups):
                     drafter.evict(keep, [list(output)])
                 rows = [rows[r] for r in keep]
         assert [b.tokens for b in drafters[0].corpus.blocks] == [b.tokens for b in drafters[1].corpus.blocks]
+
+
+def test_a_native_automaton_is_never_copied(lookups):
+    """A copy would hold the same C++ automaton and free it twice: copying or pickling one is
+    refused, and the corpus it belongs to goes on working."""
+    if lookups == "python":
+        pytest.skip("the C++ automaton")
+    corpus = SuffixCorpus(max_tokens=1 << 12)
+    corpus.add([1, 2, 3, 4])
+    (block,) = corpus.blocks
+    for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied"):
+            copier(block)
+    assert block.match([2, 3]) == block.match([2, 3]) and block.match([2, 3])[1] == 2

@@ -201,6 +201,10 @@ class NativeAutomaton:
         self._lib = lookups.library()
         self.handle = self._lib.suffix_automaton_new()
 
+    def __reduce_ex__(self, protocol):
+        # a copy would share the C++ automaton and free it twice
+        raise TypeError("a NativeAutomaton cannot be copied or pickled")
+
     def __del__(self) -> None:
         if getattr(self, "handle", None):
             self._lib.suffix_automaton_free(self.handle)
