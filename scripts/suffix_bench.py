@@ -1,6 +1,6 @@
 """Measure the suffix drafter's structure: memory after N outputs, and lookup time per round.
 
-    python scripts/suffix_bench.py [--outputs 10000] [--tokens 128] [--tokenizer DIR]
+    python scripts/suffix_bench.py [--outputs 10000] [--tokens 128] [--tokenizer DIR] [--python]
 
 Outputs are stand-ins: consecutive 128-token pieces of distinct docstrings of the Python
 standard library and the installed packages, tokenized with the installed pair's tokenizer, so
@@ -8,7 +8,8 @@ their token ids and repetition are real English text's (model outputs repeat the
 this is the harder case for memory). Rows for the lookup timing are other docstrings: their
 first 400 tokens as the prompt (and, as in a job, the prompt reflowed), growing by their next 2
 tokens a round (a typical tau), while `SuffixDrafter.propose` drafts up to 8 tokens for each
-row. Prints Markdown.
+row. Prints Markdown. The corpus and lookups run in C++ where `lookups.cpp` builds (its memory
+is what the automata hold, `SuffixCorpus.nbytes`), `--python` in Python (its memory traced).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from pipeline.decode import lookups
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
@@ -61,17 +63,18 @@ def pieces(docs: list[list[int]], count: int, size: int) -> tuple[list[list[int]
     return [every[k % len(every)] for k in range(count)], len(every)
 
 
-def corpus_memory(outputs: list[list[int]], max_tokens: int) -> dict:
+def corpus_memory(outputs: list[list[int]], max_tokens: int, native: bool) -> dict:
     gc.collect()
     tracemalloc.start()
-    corpus = SuffixCorpus(max_tokens)
+    corpus = SuffixCorpus(max_tokens, native)
     began = time.perf_counter()
     for output in outputs:
         corpus.add(output)
     seconds = time.perf_counter() - began
     held, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    states = sum(len(b.length) for b in corpus.blocks)
+    held = corpus.nbytes() if native else held  # tracemalloc sees no C++ allocation
+    states = sum(b.states for b in corpus.blocks)
     return {
         "corpus": corpus,
         "mb": held / 1e6,
@@ -90,7 +93,9 @@ def lookup_times(
     rounds: int,
 ):
     """Seconds per propose call (one round) for `batch` rows, over `rounds` rounds."""
-    drafter = SuffixDrafter(EngineConfig.suffix_max_tokens, EngineConfig.suffix_min_match, reflow)
+    drafter = SuffixDrafter(
+        EngineConfig.suffix_max_tokens, EngineConfig.suffix_min_match, reflow, corpus.native
+    )
     drafter.corpus = corpus
     greedy, generator = SamplingParams(), torch.Generator()
     seqs = [list(p) for p in prompts[:batch]]
@@ -119,7 +124,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--tokenizer", default=str(cache_dir() / "qwen2.5-coder" / "target"))
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--python", action="store_true", help="the Python corpus and lookups, not the C++")
     args = parser.parse_args()
+    native = not args.python and lookups.library() is not None
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     docs = documents(tokenizer, 2 * args.outputs * args.tokens)
     held_out = [d for d in docs if len(d) >= 400 + 2 * args.rounds][:8]
@@ -128,7 +135,9 @@ def main() -> None:
     print(
         f"{platform.machine()}, Python {platform.python_version()}: {args.outputs} outputs of {args.tokens}"
     )
-    print(f"tokens ({unique:,} distinct pieces of {len(docs):,} docstrings)\n")
+    print(
+        f"tokens ({unique:,} distinct pieces of {len(docs):,} docstrings), {'C++' if native else 'Python'}\n"
+    )
     print(
         row(
             "corpus cap (tokens)",
@@ -143,7 +152,7 @@ def main() -> None:
     caps = (EngineConfig.suffix_max_tokens, 4 * args.outputs * args.tokens)
     full = None
     for cap in caps:
-        m = corpus_memory(outputs, cap)
+        m = corpus_memory(outputs, cap, native)
         full = full or m["corpus"]
         per_token = m["mb"] * 1e6 / m["tokens"]
         print(

@@ -312,6 +312,8 @@ void suffix_automaton_add(void* handle, const int64_t* tokens, int64_t n) {
 
 int64_t suffix_automaton_tokens(void* a) { return static_cast<Automaton*>(a)->tokens; }
 
+int64_t suffix_automaton_states(void* a) { return (int64_t) static_cast<Automaton*>(a)->length.size(); }
+
 int64_t suffix_automaton_nbytes(void* handle) {
     auto* a = static_cast<Automaton*>(handle);
     int64_t bytes = 5 * (int64_t)a->length.capacity() * (int64_t)sizeof(int32_t);

@@ -37,7 +37,7 @@ def library() -> ctypes.CDLL | None:
     lib.suffix_automaton_new.restype = pointer
     lib.suffix_automaton_free.argtypes = [pointer]
     lib.suffix_automaton_add.argtypes = [pointer, pointer, integer]
-    for name in ("suffix_automaton_tokens", "suffix_automaton_nbytes"):
+    for name in ("suffix_automaton_tokens", "suffix_automaton_states", "suffix_automaton_nbytes"):
         getattr(lib, name).argtypes = [pointer]
         getattr(lib, name).restype = integer
     lib.suffix_automaton_match.argtypes = [pointer, pointer, integer, pointer]

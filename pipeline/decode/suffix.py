@@ -154,6 +154,10 @@ class SuffixAutomaton:
                 matched = length[state]
         return state, matched
 
+    @property
+    def states(self) -> int:
+        return len(self.length)
+
     def nbytes(self) -> int:
         """Bytes held: the flat arrays and the dicts of branching states."""
         flat = (self.link, self.length, self.count, self.edge_token, self.edge_target)
@@ -218,6 +222,10 @@ class NativeAutomaton:
     @property
     def tokens(self) -> int:
         return self._lib.suffix_automaton_tokens(self.handle)
+
+    @property
+    def states(self) -> int:
+        return self._lib.suffix_automaton_states(self.handle)
 
     def match(self, context: Sequence[int]) -> tuple[int, int]:
         """As `SuffixAutomaton.match`."""
