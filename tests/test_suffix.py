@@ -361,3 +361,23 @@ def test_a_native_automaton_is_never_copied(lookups):
         with pytest.raises(TypeError, match="cannot be copied"):
             copier(block)
     assert block.match([2, 3]) == block.match([2, 3]) and block.match([2, 3])[1] == 2
+
+
+def test_the_environment_can_keep_the_lookups_in_python(monkeypatch, lookups):
+    """PIPELINE_NATIVE_LOOKUPS=0 keeps both copying drafters in Python (a machine whose build
+    misbehaves): no library, and a corpus of Python automata."""
+    from pipeline.decode import lookups as native_lookups
+
+    if lookups == "python":
+        pytest.skip("the library is already replaced")
+    monkeypatch.setenv("PIPELINE_NATIVE_LOOKUPS", "0")
+    native_lookups.library.cache_clear()
+    try:
+        assert native_lookups.library() is None
+        corpus = SuffixCorpus(max_tokens=1 << 12)
+        corpus.add([1, 2, 3])
+        assert not corpus.native and isinstance(corpus.blocks[0], SuffixAutomaton)
+    finally:
+        monkeypatch.delenv("PIPELINE_NATIVE_LOOKUPS")
+        native_lookups.library.cache_clear()
+    assert native_lookups.library() is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -27,7 +28,13 @@ log = logging.getLogger(__name__)
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """`lookups.cpp` compiled (on first use) and loaded; None, with one warning, where it cannot
-    be: the drafters then run their Python, which proposes the same drafts."""
+    be, or where the environment sets PIPELINE_NATIVE_LOOKUPS=0: the drafters then run their
+    Python, which proposes the same drafts."""
+    if os.environ.get("PIPELINE_NATIVE_LOOKUPS") == "0":
+        log.warning(
+            "the copying drafters' native lookups off (PIPELINE_NATIVE_LOOKUPS=0); they run in Python"
+        )
+        return None
     try:
         lib = native.compiled(SOURCE, FLAGS)
     except (OSError, subprocess.SubprocessError) as e:
