@@ -309,7 +309,7 @@ def test_a_lookup_stops_at_a_sure_continuation_and_proposes_what_weighing_all_wo
 
 
 def test_the_native_lookup_proposes_what_the_python_one_does(lookups):
-    """`suffix_native.cpp` holds the corpus and runs a round's lookups for every row at once;
+    """`lookups.cpp` holds the corpus and runs a round's lookups for every row at once;
     its proposals are the Python path's, round after round as rows grow, on random rows with
     reflowed prompts, rows that copy themselves past `MAX_DEPTH`, corpora of several blocks
     (states with many edges among them), every `min_match` and gamma, ties and all (small

@@ -115,7 +115,7 @@ class RowText:
         self.start = len(self.tokens)  # where the row's text begins
         self.array = np.empty(max(256, 2 * self.start), dtype=np.int64)
         self.array[: self.start] = self.tokens
-        self.address = self.array.ctypes.data  # where `suffix_native.cpp` reads it
+        self.address = self.array.ctypes.data  # where `lookups.cpp` reads it
 
     @property
     def fed(self) -> int:

@@ -727,8 +727,9 @@ class _LoneCopies:
         if cap:
             for offer, drafts, sums in zip(self.offers[0], self.drafts, self.sums):
                 taken = min(drafts, cap)
-                if sums[min(taken, len(sums) - 1)] > found[0]:
-                    found = (sums[min(taken, len(sums) - 1)], taken, offer.source)
+                expected = sums[min(taken, len(sums) - 1)]  # no more past its last chance
+                if expected > found[0]:
+                    found = (expected, taken, offer.source)
         return found
 
 
