@@ -157,6 +157,14 @@ struct Automaton {
     }
 };
 
+// How many of the tokens up to `at` agree with those up to `last`, going back (at most `bound`):
+// the match length of an occurrence of the text's last token, as `drafters.texts_matches` has it.
+int64_t matched_back(const int64_t* text, int64_t at, int64_t last, int64_t bound) {
+    int64_t len = 1;
+    while (len < bound && at - len >= 0 && text[at - len] == text[last - len]) ++len;
+    return len;
+}
+
 struct Found {
     std::vector<int64_t> tokens;
     double score = 0.0;
@@ -184,10 +192,8 @@ int64_t own_continuations(const int64_t* text, int64_t size, int64_t fed, int64_
     std::vector<int64_t> ends, lengths;
     for (int64_t at = 0; at < last; ++at) {
         if (text[at] != text[last]) continue;
-        int64_t len = 1;
-        while (len < bound && at - len >= 0 && text[at - len] == text[last - len]) ++len;
         ends.push_back(at + 1);
-        lengths.push_back(len);
+        lengths.push_back(matched_back(text, at, last, bound));
     }
     int64_t deepest_offered = 0, depth = std::numeric_limits<int64_t>::max();
     std::vector<int64_t> at, drafted;
@@ -372,8 +378,7 @@ void longest_matches(int64_t rows, const int64_t* const* texts, const int64_t* s
         int64_t best = 0, end = 0;
         for (int64_t at = fed > 0 ? last - 1 : -1; at >= 0; --at) {  // most recent first
             if (text[at] != text[last]) continue;
-            int64_t len = 1;
-            while (len < bound && at - len >= 0 && text[at - len] == text[last - len]) ++len;
+            const int64_t len = matched_back(text, at, last, bound);
             if (len > best) {
                 best = len;
                 end = at + 1;

@@ -216,7 +216,7 @@ class NativeAutomaton:
 
     def add(self, tokens: Iterable[int]) -> None:
         """Add a document (as `SuffixAutomaton.add`)."""
-        held = np.ascontiguousarray(np.fromiter(tokens, dtype=np.int64))
+        held = np.fromiter(tokens, dtype=np.int64)
         self._lib.suffix_automaton_add(self.handle, held.ctypes.data, len(held))
 
     @property
