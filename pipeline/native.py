@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -52,3 +53,18 @@ def compiled(source: Path, flags: list[str]) -> ctypes.CDLL:
             if not target.exists():
                 _build(source, flags, target)
     return ctypes.CDLL(str(target))
+
+
+def optional(source: Path, flags: list[str], switch: str, what: str) -> ctypes.CDLL | None:
+    """`source` built and loaded as `compiled` does; None, with one warning saying why, where it
+    cannot be or where the environment sets `switch` to 0: the caller then runs its Python,
+    which computes the same."""
+    log = logging.getLogger(__name__)
+    if os.environ.get(switch) == "0":
+        log.warning("%s off (%s=0); they run in Python", what, switch)
+        return None
+    try:
+        return compiled(source, flags)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("%s off (%s); they run in Python", what, e)
+        return None

@@ -88,6 +88,19 @@ def case(tiny_models):
 
 
 @pytest.fixture(params=["python", "native"])
+def search_path(request, monkeypatch):
+    """The policy's search over a round's candidates in numpy, then, where `search.cpp` builds,
+    in C++ (each test runs twice): "python" or "native"."""
+    from pipeline.decode import search
+
+    if request.param == "python":
+        monkeypatch.setattr(search, "library", lambda: None)
+    elif search.library() is None:
+        pytest.skip("search.cpp cannot be built here")
+    return request.param
+
+
+@pytest.fixture(params=["python", "native"])
 def lookups(request, monkeypatch):
     """The copying drafters' rounds in Python, then, where `lookups.cpp` builds, in C++ (each
     test runs twice): "python" or "native"."""

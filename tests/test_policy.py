@@ -16,6 +16,7 @@ from decode_case import (
     measured_costs,
 )
 
+from pipeline.decode import search
 from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.costs import (
     AcceptanceByPosition,
@@ -25,7 +26,16 @@ from pipeline.decode.costs import (
     iid_survival,
 )
 from pipeline.decode.engine import SpeculativeEngine
-from pipeline.decode.policy import CopierPrices, DraftingGate, Offer, Policy, RoundOptions, _Copies
+from pipeline.decode.policy import (
+    CopierPrices,
+    DraftingGate,
+    Offer,
+    Policy,
+    RoundOptions,
+    _Candidates,
+    _Copies,
+    _lay_out,
+)
 from pipeline.decode.settings import DRAFT_MODEL, HEAD, PROMPT_LOOKUP, SUFFIX, EngineConfig
 
 
@@ -732,16 +742,10 @@ def _best_row_by_row(policy: Policy, options: RoundOptions, from_model: list[flo
     return best
 
 
-@pytest.mark.parametrize("coarse", [False, True])
-def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case, coarse):
-    """`Policy.best` weighs every row's offers, for every cap and gamma, as arrays (a row at a
-    time, at batch 64, cost more than a captured GPU pass; a candidate at a time, at 3 rows on
-    a CPU, more than the round's pass); it chooses as the row-by-row, candidate-by-candidate
-    reference does, on random rounds: 1 to 64 rows, lookup, suffix and head offers, the draft
-    model or not, draining or not, packed passes or padded. (A verify token's price held at
-    its first value, or a drain's bound set too low, fails it.) `coarse`: chances of 0, 1/2
-    and 1 only, so that offers, the draft model and plain often tie, and the first of equals
-    must win as in the reference (a lone row's search taking the last one fails it)."""
+def _random_rounds(case, coarse: bool, trials: int):
+    """(trial, policy, options, from_model) for `trials` random rounds: 1 to 64 rows, lookup,
+    suffix and head offers, the draft model or not, draining or not, packed passes or padded.
+    `coarse`: chances of 0, 1/2 and 1 only, so that offers, the draft model and plain tie."""
     rng = random.Random(0)
 
     def chance() -> float:
@@ -750,7 +754,7 @@ def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case, coarse)
     costs = measured_costs(
         {1: 0.15, 2: 0.152, 4: 0.156, 8: 0.186, 64: 0.3, 192: 0.5, 600: 1.2}, {1: 0.02, 64: 0.06}
     )
-    for trial in range(400):
+    for trial in range(trials):
         policy = _policy_with_costs(case, costs, alpha=chance(), min_gain=rng.choice([0.0, 0.02]))
         policy.target.pack = rng.random() < 0.5
         for source, depth in [(PROMPT_LOOKUP, d) for d in (1, 2, 3, 4)] + [
@@ -776,5 +780,64 @@ def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case, coarse)
         options = RoundOptions(
             offers, rng.random() < 0.5, gamma_cap, rows * 30, rng.choice([0.0, 0.5]), budgets
         )
-        from_model = iid_survival(chance(), gamma_cap)
+        yield trial, policy, options, iid_survival(chance(), gamma_cap)
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_the_policy_weighs_all_rows_at_once_as_it_would_row_by_row(case, coarse, search_path):
+    """`Policy.best` weighs every row's offers, for every cap and gamma, as arrays (a row at a
+    time, at batch 64, cost more than a captured GPU pass; a candidate at a time, at 3 rows on
+    a CPU, more than the round's pass); it chooses as the row-by-row, candidate-by-candidate
+    reference does, on random rounds (`_random_rounds`). (A verify token's price held at its
+    first value, or a drain's bound set too low, fails it.) With `coarse` chances offers, the
+    draft model and plain often tie, and the first of equals must win as in the reference (a
+    lone row's search taking the last one fails it). Both searches: numpy's and
+    `search.cpp`'s (`search_path`)."""
+    for trial, policy, options, from_model in _random_rounds(case, coarse, 400):
         assert tuple(policy.best(options, from_model)) == _best_row_by_row(policy, options, from_model), trial
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_the_native_search_weighs_every_candidate_as_numpy_does_bit_for_bit(case, coarse):
+    """`search.cpp` settles on the candidate numpy's `_Candidates` settles on, with the very
+    same rate (==, not close): every product, sum and quotient in the same order, nothing
+    fused. A choice alone would hide a rate off in its last bits (a drain's advance off by
+    one part in 10^9 still chose alike in every round)."""
+    lib = search.library()
+    if lib is None:
+        pytest.skip("search.cpp cannot be built here")
+    compared = 0
+    for trial, policy, options, from_model in _random_rounds(case, coarse, 1500):
+        rows = len(options.offers)
+        if rows == 1 or options.gamma_cap <= 0:
+            continue
+        copies = _lay_out(options.offers, options.gamma_cap, policy._survival)
+        best_rate, per_token = policy._plain_bar(rows)
+        native = _Candidates(policy, options, from_model, copies).best(best_rate, per_token, lib)
+        arrays = _Candidates(policy, options, from_model, copies).best(best_rate, per_token, None)
+        assert native == arrays, trial
+        compared += native[0].cap > 0 or native[0].gamma > 0
+    assert compared > 200, "too few rounds chose to draft to compare their rates"
+
+
+def test_the_environment_can_keep_the_search_in_numpy(monkeypatch, case):
+    """PIPELINE_NATIVE_SEARCH=0 keeps the policy's search in numpy (a machine whose build
+    misbehaves): no library, and `best` chooses through `_Candidates`' arrays."""
+    if search.library() is None:
+        pytest.skip("search.cpp cannot be built here")
+    monkeypatch.setenv("PIPELINE_NATIVE_SEARCH", "0")
+    search.library.cache_clear()
+    weighed = []
+    weigh = _Candidates._weigh
+    monkeypatch.setattr(_Candidates, "_weigh", lambda self, *a: weighed.append(1) or weigh(self, *a))
+    try:
+        assert search.library() is None
+        trial, policy, options, from_model = next(
+            round_ for round_ in _random_rounds(case, False, 200) if len(round_[2].offers) > 1
+        )
+        assert tuple(policy.best(options, from_model)) == _best_row_by_row(policy, options, from_model)
+        assert weighed
+    finally:
+        monkeypatch.delenv("PIPELINE_NATIVE_SEARCH")
+        search.library.cache_clear()
+    assert search.library() is not None

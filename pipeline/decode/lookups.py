@@ -9,9 +9,6 @@ where the C++ cannot be built; the tests run both and compare their proposals.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,23 +19,14 @@ from pipeline import native
 SOURCE = Path(__file__).with_name("lookups.cpp")
 FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++17"]
 
-log = logging.getLogger(__name__)
-
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """`lookups.cpp` compiled (on first use) and loaded; None, with one warning, where it cannot
     be, or where the environment sets PIPELINE_NATIVE_LOOKUPS=0: the drafters then run their
     Python, which proposes the same drafts."""
-    if os.environ.get("PIPELINE_NATIVE_LOOKUPS") == "0":
-        log.warning(
-            "the copying drafters' native lookups off (PIPELINE_NATIVE_LOOKUPS=0); they run in Python"
-        )
-        return None
-    try:
-        lib = native.compiled(SOURCE, FLAGS)
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the copying drafters' native lookups off (%s); they run in Python", e)
+    lib = native.optional(SOURCE, FLAGS, "PIPELINE_NATIVE_LOOKUPS", "the copying drafters' native lookups")
+    if lib is None:
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     lib.suffix_automaton_new.restype = pointer

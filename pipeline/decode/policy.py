@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from pipeline.decode import search
 from pipeline.decode.costs import (
     AcceptanceByPosition,
     CostModel,
@@ -649,19 +650,17 @@ class Policy:
         copies = copies or _lay_out(offers, gamma_cap, self._survival)  # `choose` lays them out once
         if rows == 1:
             return self._best_lone(options, from_model, copies)
+        best_rate, per_token = self._plain_bar(rows)
+        return _Candidates(self, options, from_model, copies).best(best_rate, per_token, search.library())[0]
+
+    def _plain_bar(self, rows: int) -> tuple[float, float]:
+        """What a choice of `best` at `rows` > 1 rows must beat, plain decoding's rate with the
+        margin, and the seconds an extra verify token costs (nothing in a padded pass)."""
         plain_seconds = self.costs.target_time(rows)
-        per_token = 0.0  # seconds per extra verify token at this batch size; one row: see above
-        if self.target.pack and rows > 1:
+        per_token = 0.0
+        if self.target.pack:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
-        best = Choice(0, 0, [None] * rows)
-        best_rate = rows / plain_seconds * (1 + self.config.min_gain)
-        candidates = _Candidates(self, options, from_model, copies)
-        start = 0
-        while (better := candidates.first_better(start, best_rate, best_rate * per_token)) is not None:
-            start, best_rate = better
-            best = candidates.choice(start)
-            start += 1
-        return best
+        return rows / plain_seconds * (1 + self.config.min_gain), per_token
 
     def _best_lone(self, options: RoundOptions, from_model: list[float], copies: _LoneCopies) -> Choice:
         """`best` for a lone row, its candidates tried one by one in the same order, on the same
@@ -808,14 +807,14 @@ class _Candidates:
         budgets = options.drain_budgets if rows > 1 else None
         # Past the longest offer a larger cap changes no row's copy, only a drain's reach: the
         # choices would repeat, each costing a pass over every row.
-        caps = range((gamma_cap if budgets else copies.longest) + 1) if any(options.offers) else range(1)
-        gammas = range(gamma_cap + 1) if options.use_model else range(1)
-        self.caps = np.repeat(np.asarray(caps, dtype=np.int64), len(gammas))
-        self.gammas = np.tile(np.asarray(gammas, dtype=np.int64), len(caps))
-        self.count = len(self.caps)
+        self.cap_count = (gamma_cap if budgets else copies.longest) + 1 if any(options.offers) else 1
+        self.gamma_count = gamma_cap + 1 if options.use_model else 1
+        self.caps = np.repeat(np.arange(self.cap_count, dtype=np.int64), self.gamma_count)
+        self.gammas = np.tile(np.arange(self.gamma_count, dtype=np.int64), self.cap_count)
         self.from_model = np.asarray(from_model[: gamma_cap + 1], dtype=np.float64)
         model_sums = list(itertools.accumulate(from_model[: gamma_cap + 1]))  # summed in order
-        self.model_tokens = np.asarray(model_sums, dtype=np.float64)[self.gammas]
+        self.model_sums = np.asarray(model_sums, dtype=np.float64)
+        self.model_tokens = self.model_sums[self.gammas]
         self.draining = budgets is not None
         self.to_limit = policy.runs_to_limit.value if budgets else 0.0
         self.leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows, dtype=np.int64)
@@ -824,6 +823,41 @@ class _Candidates:
         self._chosen: np.ndarray | None = None  # [candidates from _start on, rows]: each row's source
         self._weighed: tuple | None = None  # (price, weighed, rates) of the candidates from _start on
         self._start = 0
+
+    def best(self, best_rate: float, per_token: float, lib=None) -> tuple[Choice, float]:
+        """The last candidate, in the order tried, to beat the best before it, starting from
+        plain at `best_rate`, a verify token priced at `per_token` times the best rate so far;
+        and its rate (plain's: `best_rate`). In one call of `search.cpp` where `lib` is given
+        (`search.library()`), else weighed here in arrays: the same choice and rate, bit for bit."""
+        plain = Choice(0, 0, [None] * len(self.leads))
+        if lib is not None:
+            found = search.best_candidate(
+                lib,
+                self.copies,
+                self.cap_count,
+                self.gamma_count,
+                self.from_model,
+                self.model_sums,
+                self.leads if self.draining else None,
+                self.to_limit,
+                self.draft_time,
+                self.options.catch_up,
+                self.options.remaining,
+                best_rate,
+                per_token,
+                self.policy.target.pack,
+                self.policy.costs.target_time,
+            )
+            if found is None:
+                return plain, best_rate
+            cap, gamma, chosen, rate = found
+            return Choice(cap, gamma, self._sources(chosen)), rate
+        best, start = plain, 0
+        while (better := self.first_better(start, best_rate, best_rate * per_token)) is not None:
+            start, best_rate = better
+            best = self.choice(start)
+            start += 1
+        return best, best_rate
 
     def first_better(self, start: int, best_rate: float, price: float) -> tuple[int, float] | None:
         """The first candidate from `start` on whose tokens (or a drain's worth) per second
@@ -906,11 +940,12 @@ class _Candidates:
     def choice(self, index: int) -> Choice:
         """The candidate at `index`, as it was weighed last."""
         chosen = self._chosen[index - self._start].tolist()
-        copies = self.copies
-        sources = [
-            copies.source(i, c - 2) if c >= 2 else DRAFT_MODEL if c else None for i, c in enumerate(chosen)
-        ]
-        return Choice(int(self.caps[index]), int(self.gammas[index]), sources)
+        return Choice(int(self.caps[index]), int(self.gammas[index]), self._sources(chosen))
+
+    def _sources(self, chosen: list[int]) -> list[str | None]:
+        """Each row's source from its choice: 0 plain, 1 the draft model, 2 + c its copy in column c."""
+        source = self.copies.source
+        return [source(i, c - 2) if c >= 2 else DRAFT_MODEL if c else None for i, c in enumerate(chosen)]
 
     def _pass_seconds(self, lengths: np.ndarray, tried: np.ndarray) -> np.ndarray:
         """The target pass's measured seconds for each tried candidate's row lengths."""

@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 
 import torch
 
-from pipeline.decode import lookups
+from pipeline.decode import lookups, search
 
 from . import draft_int8 as int8_draft
 from . import fixed_attention, fixed_linear, fusion, gguf_blocks, invariant, streamed
@@ -344,6 +344,7 @@ class LoadedPair:
             "draft_int8": self.draft_int8,
             "streamed_linears": self.streamed,
             "native_lookups": lookups.library() is not None,  # the copying drafters' rounds in C++
+            "native_search": search.library() is not None,  # the policy's search in C++
             "weights": self.weights,
             "block_layers": self.block_layers,
             "block_activations": self.block_activations,
