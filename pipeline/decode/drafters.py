@@ -132,7 +132,10 @@ class RowText:
             grown = np.empty(2 * (n + len(new)), dtype=np.int64)
             grown[:n] = self.array[:n]
             self.array, self.address = grown, grown.ctypes.data
-        self.array[n : n + len(new)] = new
+        if len(new) == 1:  # most rounds: a scalar write, a sixth of a slice's from a list
+            self.array[n] = new[0]
+        else:
+            self.array[n : n + len(new)] = new
         self.tokens += new
 
     def matches(self, deepest: int) -> Matches:

@@ -381,12 +381,10 @@ class SpeculativeEngine:
             began = time.perf_counter()
             copies[d.name] = d.propose(seqs, gamma_cap, batch.sampling, batch.generator)
             seconds[d.name] = time.perf_counter() - began
+        named = [d.name for d in batch.copiers if d.name in copies]  # in the copiers' order
+        proposed = [(name, copies[name].tokens, copies[name].depths) for name in named]
         offers = [
-            [
-                Offer(d.name, len(copies[d.name].tokens[i]), copies[d.name].depths[i])
-                for d in batch.copiers
-                if d.name in copies and copies[d.name].tokens[i]
-            ]
+            [Offer(name, len(tokens[i]), depths[i]) for name, tokens, depths in proposed if tokens[i]]
             for i in range(len(seqs))
         ]
         if head is not None:  # offered with its own chances, calibrated, for the policy to weigh

@@ -78,6 +78,7 @@ class RowLogits(list):
     def __init__(self, whole: torch.Tensor, counts: list[int]):
         super().__init__(whole.split(counts))
         self.whole = whole
+        self.counts = counts  # each row's positions, read without asking its tensor (~1.5 us each)
 
 
 def greedy_choices(logits: list[torch.Tensor], confident: bool) -> tuple[list[list[int]], list[list[float]]]:
@@ -87,9 +88,10 @@ def greedy_choices(logits: list[torch.Tensor], confident: bool) -> tuple[list[li
     A GPU answers each read only after everything queued before it: one read a position would
     cost a round trip per row and draft step (128 of them a step at batch 64)."""
     if isinstance(logits, RowLogits):
-        rows = [logits.whole]
+        rows, counts = [logits.whole], logits.counts
     else:  # per row, then the small results joined: joining the logits would copy them all
         rows = list(logits)
+        counts = [len(row) for row in rows]
     tokens = torch.cat([torch.argmax(row, dim=-1) for row in rows]).tolist()
     sure = (
         torch.cat([torch.softmax(row.float(), dim=-1).amax(dim=-1) for row in rows]).tolist()
@@ -97,8 +99,8 @@ def greedy_choices(logits: list[torch.Tensor], confident: bool) -> tuple[list[li
         else []
     )
     out_tokens, out_sure, start = [], [], 0
-    for row in logits:
-        end = start + len(row)
+    for count in counts:
+        end = start + count
         out_tokens.append(tokens[start:end])
         out_sure.append(sure[start:end])
         start = end
