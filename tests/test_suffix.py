@@ -8,6 +8,7 @@ import pickle
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import build_tokenizer
@@ -17,7 +18,9 @@ from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.suffix import (
     BACKLOG_TOKENS,
     CORPUS_BLOCKS,
+    MEMO_FIELDS,
     Continuation,
+    NativeAutomaton,
     Reflow,
     SuffixAutomaton,
     SuffixCorpus,
@@ -347,6 +350,76 @@ def test_the_native_lookup_proposes_what_the_python_one_does(lookups):
                     drafter.evict(keep, [list(output)])
                 rows = [rows[r] for r in keep]
         assert [b.tokens for b in drafters[0].corpus.blocks] == [b.tokens for b in drafters[1].corpus.blocks]
+
+
+def test_a_rows_remembered_match_is_the_match_found_afresh(lookups):
+    """`lookups.cpp` remembers each row's match in each block and walks only the tokens the
+    row gained since (`Remembered`); its proposals stay the Python path's, which matches the
+    last `MAX_DEPTH` tokens afresh every round: rows copying the corpus far past `MAX_DEPTH`
+    (a remembered match not cut back to the window fails it), outputs added to the newest
+    block between rounds (a match remembered across them fails it: states split), and blocks
+    dropped while rows go on."""
+    if lookups == "python":
+        pytest.skip("compares the two paths")
+    rng = random.Random(1)
+    greedy, generator = SamplingParams(), torch.Generator()
+    for trial in range(40):
+        vocab = rng.choice([3, 6, 20])
+        docs = [[rng.randrange(vocab) for _ in range(rng.randint(60, 140))] for _ in range(4)]
+        max_tokens = rng.choice([1 << 12, 600])  # 600: four blocks of 150, the oldest dropped
+        drafters = [SuffixDrafter(max_tokens, 1, native=n) for n in (False, True)]
+        rows = []
+        for _ in range(rng.randint(1, 6)):
+            doc = rng.choice(docs)
+            at = rng.randrange(len(doc) - 40)
+            rows.append(doc[at : at + rng.randint(1, 40)])
+        for drafter in drafters:
+            drafter.evict([], [list(d) for d in docs[:2]])
+            drafter.start([list(r) for r in rows])
+        for _ in range(30):
+            python, native = (d.propose([list(r) for r in rows], 8, greedy, generator) for d in drafters)
+            assert (native.tokens, native.depths) == (python.tokens, python.depths), trial
+            for row, drafted in zip(rows, python.tokens):
+                row += drafted[: rng.randint(0, len(drafted))] or [rng.randrange(vocab)]
+            if rng.random() < 0.3:  # an output joins the corpus while the rows go on
+                output = list(rng.choice(docs))[rng.randrange(30) :]
+                for drafter in drafters:
+                    drafter.evict(list(range(len(rows))), [list(output)])
+
+
+def test_a_remembered_match_is_the_match_found_afresh(lookups):
+    """A row's match walked on from what it remembers (`NativeAutomaton.remembered_match`) is
+    the match of its last `context` tokens found afresh, state and length, round after round:
+    rows copying the block far past the window (a match not cut back to it fails this),
+    outputs added between rounds (states split and grow: a match remembered across an
+    addition fails this), rows growing past the window in one round, windows narrower and
+    wider than the last (one remembered cut to 4 tokens cannot serve 32 a token later), and
+    another block in its place."""
+    if lookups == "python":
+        pytest.skip("the native automaton's")
+    rng = random.Random(2)
+    for trial in range(60):
+        vocab = rng.choice([2, 3, 6, 20])
+        doc = [rng.randrange(vocab) for _ in range(rng.randint(40, 200))]
+        block = NativeAutomaton()
+        block.add(doc)
+        at = rng.randrange(len(doc))
+        text = doc[at : at + rng.randint(1, 60)]
+        memo = np.zeros(MEMO_FIELDS, dtype=np.int64)
+        for _ in range(40):
+            context = min(len(text), rng.choice([4, 32]))
+            held = np.array(text, dtype=np.int64)
+            assert block.remembered_match(held, context, memo) == block.match(text[-context:]), trial
+            grow = rng.choice([1, 1, 2, 5, 40])
+            start = rng.randrange(len(doc))
+            text += doc[start : start + grow] if rng.random() < 0.7 else [rng.randrange(vocab)] * grow
+            if rng.random() < 0.2:  # an output joins the block: of this text, or of the document
+                own = rng.random() < 0.5
+                block.add(text[-rng.randint(1, len(text)) :] if own else doc[rng.randrange(10) :])
+            elif rng.random() < 0.1:  # another block of as many tokens (a match named by size alone fails)
+                other = NativeAutomaton()
+                other.add([rng.randrange(vocab) for _ in range(block.tokens)])
+                block = other
 
 
 def test_a_native_automaton_is_never_copied(lookups):

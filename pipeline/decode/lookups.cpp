@@ -56,11 +56,14 @@ struct Branch {
     }
 };
 
+int64_t next_serial = 1;  // every automaton's own number (a row's remembered match names its block)
+
 struct Automaton {
     std::vector<int32_t> link{-1}, length{0}, count{0}, edge_token{NO_EDGE}, edge_target{0};
     std::unordered_map<int32_t, Branch> branches;
     int32_t last = 0;
     int64_t tokens = 0;
+    const int64_t serial = next_serial++;
 
     int32_t step(int32_t state, int32_t token) const {
         int32_t edge = edge_token[state];
@@ -135,9 +138,14 @@ struct Automaton {
 
     // The state of the longest suffix of `context` that occurs here, and its length.
     std::pair<int32_t, int32_t> match(const int64_t* context, int64_t n) const {
-        int32_t state = 0, matched = 0;
+        return walk(0, 0, context, n);
+    }
+
+    // From the match (`state`, `matched`) of a text, the match of that text followed by `n`
+    // more tokens: the longest suffix of it that occurs here.
+    std::pair<int32_t, int32_t> walk(int32_t state, int32_t matched, const int64_t* more, int64_t n) const {
         for (int64_t i = 0; i < n; ++i) {
-            int32_t token = (int32_t)context[i];
+            int32_t token = (int32_t)more[i];
             while (true) {
                 int32_t next = step(state, token);
                 if (next >= 0) {
@@ -155,7 +163,42 @@ struct Automaton {
         }
         return {state, matched};
     }
+
+    // The match no longer than `most`: the state holding the match's last `most` tokens.
+    std::pair<int32_t, int32_t> within(std::pair<int32_t, int32_t> found, int32_t most) const {
+        if (found.second <= most) return found;
+        int32_t state = found.first;
+        while (length[link[state]] >= most) state = link[state];
+        return {state, most};
+    }
 };
+
+// What a row remembers of its last match in a block (`suffix_lookup`'s `memo`): the block's
+// serial and size then, the match, the row's size then and the window it was cut to.
+struct Remembered {
+    int64_t serial, tokens, state, matched, size, context;
+};
+
+// A row's match of its last `context` tokens in `a` (as `a.match` finds it), from what the row
+// remembers where the block is unchanged and the row has only grown since: the longest suffix
+// of the row's text that occurs in the block, cut to `context` tokens, is the longest suffix of
+// those tokens that occurs, so the tokens since are walked alone rather than the whole window
+// again (most of a 64-row round's lookups, on a CPU). A match cut to a window reaches `k`
+// tokens further after `k` more, so it serves a window at most that much wider.
+std::pair<int32_t, int32_t> remembered_match(const Automaton& a, const int64_t* text, int64_t size,
+                                             int64_t context, Remembered* memo) {
+    std::pair<int32_t, int32_t> found;
+    const int64_t since = memo ? size - memo->size : 0;
+    if (memo && memo->serial == a.serial && memo->tokens == a.tokens && since >= 0 && since <= context &&
+        (memo->matched < memo->context || context <= memo->context + since)) {
+        found = a.walk((int32_t)memo->state, (int32_t)memo->matched, text + memo->size, since);
+    } else {
+        found = a.match(text + size - context, context);
+    }
+    found = a.within(found, (int32_t)context);
+    if (memo) *memo = {a.serial, a.tokens, found.first, found.second, size, context};
+    return found;
+}
 
 // How many of the tokens up to `at` agree with those up to `last`, going back (at most `bound`):
 // the match length of an occurrence of the text's last token, as `drafters.texts_matches` has it.
@@ -335,13 +378,26 @@ int64_t suffix_automaton_match(void* a, const int64_t* context, int64_t n, int64
     return found.first;
 }
 
+// A row's match as `suffix_lookup` finds it (`remembered_match`), its length in `matched`:
+// what the tests hold to the match found afresh.
+int64_t suffix_automaton_remembered_match(void* a, const int64_t* text, int64_t size, int64_t context,
+                                          int64_t* memo, int64_t* matched) {
+    auto found = remembered_match(*static_cast<Automaton*>(a), text, size, context,
+                                  reinterpret_cast<Remembered*>(memo));
+    *matched = found.second;
+    return found.first;
+}
+
 // `SuffixDrafter.lookup` for every row of a round: row r's text is texts[r][0:sizes[r]], its
 // own part from starts[r] on; its best continuation goes to out_tokens[r * limit ...], its
-// length to out_lengths[r] (0: none) and its match depth to out_depths[r].
+// length to out_lengths[r] (0: none) and its match depth to out_depths[r]. `memo`: each row's
+// `Remembered` match in each of the first `memo_blocks` blocks (zeros: none), read and
+// rewritten here (null: none kept).
 void suffix_lookup(int64_t rows, const int64_t* const* texts, const int64_t* sizes, const int64_t* starts,
                    int64_t limit, int64_t min_match, int64_t max_depth, int64_t separator,
-                   void* const* blocks, int64_t n_blocks, int64_t* out_tokens, int64_t* out_lengths,
-                   int64_t* out_depths) {
+                   void* const* blocks, int64_t n_blocks, int64_t* memo, int64_t memo_blocks,
+                   int64_t* out_tokens, int64_t* out_lengths, int64_t* out_depths) {
+    auto* remembered = reinterpret_cast<Remembered*>(memo);
     for (int64_t r = 0; r < rows; ++r) {
         Found found;
         const int64_t* text = texts[r];
@@ -354,7 +410,8 @@ void suffix_lookup(int64_t rows, const int64_t* const* texts, const int64_t* siz
             if (deeper <= context) {
                 for (int64_t b = 0; b < n_blocks; ++b) {
                     const auto& a = *static_cast<const Automaton*>(blocks[b]);
-                    auto m = a.match(text + size - context, context);
+                    Remembered* mine = remembered && b < memo_blocks ? remembered + r * memo_blocks + b : nullptr;
+                    auto m = remembered_match(a, text, size, context, mine);
                     continuations(a, m.first, m.second, limit, deeper, found);
                 }
             }

@@ -37,8 +37,20 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = integer
     lib.suffix_automaton_match.argtypes = [pointer, pointer, integer, pointer]
     lib.suffix_automaton_match.restype = integer
-    # rows, texts, sizes, starts, limit, min_match, max_depth, separator, blocks, count, outputs
-    lib.suffix_lookup.argtypes = [integer, *[pointer] * 3, *[integer] * 4, pointer, integer, *[pointer] * 3]
+    lib.suffix_automaton_remembered_match.argtypes = [pointer, pointer, *[integer] * 2, pointer, pointer]
+    lib.suffix_automaton_remembered_match.restype = integer
+    # rows, texts, sizes, starts, limit, min_match, max_depth, separator, blocks, count, memo,
+    # memo_blocks, outputs
+    lib.suffix_lookup.argtypes = [
+        integer,
+        *[pointer] * 3,
+        *[integer] * 4,
+        pointer,
+        integer,
+        pointer,
+        integer,
+        *[pointer] * 3,
+    ]
     # rows, texts, sizes, starts, deepest, lengths, ends
     lib.longest_matches.argtypes = [integer, *[pointer] * 3, integer, pointer, pointer]
     return lib

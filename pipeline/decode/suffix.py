@@ -62,6 +62,7 @@ MIN_CHANCE = 0.1
 MAX_DEPTH = SUFFIX_MAX_DEPTH
 # The corpus is this many automata: the cap is kept within a quarter of it, oldest out first.
 CORPUS_BLOCKS = 4
+MEMO_FIELDS = 6  # a row's `Remembered` match in a block (lookups.cpp)
 # Outputs finished while no round asks for drafts wait for the corpus up to this many tokens, the
 # oldest dropped: otherwise a probe builds the whole backlog into automata for drafts that had
 # not paid (docs/engine.md, at batch 64). Drafting rounds take each output as it finishes.
@@ -236,6 +237,16 @@ class NativeAutomaton:
         )
         return state, matched.value
 
+    def remembered_match(self, text: np.ndarray, context: int, memo: np.ndarray) -> tuple[int, int]:
+        """The match of `text`'s last `context` tokens as a round's lookup finds it: from
+        `memo` (MEMO_FIELDS, rewritten), what the row remembers of its last match here, where
+        the automaton is unchanged and the text only grew since; else afresh, as `match`."""
+        matched = ctypes.c_int64()
+        state = self._lib.suffix_automaton_remembered_match(
+            self.handle, text.ctypes.data, len(text), context, memo.ctypes.data, ctypes.byref(matched)
+        )
+        return state, matched.value
+
     def nbytes(self) -> int:
         """Bytes held, about: the flat arrays and the branching states' edges."""
         return self._lib.suffix_automaton_nbytes(self.handle)
@@ -405,6 +416,9 @@ class SuffixDrafter:
         self.reflow = reflow
         # each row's text, or its prompt until a round first asks for the row's drafts
         self._rows: list[RowText | list[int]] = []
+        # each row's last match in each corpus block, for `lookups.cpp` (its `Remembered`):
+        # a round then walks only the tokens a row gained since
+        self._memo = np.zeros((0, CORPUS_BLOCKS, MEMO_FIELDS), dtype=np.int64)
 
     @property
     def corpus(self) -> SuffixCorpus:
@@ -441,12 +455,15 @@ class SuffixDrafter:
 
     def start(self, prompts: list[list[int]]) -> None:
         self._rows = []
+        self._memo = self._memo[:0]
         self.admit(prompts)
 
     def admit(self, prompts: list[list[int]]) -> None:
         """New rows; each one's prompt is reflowed when its drafts are first asked for (see
         `corpus` for why)."""
         self._rows += [list(p) for p in prompts]
+        fresh = np.zeros((len(prompts), CORPUS_BLOCKS, MEMO_FIELDS), dtype=np.int64)
+        self._memo = np.concatenate([self._memo, fresh])
 
     def _own(self, row: int) -> RowText:
         """The row's own text: its prompt reflowed, then its text apart from it."""
@@ -489,6 +506,7 @@ class SuffixDrafter:
         lookups.library().suffix_lookup(
             rows, addresses.ctypes.data, sizes.ctypes.data, starts.ctypes.data,
             gamma, self.min_match, MAX_DEPTH, SEPARATOR, handles, len(blocks),
+            self._memo.ctypes.data, CORPUS_BLOCKS,
             drafted.ctypes.data, lengths.ctypes.data, found.ctypes.data,
         )  # fmt: skip
         lengths = lengths.tolist()
@@ -528,3 +546,4 @@ class SuffixDrafter:
         while self._finished_tokens > min(BACKLOG_TOKENS, self._corpus.max_tokens):
             self._finished_tokens -= len(self._finished.popleft())
         self._rows = [self._rows[r] for r in keep]
+        self._memo = self._memo[keep]
