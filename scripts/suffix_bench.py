@@ -1,6 +1,7 @@
 """Measure the suffix drafter's structure: memory after N outputs, and lookup time per round.
 
     python scripts/suffix_bench.py [--outputs 10000] [--tokens 128] [--tokenizer DIR] [--python]
+        [--batches 1,8,64]
 
 Outputs are stand-ins: consecutive 128-token pieces of distinct docstrings of the Python
 standard library and the installed packages, tokenized with the installed pair's tokenizer, so
@@ -17,8 +18,10 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
+import os
 import platform
 import statistics
+import sys
 import sysconfig
 import time
 import tracemalloc
@@ -32,6 +35,7 @@ from pipeline.decode import lookups
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
+from pipeline.machine import cpu_info, git_state
 from pipeline.models.pairs import cache_dir
 
 
@@ -125,13 +129,21 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=str(cache_dir() / "qwen2.5-coder" / "target"))
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--python", action="store_true", help="the Python corpus and lookups, not the C++")
+    parser.add_argument("--batches", default="1,8", help="rows a round, comma-separated")
     args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     native = not args.python and lookups.library() is not None
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     docs = documents(tokenizer, 2 * args.outputs * args.tokens)
-    held_out = [d for d in docs if len(d) >= 400 + 2 * args.rounds][:8]
+    held_out = [d for d in docs if len(d) >= 400 + 2 * args.rounds][: max(batches)]
     docs = [d for d in docs if not any(d is h for h in held_out)]
     outputs, unique = pieces(docs, args.outputs, args.tokens)
+    model, flags = cpu_info()
+    commit, dirty = git_state()
+    print(f"`python scripts/suffix_bench.py {' '.join(sys.argv[1:])}`\n")
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    state = " (uncommitted changes)" if dirty else ""
+    print(f"{model}, {isa}, {os.cpu_count()} CPUs, commit {(commit or '?')[:7]}{state}\n")
     print(
         f"{platform.machine()}, Python {platform.python_version()}: {args.outputs} outputs of {args.tokens}"
     )
@@ -179,7 +191,7 @@ def main() -> None:
         )
     )
     print(row(*["---"] * 5))
-    for batch in (1, 8):
+    for batch in batches:
         first, times, drafted = lookup_times(full, reflow, prompts, continuations, batch, args.rounds)
         p95 = sorted(times)[int(0.95 * len(times))]
         print(
