@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from decode_case import BATCH8_DRAFT, BATCH8_TARGET, measured_costs
 
@@ -24,6 +26,52 @@ def test_a_first_pass_that_paid_for_warming_up_is_replaced_by_a_faster_second():
     assert costs.time(2, 0.0) == 0.05
     costs.observe(3, 0.08)  # a slower second pass is a measurement like any other
     assert costs.time(3, 0.0) == pytest.approx(0.05 + 0.3 * 0.03)
+
+
+def _estimate_as_written_first(points: dict, counts: dict, tokens: int, prior_slope: float) -> float | None:
+    """`PassCosts.time` as it was before it kept its sizes sorted: every size sorted again."""
+    measured = points.get(tokens)
+    if measured is not None and counts[tokens] >= 2:
+        return measured
+    row = {n: s for n, s in points.items() if n != tokens}
+    estimate = None
+    if row:
+        sizes = sorted(row)
+        below, above = [n for n in sizes if n < tokens], [n for n in sizes if n > tokens]
+        if below and above:
+            n0, n1 = below[-1], above[0]
+        else:
+            anchors = [n for n in (below or above) if n > 1] or (below or above)
+            if len(anchors) == 1:
+                n0 = anchors[0]
+                estimate = row[n0] / (1 + prior_slope * (n0 - 1)) * (1 + prior_slope * (tokens - 1))
+            else:
+                n0, n1 = (anchors[-2], anchors[-1]) if below else (anchors[0], anchors[1])
+        if estimate is None:
+            slope = max((row[n1] - row[n0]) / (n1 - n0), 0.0)
+            estimate = max(row[n0] + slope * (tokens - n0), 1e-6)
+    if measured is None:
+        return estimate
+    return measured if estimate is None else min(measured, estimate)
+
+
+def test_an_estimate_is_what_sorting_every_size_again_gives():
+    """`PassCosts` keeps its sizes sorted between additions (the policy estimates a handful of
+    sizes a round); every estimate is the one sorting them afresh gives, exactly, as sizes are
+    measured once, twice, or seeded straight into `points` (a calibration's)."""
+    rng = random.Random(0)
+    for trial in range(200):
+        costs = PassCosts()
+        for _ in range(rng.randint(1, 30)):
+            if rng.random() < 0.2:
+                tokens = rng.randint(1, 600)
+                costs.points[tokens], costs.counts[tokens] = rng.random(), 2
+            else:
+                costs.observe(rng.choice([1, 2, 3, rng.randint(1, 600)]), rng.random())
+            for tokens in (rng.randint(1, 700) for _ in range(5)):
+                prior = rng.choice([0.0, 0.03])
+                got = costs.time(tokens, prior)
+                assert got == _estimate_as_written_first(costs.points, costs.counts, tokens, prior), trial
 
 
 def test_copies_are_priced_by_how_their_acceptance_runs():

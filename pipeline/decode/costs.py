@@ -10,6 +10,7 @@ rounds.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 
@@ -176,6 +177,8 @@ class PassCosts:
     smoothing: float = 0.3
     points: dict[int, float] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)  # measurements behind each point
+    _sorted: list[int] = field(default_factory=list, repr=False, compare=False)  # `_sizes`
+    _sorted_key: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A size's first pass may pay one-time costs (kernel choice, allocations; on an H200 a
@@ -200,25 +203,35 @@ class PassCosts:
         measured = self.points.get(tokens)
         if measured is not None and self.counts[tokens] >= 2:
             return measured  # the common case, first: `Policy.best` asks for many sizes every round
-        others = {n: s for n, s in self.points.items() if n != tokens}
-        estimate = _piecewise(others, tokens, prior_slope) if others else None
+        sizes = self._sizes()
+        # the other sizes, below and above (a size measured once is not its own anchor)
+        below, above = sizes[: bisect_left(sizes, tokens)], sizes[bisect_right(sizes, tokens) :]
+        estimate = _piecewise(self.points, below, above, tokens, prior_slope) if below or above else None
         if measured is None:
             return estimate
         return measured if estimate is None else min(measured, estimate)
 
+    def _sizes(self) -> list[int]:
+        """The measured sizes in order, sorted again only when a size is added: the policy
+        estimates a handful of unmeasured sizes every round (sorting them each time was most of
+        an estimate's 5 us)."""
+        key = (id(self.points), len(self.points))
+        if self._sorted_key != key:
+            self._sorted, self._sorted_key = sorted(self.points), key
+        return self._sorted
 
-def _piecewise(row: dict[int, float], tokens: int, prior_slope: float) -> float:
-    """The cost at `tokens` from measured sizes: interpolated between the nearest, else
-    extrapolated from the two nearest, or from one with `prior_slope`.
+
+def _piecewise(
+    row: dict[int, float], below: list[int], above: list[int], tokens: int, prior_slope: float
+) -> float:
+    """The cost at `tokens` from measured sizes (`below` and `above` it, in order): interpolated
+    between the nearest, else extrapolated from the two nearest, or from one with `prior_slope`.
 
     Piecewise rather than one straight line, and a 1-token pass is never a slope anchor: on
     CPUs it takes a faster matrix-vector path, so the cost jumps from 1 token to 2 and then
     grows gently; a slope through 1 and 2 would make every wider pass look far too dear, and
     speculation would never be tried.
     """
-    sizes = sorted(row)
-    below = [n for n in sizes if n < tokens]
-    above = [n for n in sizes if n > tokens]
     if below and above:
         n0, n1 = below[-1], above[0]
     else:
