@@ -11,6 +11,8 @@ plain decoding while it speculates, and a drafter it has stopped using.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import math
 from collections import deque
@@ -810,12 +812,9 @@ class _Candidates:
         # choices would repeat, each costing a pass over every row.
         self.cap_count = (gamma_cap if budgets else copies.longest) + 1 if any(options.offers) else 1
         self.gamma_count = gamma_cap + 1 if options.use_model else 1
-        self.caps = np.repeat(np.arange(self.cap_count, dtype=np.int64), self.gamma_count)
-        self.gammas = np.tile(np.arange(self.gamma_count, dtype=np.int64), self.cap_count)
         self.from_model = np.asarray(from_model[: gamma_cap + 1], dtype=np.float64)
         model_sums = list(itertools.accumulate(from_model[: gamma_cap + 1]))  # summed in order
         self.model_sums = np.asarray(model_sums, dtype=np.float64)
-        self.model_tokens = self.model_sums[self.gammas]
         self.draining = budgets is not None
         self.to_limit = policy.runs_to_limit.value if budgets else 0.0
         self.leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows, dtype=np.int64)
@@ -825,7 +824,20 @@ class _Candidates:
         self._weighed: tuple | None = None  # (price, weighed, rates) of the candidates from _start on
         self._start = 0
 
-    def best(self, best_rate: float, per_token: float, lib=None) -> tuple[Choice, float]:
+    # each candidate's cap, gamma and the draft model's expected tokens, for the arrays' path
+    @functools.cached_property
+    def caps(self) -> np.ndarray:
+        return np.repeat(np.arange(self.cap_count, dtype=np.int64), self.gamma_count)
+
+    @functools.cached_property
+    def gammas(self) -> np.ndarray:
+        return np.tile(np.arange(self.gamma_count, dtype=np.int64), self.cap_count)
+
+    @functools.cached_property
+    def model_tokens(self) -> np.ndarray:
+        return self.model_sums[self.gammas]
+
+    def best(self, best_rate: float, per_token: float, lib: ctypes.CDLL | None) -> tuple[Choice, float]:
         """The last candidate, in the order tried, to beat the best before it, starting from
         plain at `best_rate`, a verify token priced at `per_token` times the best rate so far;
         and its rate (plain's: `best_rate`). In one call of `search.cpp` where `lib` is given
