@@ -4,6 +4,7 @@
 // counts, edge order, float operations and ties, so every proposal is the same (tests compare).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <unordered_map>
@@ -56,14 +57,16 @@ struct Branch {
     }
 };
 
-int64_t next_serial = 1;  // every automaton's own number (a row's remembered match names its block)
+// every automaton's own number (a row's remembered match names its block); atomic, since ctypes
+// lets go of Python's lock while a call runs
+std::atomic<int64_t> next_serial{1};
 
 struct Automaton {
     std::vector<int32_t> link{-1}, length{0}, count{0}, edge_token{NO_EDGE}, edge_target{0};
     std::unordered_map<int32_t, Branch> branches;
     int32_t last = 0;
     int64_t tokens = 0;
-    const int64_t serial = next_serial++;
+    const int64_t serial = next_serial.fetch_add(1);
 
     int32_t step(int32_t state, int32_t token) const {
         int32_t edge = edge_token[state];

@@ -11,6 +11,7 @@ require the same choice.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -86,7 +87,12 @@ def best_candidate(
     leads = np.zeros(rows, dtype=np.int64) if leads is None else leads
     chosen = np.zeros(rows, dtype=np.int64)
     cap_gamma, rate = np.zeros(2, dtype=np.int64), np.zeros(1)
-    seconds = PASS_SECONDS(pass_seconds)
+
+    def priced(cost: int) -> float:  # None in a ctypes callback reads as 0.0, the cheapest: never
+        seconds = pass_seconds(cost)
+        return math.inf if seconds is None else seconds
+
+    seconds = PASS_SECONDS(priced)
     arrays = (copies.tokens, copies.expected, copies.survivals, copies.survival_lengths, copies.held)
     assert all(a.flags.c_contiguous for a in arrays)
     found = lib.best_candidate(
