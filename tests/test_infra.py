@@ -332,6 +332,9 @@ def test_dockerfile():
     assert re.search(r"pip install -c /home/ray/constraints.txt .* \.\s", text), (
         "installs the repo with constraints"
     )
+    # the C++ the drafters and the policy load, built into the image (a missing compiler fails
+    # the build rather than leaving the workers on the Python paths)
+    assert "lookups.library() and search.library()" in text
     ignore = (INFRA / "docker/Dockerfile.dockerignore").read_text().splitlines()
     for line in text.splitlines():
         if line.startswith("COPY "):
