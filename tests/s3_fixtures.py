@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -57,15 +58,37 @@ TEST_SECRET = "testing-secret-9c1e"
 LOOPBACK = "127.0.0.1"
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports. The sockets stay open until all n are bound: a port
-    released at once can be handed out again by the next bind (CI once got a Ray head's GCS
-    and dashboard agent the same port)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to a bind of port 0 (Linux: 32768 by default)."""
     try:
-        for s in sockets:
-            s.bind((LOOPBACK, 0))
-        return [s.getsockname()[1] for s in sockets]
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports, below the kernel's ephemeral range. A port the kernel
+    picked for a bind of port 0 is handed out again to the next such bind once released, and
+    every Ray process binds port 0 for its own servers: CI once got a Ray head's GCS and
+    dashboard agent the same port, and once a head's agent found the port chosen for it taken
+    by the time it started (the other test worker's Ray), and the Jobs API then had no agent.
+    The sockets stay open until all n are bound, so the n are distinct."""
+    rng = random.Random()
+    low = _ephemeral_low()
+    ports: list[int] = []
+    sockets: list[socket.socket] = []
+    try:
+        while len(ports) < n:
+            port = rng.randrange(max(1024, low - 12_000), low)
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            ports.append(port)
+        return ports
     finally:
         for s in sockets:
             s.close()
