@@ -76,7 +76,7 @@ def best_candidate(
     best_rate: float,
     per_token: float,
     pack: bool,
-    pass_seconds: Callable[[int], float],
+    pass_seconds: Callable[[int], float | None],
 ) -> tuple[int, int, list[int], float] | None:
     """The candidate `_Candidates.first_better` would settle on from `best_rate` (caps
     0..caps-1, each with gammas 0..gammas-1): its cap, gamma, each row's choice (0 plain,
