@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
-import os
-import platform
 import statistics
 import sys
 import sysconfig
@@ -35,7 +33,7 @@ from pipeline.decode import lookups
 from pipeline.decode.sampling import SamplingParams
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.suffix import Reflow, SuffixCorpus, SuffixDrafter
-from pipeline.machine import cpu_info, git_state
+from pipeline.machine import describe_machine, machine_table
 from pipeline.models.pairs import cache_dir
 
 
@@ -138,17 +136,15 @@ def main() -> None:
     held_out = [d for d in docs if len(d) >= 400 + 2 * args.rounds][: max(batches)]
     docs = [d for d in docs if not any(d is h for h in held_out)]
     outputs, unique = pieces(docs, args.outputs, args.tokens)
-    model, flags = cpu_info()
-    commit, dirty = git_state()
+    if len(held_out) < max(batches):  # a batch of fewer rows would be reported as this one
+        parser.error(
+            f"{len(held_out)} held-out documents of {400 + 2 * args.rounds}+ tokens for {max(batches)} rows"
+        )
     print(f"`python scripts/suffix_bench.py {' '.join(sys.argv[1:])}`\n")
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    state = " (uncommitted changes)" if dirty else ""
-    print(f"{model}, {isa}, {os.cpu_count()} CPUs, commit {(commit or '?')[:7]}{state}\n")
+    print("\n".join(machine_table(describe_machine())) + "\n")
     print(
-        f"{platform.machine()}, Python {platform.python_version()}: {args.outputs} outputs of {args.tokens}"
-    )
-    print(
-        f"tokens ({unique:,} distinct pieces of {len(docs):,} docstrings), {'C++' if native else 'Python'}\n"
+        f"{args.outputs} outputs of {args.tokens} tokens ({unique:,} distinct pieces of {len(docs):,}"
+        f" docstrings), {'C++' if native else 'Python'}\n"
     )
     print(
         row(
