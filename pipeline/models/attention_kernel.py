@@ -21,8 +21,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Triton compiles a kernel apart for an integer argument of 1 or one divisible by 16: the pass's
+# width, the tiles it makes and the cache's chunks must not choose the program a query runs
+# (tests/test_kernel_programs.py asks Triton's launcher which program each pass selects).
+PASS_SHAPE = ["tiles", "chunks", "width"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=PASS_SHAPE)
 def attend_chunks(
     q_ptr,
     k_ptr,
@@ -106,7 +111,7 @@ def attend_chunks(
         tl.store(acc_ptr + (part * ROWS + r[:, None]) * DIM + d[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PASS_SHAPE)
 def combine(
     visible_ptr,
     top_ptr,

@@ -126,61 +126,71 @@ def attend(
     a kv head in groups); visible [slots, width] integers. Returns [slots, width, heads, dim] in
     the query's dtype, as `transformers`' attention functions do. An op of its own so that a
     compiled pass (`torch.compile`) calls it as it is."""
+    slots, heads, width, dim = query.shape
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    counts = visible.to(torch.int32).contiguous()
+    tiles, chunks = _tiles(width, heads // key.shape[1]), _chunks(key.shape[2])
+    parts = (slots, key.shape[1], tiles, chunks, ROWS)
+    top, total = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))
+    acc = torch.empty((*parts, dim), dtype=torch.float32, device=query.device)
+    out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
+    for kernel, grid, arguments, settings in launches(
+        query, key, value, counts, (top, total, acc), out, scale, query.is_cuda
+    ):
+        kernel[grid](*arguments, **settings)
+    return out
+
+
+def _tiles(width: int, group: int) -> int:
+    return -(-width * group // ROWS)
+
+
+def _chunks(length: int) -> int:
+    return max(-(-length // CHUNK), 1)
+
+
+def launches(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    counts: torch.Tensor,
+    chunk_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    scale: float,
+    gpu: bool,
+) -> list[tuple]:
+    """`attend`'s kernel launches, (kernel, grid, arguments, settings) each: the chunks' sums
+    (`chunk_sums`: running maximum, sum and weighted values) then their merge into `out`; `gpu`:
+    as on a GPU (tensor cores), else as the interpreter runs them. One owner of the arguments, so
+    that tests/test_kernel_programs.py can ask Triton which program each launch would compile
+    for a GPU, on a machine without one."""
     from pipeline.models import attention_kernel
 
     slots, heads, width, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    counts = visible.to(torch.int32).contiguous()
     group = heads // kv_heads
-    tiles, chunks = -(-width * group // ROWS), max(-(-length // CHUNK), 1)
-    parts = (slots, kv_heads, tiles, chunks, ROWS)
-    top, total = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))
-    acc = torch.empty((*parts, dim), dtype=torch.float32, device=query.device)
+    tiles, chunks = _tiles(width, group), _chunks(length)
+    shape = (kv_heads, tiles, chunks, group, width)
     # float32 products in float32 (not TF32), bf16 ones on the tensor cores; the interpreter's in float32
-    exact = query.dtype == torch.float32 or not query.is_cuda
-    attention_kernel.attend_chunks[(slots, kv_heads, tiles * chunks)](
-        query,
-        key,
-        value,
-        counts,
-        top,
-        total,
-        acc,
-        *query.stride()[:3],
-        *key.stride()[:3],
-        *value.stride()[:3],
-        kv_heads,
-        tiles,
-        chunks,
-        group,
-        width,
-        scale,
-        DIM=dim,
-        ROWS=ROWS,
-        BLOCK=BLOCK,
-        CHUNK=CHUNK,
-        PRECISION="ieee" if exact else "tf32",
-        UPCAST=not query.is_cuda,
-    )
-    out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
-    attention_kernel.combine[(slots, kv_heads, tiles)](
-        counts,
-        top,
-        total,
-        acc,
-        out,
-        *out.stride()[:3],
-        kv_heads,
-        tiles,
-        chunks,
-        group,
-        width,
-        DIM=dim,
-        ROWS=ROWS,
-        CHUNK=CHUNK,
-    )
-    return out
+    exact = query.dtype == torch.float32 or not gpu
+    attend_arguments = (query, key, value, counts, *chunk_sums, *query.stride()[:3], *key.stride()[:3])
+    attend_arguments += (*value.stride()[:3], *shape, scale)
+    precision = dict(PRECISION="ieee" if exact else "tf32", UPCAST=not gpu)
+    settings = dict(DIM=dim, ROWS=ROWS, CHUNK=CHUNK)
+    return [
+        (
+            attention_kernel.attend_chunks,
+            (slots, kv_heads, tiles * chunks),
+            attend_arguments,
+            dict(settings, BLOCK=BLOCK, **precision),
+        ),
+        (
+            attention_kernel.combine,
+            (slots, kv_heads, tiles),
+            (counts, *chunk_sums, out, *out.stride()[:3], *shape),
+            settings,
+        ),
+    ]
 
 
 @attend.register_fake

@@ -61,59 +61,58 @@ def parts(outputs: int, inner: int) -> tuple[int, int]:
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias, x [rows, inner], weight [outputs, inner]: each row summed in one
     fixed order (module docstring). An op of its own so that a compiled pass calls it as it is."""
-    from pipeline.models import linear_kernel
-
     rows, inner = x.shape
     outputs = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    count, per_part = parts(outputs, inner)
+    count = parts(outputs, inner)[0]
     out = torch.empty((rows, outputs), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    grid = (-(-rows // ROWS), -(-outputs // BLOCK_N))
     sums = out if count == 1 else torch.empty((count, rows, outputs), dtype=torch.float32, device=x.device)
-    # float32 products in float32 (not TF32), bf16 ones on the tensor cores; the interpreter's in float32
-    exact = x.dtype == torch.float32 or not x.is_cuda
-    tuning = {"num_warps": WARPS, "num_stages": STAGES} if x.is_cuda else {}
-    linear_kernel.product[(*grid, count)](
-        x,
-        weight,
-        bias if bias is not None else x,
-        sums,
-        rows,
-        outputs,
-        inner,
-        x.stride(0),
-        weight.stride(0),
-        sums.stride(0) if count > 1 else 0,
-        sums.stride(-2),
-        per_part,
-        ROWS=ROWS,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        PARTS=count,
-        HAS_BIAS=bias is not None,
-        PRECISION="ieee" if exact else "tf32",
-        UPCAST=not x.is_cuda,
-        **tuning,
-    )
-    if count > 1:
-        linear_kernel.combine[grid](
-            sums,
-            bias if bias is not None else x,
-            out,
-            rows,
-            outputs,
-            sums.stride(0),
-            sums.stride(1),
-            out.stride(0),
-            ROWS=ROWS,
-            BLOCK_N=BLOCK_N,
-            PARTS=count,
-            HAS_BIAS=bias is not None,
-        )
+    for kernel, grid, arguments, settings in launches(x, weight, bias, sums, out, x.is_cuda):
+        kernel[grid](*arguments, **settings)
     return out
+
+
+def launches(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sums: torch.Tensor,
+    out: torch.Tensor,
+    gpu: bool,
+) -> list[tuple]:
+    """`product`'s kernel launches, (kernel, grid, arguments, settings) each, writing `sums`
+    (`out` itself where the inner dimension has one part, else [parts, rows, outputs] float32)
+    and `out`; `gpu`: as on a GPU (tensor cores, tuning), else as the interpreter runs them. One
+    owner of the arguments, so that tests/test_kernel_programs.py can ask Triton which program
+    each launch would compile for a GPU, on a machine without one."""
+    from pipeline.models import linear_kernel
+
+    rows, inner = x.shape
+    outputs = weight.shape[0]
+    count, per_part = parts(outputs, inner)
+    grid = (-(-rows // ROWS), -(-outputs // BLOCK_N))
+    # float32 products in float32 (not TF32), bf16 ones on the tensor cores; the interpreter's in float32
+    exact = x.dtype == torch.float32 or not gpu
+    tuning = {"num_warps": WARPS, "num_stages": STAGES} if gpu else {}
+    spare = bias if bias is not None else x  # a pointer the kernel never reads
+    product_arguments = (x, weight, spare, sums, rows, outputs, inner, x.stride(0), weight.stride(0))
+    product_arguments += (sums.stride(0) if count > 1 else 0, sums.stride(-2), per_part)
+    settings = dict(ROWS=ROWS, BLOCK_N=BLOCK_N, PARTS=count, HAS_BIAS=bias is not None)
+    planned = [
+        (
+            linear_kernel.product,
+            (*grid, count),
+            product_arguments,
+            dict(settings, BLOCK_K=BLOCK_K, PRECISION="ieee" if exact else "tf32", UPCAST=not gpu, **tuning),
+        )
+    ]
+    if count > 1:
+        combine_arguments = (sums, spare, out, rows, outputs, sums.stride(0), sums.stride(1), out.stride(0))
+        planned.append((linear_kernel.combine, grid, combine_arguments, settings))
+    return planned
 
 
 @product.register_fake
