@@ -7,7 +7,9 @@ the others.
     python scripts/gpu_linear.py [--hidden 1536 --intermediate 8960 --kv 256 --vocab 151936]
         [--rows 1,16,64,256] [--sweep] [--out FILE]
 
-`--sweep` times the kernel's free settings instead (outputs per tile, programs wanted, warps,
+A split product's time with its parts added by a second kernel stands beside the kernel's
+(`fixed_linear.LAST_ADDS`: by the last part to finish, one launch). `--sweep` times the kernel's
+free settings instead (outputs per tile, programs wanted, warps,
 stages: none of them changes a row's bits but the split, which `PROGRAMS` sets) on the q+k+v,
 gate and down weights at 1 and 64 rows, for the next constants.
 
@@ -69,6 +71,8 @@ def main() -> None:
         f"{fixed_linear.BLOCK_N} outputs, inner steps of {fixed_linear.BLOCK_K}; blocks: "
         f"{invariant.GPU_ROWS} rows a call"
     ]
+    # the loader's check, which also makes the arrival counters before any graph is captured
+    lines.append(f"the loader's check: {fixed_linear.works(device, dtype) or 'passed'}")
     torch.manual_seed(0)
     for name, (outputs, inner) in shapes.items():
         weight = torch.randn(outputs, inner, device=device, dtype=dtype) / inner**0.5
@@ -85,8 +89,15 @@ def main() -> None:
             stock = partial(functional.linear, x, weight, bias)
             times = [timed(f, device, rep=100, graph=True) for f in (kernel, blocks, stock)]
             gap = (kernel().double() - fixed_linear.reference(x, weight, bias)).abs().max().item()
+            # a split product's parts added by a second kernel instead of the last part (LAST_ADDS)
+            second = partial(fixed_linear._multiply, x, weight, bias, last_adds=False)
+            two = (
+                f", second kernel adding {timed(second, device, rep=100, graph=True):7.1f}"
+                if parts[0] > 1
+                else ""
+            )
             lines.append(
-                f"  {n:>4} rows: kernel {times[0]:7.1f} ({gigabytes * 1e6 / times[0]:5.0f} GB/s), "
+                f"  {n:>4} rows: kernel {times[0]:7.1f} ({gigabytes * 1e6 / times[0]:5.0f} GB/s){two}, "
                 f"blocks {times[1]:7.1f} ({times[1] / times[0]:.2f}x), cuBLAS as they come {times[2]:7.1f} "
                 f"({times[2] / times[0]:.2f}x); largest difference from float64 {gap:.2e}"
             )

@@ -42,6 +42,46 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_product(dtype, outputs, in
         assert torch.equal(fixed_linear.product(part, weight, b), whole[start:end]), (start, end)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, 40])
+def test_the_last_part_adds_the_parts_as_a_second_kernel_does(dtype, rows, monkeypatch):
+    """A split product's parts added by each tile's last part to finish (one launch) give the
+    second kernel's bits, and leave the device's arrival counters at zero for the next launch
+    (3 parts, 2 output tiles, 1 to 3 row tiles)."""
+    monkeypatch.setattr(fixed_linear, "PROGRAMS", 6)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1100, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(48, 1100, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(48, generator=generator).to(DEVICE, dtype)
+    assert fixed_linear.parts(48, 1100)[0] == 3
+    counts = fixed_linear._arrival_counts(x.device, 1)
+    assert counts is not None
+    sums, out = torch.empty((3, rows, 48), device=DEVICE), torch.empty((rows, 48), device=DEVICE, dtype=dtype)
+    assert len(fixed_linear.launches(x, weight, b, sums, out, counts, False)) == 1  # one launch
+    assert len(fixed_linear.launches(x, weight, b, sums, out, None, False)) == 2
+    last = fixed_linear.product(x, weight, b)
+    assert torch.equal(last, fixed_linear._multiply(x, weight, b, last_adds=False))
+    assert not counts.any()
+    assert fixed_linear._arrival_counts(x.device, fixed_linear.COUNTERS + 1) is None  # too many tiles
+
+
+def test_where_the_last_part_cannot_add_a_second_kernel_adds(monkeypatch, caplog):
+    """The loader's check turns the last part's adding off where it fails and the second kernel
+    passes: the kernel still serves, one launch more a split product."""
+    launches = fixed_linear.launches
+
+    def broken(x, weight, bias, sums, out, counts, gpu):
+        if counts is not None:
+            raise RuntimeError("no atomics here")
+        return launches(x, weight, bias, sums, out, counts, gpu)
+
+    monkeypatch.setattr(fixed_linear, "launches", broken)
+    monkeypatch.setattr(fixed_linear, "_last_adds_failed", set())
+    assert fixed_linear.works.__wrapped__(DEVICE, torch.float32) is None
+    assert "added by a second kernel" in caplog.text and "row blocks" not in caplog.text
+    assert fixed_linear._arrival_counts(torch.device(DEVICE), 1) is None
+
+
 def test_no_rows_make_no_outputs():
     weight = torch.randn(8, 16, device=DEVICE)
     assert fixed_linear.product(torch.empty(0, 16, device=DEVICE), weight, None).shape == (0, 8)
@@ -174,6 +214,7 @@ def test_a_kernel_that_fails_or_miscomputes_here_leaves_the_row_blocks(
 
     fixed_linear.works.cache_clear()
     monkeypatch.setattr(fixed_linear, "product", broken)
+    monkeypatch.setattr(fixed_linear, "_last_adds_failed", set())  # the check tries both addings
     fixed_attention.CPU_INTERPRETED = True
     try:
         assert not fixed_linear.serves(kernel_pair.target)

@@ -60,14 +60,16 @@ def _compile(kernel, arguments, settings):
     return triton.compile(source, target=HOPPER, options=options.__dict__)
 
 
-def _product_launches(rows: int, outputs: int, inner: int, bias: bool, dtype=torch.bfloat16):
+def _product_launches(rows: int, outputs: int, inner: int, bias: bool, dtype=torch.bfloat16, last_adds=True):
+    """A product's launches as on a GPU, its parts added by the last part (`last_adds`) or by a
+    second kernel."""
     x, weight = torch.empty((rows, inner), dtype=dtype), torch.empty((outputs, inner), dtype=dtype)
     count = fixed_linear.parts(outputs, inner)[0]
     out = torch.empty((rows, outputs), dtype=dtype)
     sums = out if count == 1 else torch.empty((count, rows, outputs))
-    return fixed_linear.launches(
-        x, weight, torch.empty(outputs, dtype=dtype) if bias else None, sums, out, gpu=True
-    )
+    counts = torch.zeros(fixed_linear.COUNTERS, dtype=torch.int32) if last_adds else None
+    b = torch.empty(outputs, dtype=dtype) if bias else None
+    return fixed_linear.launches(x, weight, b, sums, out, counts, gpu=True)
 
 
 def _attention_launches(slots, width, heads, kv_heads, dim, length, dtype=torch.bfloat16):
@@ -81,11 +83,12 @@ def _attention_launches(slots, width, heads, kv_heads, dim, length, dtype=torch.
     return fixed_attention.launches(query, key, value, counts, sums, out, dim**-0.5, gpu=True)
 
 
+@pytest.mark.parametrize("last_adds", [True, False])
 @pytest.mark.parametrize("outputs,inner,bias", WEIGHTS)
-def test_a_product_compiles_one_program_whatever_its_rows(outputs, inner, bias):
-    alone = _programs(_product_launches(1, outputs, inner, bias))
+def test_a_product_compiles_one_program_whatever_its_rows(outputs, inner, bias, last_adds):
+    alone = _programs(_product_launches(1, outputs, inner, bias, last_adds=last_adds))
     for rows in (2, 3, 15, 16, 17, 64, 200):
-        assert _programs(_product_launches(rows, outputs, inner, bias)) == alone, rows
+        assert _programs(_product_launches(rows, outputs, inner, bias, last_adds=last_adds)) == alone, rows
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64)])  # the 1.5B's, SmolLM2-135M's
@@ -101,6 +104,7 @@ def _compile_all(dtype: torch.dtype) -> None:
     """Every kernel the static path launches (a split product and a whole one, attention at
     both head sizes), compiled for sm_90, each within a program's shared memory."""
     planned = _product_launches(16, 1536, 1536, True, dtype) + _product_launches(16, 8960, 1536, False, dtype)
+    planned += _product_launches(16, 1536, 1536, True, dtype, last_adds=False)  # the second kernel adding
     for heads, kv_heads, dim in [(12, 2, 128), (9, 3, 64)]:
         planned += _attention_launches(2, 4, heads, kv_heads, dim, 449, dtype)
     for kernel, _, arguments, settings in planned:

@@ -45,6 +45,16 @@ BLOCK_K = 128
 PROGRAMS = 256
 # Launch settings on a GPU: they change how fast a tile runs, never what it computes.
 WARPS, STAGES = 4, 4
+# A split product's parts added by the tile's last part to finish, in one launch, rather than by a
+# second kernel (`linear_kernel`): the same bits either way, one launch fewer a split product (5
+# of a 1.5B layer's 7). Free as the launch settings are; `works` turns it off on a device where
+# it fails the check and the second kernel passes.
+LAST_ADDS = True
+# Arrival counters a device keeps for split products, zero between launches: a product of up to
+# 4,096 rows (256 row tiles × at most 170 output tiles, past which a product is not split).
+COUNTERS = 1 << 16
+_counters: dict[str, torch.Tensor] = {}
+_last_adds_failed: set[str] = set()  # devices where `works` found the last part's adding wrong
 
 
 def parts(outputs: int, inner: int) -> tuple[int, int]:
@@ -61,6 +71,14 @@ def parts(outputs: int, inner: int) -> tuple[int, int]:
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias, x [rows, inner], weight [outputs, inner]: each row summed in one
     fixed order (module docstring). An op of its own so that a compiled pass calls it as it is."""
+    return _multiply(x, weight, bias)
+
+
+def _multiply(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, last_adds: bool = True
+) -> torch.Tensor:
+    """`product`, its parts added by the last part where `last_adds` and the device allows
+    (`_arrival_counts`), else by a second kernel (`works` compares the two)."""
     rows, inner = x.shape
     outputs = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -70,9 +88,25 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if rows == 0:
         return out
     sums = out if count == 1 else torch.empty((count, rows, outputs), dtype=torch.float32, device=x.device)
-    for kernel, grid, arguments, settings in launches(x, weight, bias, sums, out, x.is_cuda):
+    tiles = -(-rows // ROWS) * -(-outputs // BLOCK_N)
+    counts = _arrival_counts(x.device, tiles) if count > 1 and last_adds else None
+    for kernel, grid, arguments, settings in launches(x, weight, bias, sums, out, counts, x.is_cuda):
         kernel[grid](*arguments, **settings)
     return out
+
+
+def _arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's arrival counters where the last part adds and they are enough for `needed`
+    tiles (None: a second kernel adds). Made once a device, never inside a CUDA graph's capture,
+    where the buffer would be the graph's (`works` makes it as the model loads)."""
+    if not LAST_ADDS or str(device) in _last_adds_failed:
+        return None
+    counts = _counters.get(str(device))
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _counters[str(device)] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return counts if needed <= counts.numel() else None
 
 
 def launches(
@@ -81,13 +115,16 @@ def launches(
     bias: torch.Tensor | None,
     sums: torch.Tensor,
     out: torch.Tensor,
+    counts: torch.Tensor | None,
     gpu: bool,
 ) -> list[tuple]:
-    """`product`'s kernel launches, (kernel, grid, arguments, settings) each, writing `sums`
-    (`out` itself where the inner dimension has one part, else [parts, rows, outputs] float32)
-    and `out`; `gpu`: as on a GPU (tensor cores, tuning), else as the interpreter runs them. One
-    owner of the arguments, so that tests/test_kernel_programs.py can ask Triton which program
-    each launch would compile for a GPU, on a machine without one."""
+    """`product`'s kernel launches, (kernel, grid, arguments, settings) each, writing `out`
+    through `sums` where the inner dimension is split ([parts, rows, outputs] float32, else `out`
+    itself): its parts added by the last part of each tile, counted in `counts` (zeros, one a
+    tile), or with `counts` None by a second kernel. `gpu`: as on a GPU (tensor cores, tuning),
+    else as the interpreter runs them. One owner of the arguments, so that
+    tests/test_kernel_programs.py can ask Triton which program each launch would compile for a
+    GPU, on a machine without one."""
     from pipeline.models import linear_kernel
 
     rows, inner = x.shape
@@ -98,19 +135,22 @@ def launches(
     exact = x.dtype == torch.float32 or not gpu
     tuning = {"num_warps": WARPS, "num_stages": STAGES} if gpu else {}
     spare = bias if bias is not None else x  # a pointer the kernel never reads
-    product_arguments = (x, weight, spare, sums, rows, outputs, inner, x.stride(0), weight.stride(0))
-    product_arguments += (sums.stride(0) if count > 1 else 0, sums.stride(-2), per_part)
+    split = (sums.stride(0) if count > 1 else 0, sums.stride(-2))
+    last_adds = count > 1 and counts is not None
+    product_arguments = (x, weight, spare, sums, out, counts if last_adds else x, rows, outputs, inner)
+    product_arguments += (x.stride(0), weight.stride(0), *split, out.stride(0), per_part)
     settings = dict(ROWS=ROWS, BLOCK_N=BLOCK_N, PARTS=count, HAS_BIAS=bias is not None)
+    kernel_settings = dict(settings, BLOCK_K=BLOCK_K, PRECISION="ieee" if exact else "tf32", UPCAST=not gpu)
     planned = [
         (
             linear_kernel.product,
             (*grid, count),
             product_arguments,
-            dict(settings, BLOCK_K=BLOCK_K, PRECISION="ieee" if exact else "tf32", UPCAST=not gpu, **tuning),
+            dict(kernel_settings, LAST_ADDS=last_adds, **tuning),
         )
     ]
-    if count > 1:
-        combine_arguments = (sums, spare, out, rows, outputs, sums.stride(0), sums.stride(1), out.stride(0))
+    if count > 1 and not last_adds:
+        combine_arguments = (sums, spare, out, rows, outputs, *split, out.stride(0))
         planned.append((linear_kernel.combine, grid, combine_arguments, settings))
     return planned
 
@@ -129,9 +169,23 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 @functools.cache
 def works(device: str, dtype: torch.dtype) -> str | None:
     """Why the kernel cannot multiply here (None: it can), from two small calls (one split, one
-    not) checked against float64 and against their own rows alone. Why: a Triton or driver it
-    does not compile on, or miscomputes on, must cost a job its speed only (the row blocks
-    then), never its outputs or its start."""
+    not) checked against float64, against their own rows alone and, split, against the parts
+    added by a second kernel. Why: a Triton or driver it does not compile on, or miscomputes on,
+    must cost a job its speed only, never its outputs or its start: where only the last part's
+    adding fails, the second kernel adds (`LAST_ADDS`); where more fails, the row blocks run."""
+    reason = _check(device, dtype)
+    if reason is not None and _arrival_counts(torch.device(device), 1) is not None:
+        log.warning(
+            "fixed-order products on %s (%s): %s; their parts added by a second kernel", device, dtype, reason
+        )
+        _last_adds_failed.add(device)
+        reason = _check(device, dtype)
+    if reason is not None:
+        log.warning("fixed-order products not used on %s (%s): %s; row blocks instead", device, dtype, reason)
+    return reason
+
+
+def _check(device: str, dtype: torch.dtype) -> str | None:
     generator = torch.Generator().manual_seed(0)
     try:
         for outputs, inner in ((40, 3 * BLOCK_K - 84), (40, BLOCK_K - 28)):  # split in 3 parts, and not
@@ -148,10 +202,10 @@ def works(device: str, dtype: torch.dtype) -> str | None:
                 )
             if not torch.equal(product(x[17:18], weight, bias), out[17:18]):
                 raise ValueError("a row alone rounds otherwise than among 19")
+            if not torch.equal(_multiply(x, weight, bias, last_adds=False), out):
+                raise ValueError("the last part's adding differs from the second kernel's")
     except Exception as error:  # noqa: BLE001 - any failure of the kernel means: not here
-        reason = f"{type(error).__name__}: {error}"[:300]
-        log.warning("fixed-order products not used on %s (%s): %s; row blocks instead", device, dtype, reason)
-        return reason
+        return f"{type(error).__name__}: {error}"[:300]
     return None
 
 

@@ -4,10 +4,14 @@
 inner dimension (a fixed split-K, so that a product of few rows still spreads over the whole
 GPU): it sums its part in blocks of BLOCK_K, in order, on the tensor cores with a float32
 accumulator. Where the inner dimension has one part, the program adds the bias and writes the
-output itself; else it writes its part's sums and `combine` adds the parts in order, then the
-bias. Every tile runs the same compiled program whatever the number of rows (ROWS and the
-blocks are constants, the rows past the input's end read as zeros), and a product computes each
-output from its own row alone, so a row's bits do not depend on how many rows share the call.
+output itself. Else it writes its part's sums, and the parts are added in order, then the bias
+(`add_parts`): with LAST_ADDS by the tile's last part to finish, which counts the parts done in
+`counts` (an arrival counter a tile, left at zero for the next launch), else by a second kernel,
+`combine`. Which part finishes last does not matter: the last one adds part 0, 1, ... in that
+order, as `combine` does, so both give the same bits; the first saves a launch a split product.
+Every tile runs the same compiled program whatever the number of rows (ROWS and the blocks are
+constants, the rows past the input's end read as zeros), and a product computes each output
+from its own row alone, so a row's bits do not depend on how many rows share the call.
 
 With TRITON_INTERPRET=1 set before Triton is imported, they run on CPU tensors in Triton's
 interpreter (the tests do).
@@ -21,18 +25,21 @@ import triton.language as tl
 
 # Triton compiles a kernel apart for an integer argument of 1 or one divisible by 16: the row
 # count (and the parts' stride, which follows it) must not choose the program a row runs.
-@triton.jit(do_not_specialize=["rows", "out_split"])
+@triton.jit(do_not_specialize=["rows", "sums_split"])
 def product(
     x_ptr,
     w_ptr,
     b_ptr,
+    sums_ptr,
     out_ptr,
+    counts_ptr,
     rows,
     outputs,
     inner,
     x_row,
     w_row,
-    out_split,
+    sums_split,
+    sums_row,
     out_row,
     blocks_per_part,
     ROWS: tl.constexpr,
@@ -42,6 +49,7 @@ def product(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    LAST_ADDS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     column = tl.program_id(1)
@@ -75,18 +83,45 @@ def product(
             acc += tl.load(b_ptr + col, mask=col < outputs, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + row[:, None] * out_row + col[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
     else:
-        tl.store(out_ptr + part * out_split + row[:, None] * out_row + col[None, :], acc, mask=keep)
+        tl.store(sums_ptr + part * sums_split + row[:, None] * sums_row + col[None, :], acc, mask=keep)
+        if LAST_ADDS:
+            # Counted done only once every thread's sums are stored; the count releases them to
+            # the GPU and, for the last part, acquires the others' (CUTLASS's serial split-K).
+            tl.debug_barrier()
+            counter = counts_ptr + tile * tl.num_programs(1) + column
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
+                tl.debug_barrier()
+                add_parts(sums_ptr, b_ptr, out_ptr, row, col, rows, outputs, sums_split, sums_row, out_row,
+                          PARTS, HAS_BIAS, ".cg")  # fmt: skip
+                tl.store(counter, 0)  # for the next launch, which runs after this one ends
 
 
-@triton.jit(do_not_specialize=["rows", "parts_split"])
+@triton.jit
+def add_parts(
+    sums_ptr, b_ptr, out_ptr, row, col, rows, outputs, sums_split, sums_row, out_row,
+    PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """A tile's parts added in order, then the bias: the order a row's sums take past its parts
+    (`CACHE` ".cg": read from L2, where the other programs' parts are)."""
+    keep = (row[:, None] < rows) & (col[None, :] < outputs)
+    where = row[:, None] * sums_row + col[None, :]
+    total = tl.load(sums_ptr + where, mask=keep, other=0.0, cache_modifier=CACHE)
+    for part in tl.static_range(1, PARTS):  # in order: part of the order a row's sums take
+        total += tl.load(sums_ptr + part * sums_split + where, mask=keep, other=0.0, cache_modifier=CACHE)
+    if HAS_BIAS:
+        total += tl.load(b_ptr + col, mask=col < outputs, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + row[:, None] * out_row + col[None, :], total.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit(do_not_specialize=["rows", "sums_split"])
 def combine(
-    parts_ptr,
+    sums_ptr,
     b_ptr,
     out_ptr,
     rows,
     outputs,
-    parts_split,
-    parts_row,
+    sums_split,
+    sums_row,
     out_row,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -95,11 +130,6 @@ def combine(
 ):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = (row[:, None] < rows) & (col[None, :] < outputs)
-    where = row[:, None] * parts_row + col[None, :]
-    total = tl.load(parts_ptr + where, mask=keep, other=0.0)
-    for part in tl.static_range(1, PARTS):  # in order: part of the order a row's sums take
-        total += tl.load(parts_ptr + part * parts_split + where, mask=keep, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(b_ptr + col, mask=col < outputs, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + row[:, None] * out_row + col[None, :], total.to(out_ptr.dtype.element_ty), mask=keep)
+    add_parts(
+        sums_ptr, b_ptr, out_ptr, row, col, rows, outputs, sums_split, sums_row, out_row, PARTS, HAS_BIAS, ""
+    )
