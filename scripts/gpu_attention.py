@@ -9,7 +9,8 @@ The defaults are the Qwen2.5-Coder-1.5B target's attention. Seconds are device t
 medians of `triton.testing.do_bench`; the float64 attention is timed over a float64 cache, as
 the static path kept it before the kernel (docs/gpu.md). Without a GPU it runs the same steps
 on the CPU in Triton's interpreter (TRITON_INTERPRET=1, `gpu-check.sh`'s dry run), timed
-roughly: a check of the script, not of the kernel.
+roughly: a check of the script, not of the kernel. Beside the kernel's time stands its time with
+a tile's chunks merged by a second kernel (`fixed_attention.LAST_MERGES` off).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main() -> None:
         f"{torch.__version__}; {o.heads} heads, {o.kv_heads} "
         f"key/value heads of {o.dim}, bf16; microseconds a call (median)"
     ]
+    # the loader's check, which also makes the arrival counters the last chunk's merging counts on
+    lines.append(f"the loader's check: {fixed_attention.works(device, torch.bfloat16, o.dim) or 'passed'}")
     batches = [int(b) for b in o.batches.split(",")]
     for context in (int(c) for c in o.contexts.split(",")):
         for slots in batches:
@@ -83,11 +86,14 @@ def compare(o: argparse.Namespace, device: str, context: int, slots: int, check:
         float64 = partial(
             invariant.float64_attention, None, query, wide_keys, wide_values, mask, scaling=scale
         )
-        ours, theirs = (timed(f, device) for f in (fixed, float64))
+        # the chunks merged by a second kernel rather than by the last chunk (LAST_MERGES)
+        second = partial(fixed_attention._attend, query, keys, values, visible, scale, last_merges=False)
+        ours, theirs, two = (timed(f, device) for f in (fixed, float64, second))
         gap = (fixed().double() - float64()[0].double()).abs().max().item()
         lines.append(
-            f"context {context:>5} batch {slots:>2} width {width:>2}: fixed-order {ours:7.1f}, "
-            f"float64 {theirs:7.1f} ({theirs / ours:.2f}x), largest difference {gap:.2e}"
+            f"context {context:>5} batch {slots:>2} width {width:>2}: fixed-order {ours:7.1f} (second "
+            f"kernel merging {two:7.1f}), float64 {theirs:7.1f} ({theirs / ours:.2f}x), "
+            f"largest difference {gap:.2e}"
         )
     if check:  # the last pass (width 16): sampled queries alone, one token, one slot
         whole = fixed()

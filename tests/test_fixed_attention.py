@@ -14,7 +14,7 @@ from pipeline.decode.batched_lm import BatchedLM
 from pipeline.decode.engine import SpeculativeEngine
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.static_lm import StaticLM
-from pipeline.models import fixed_attention, invariant
+from pipeline.models import arrivals, fixed_attention, invariant
 from pipeline.models.loading import ModelRef, load_pair
 
 pytestmark = TRITON_KERNELS
@@ -61,6 +61,52 @@ def test_a_query_gets_the_same_bits_whatever_shares_its_pass(dtype):
                 scale,
             )
             assert torch.equal(alone, wide[slot : slot + 1, token : token + 1]), (slot, token)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_last_chunk_merges_the_chunks_as_a_second_kernel_does(dtype):
+    """A tile's chunks merged by its last chunk to finish (one launch) give the second kernel's
+    bits, and leave the device's arrival counters at zero for the next launch: 2 slots, 3 chunks
+    of keys (one past every query of a slot), 2 tiles of queries a key/value head."""
+    generator = torch.Generator().manual_seed(1)
+    slots, heads, kv_heads, width, dim = 2, 8, 2, 5, 16
+    length = 2 * fixed_attention.CHUNK + 30
+    key, value = (
+        torch.randn(slots, kv_heads, length, dim, generator=generator).to(DEVICE, dtype) for _ in range(2)
+    )
+    query = torch.randn(slots, heads, width, dim, generator=generator).to(DEVICE, dtype)
+    ends = torch.tensor([[300, 301, 302, 303, 304], [7, 8, 9, length - 1, length]], device=DEVICE)
+    arrived = fixed_attention._arrival_counts(query.device, 1)
+    assert arrived is not None
+    last = fixed_attention.attend(query, key, value, ends, dim**-0.5)
+    assert torch.equal(last, fixed_attention._attend(query, key, value, ends, dim**-0.5, last_merges=False))
+    assert not arrived.any()
+    parts = (slots, kv_heads, 2, 3, fixed_attention.ROWS)
+    sums = (torch.empty(parts), torch.empty(parts), torch.empty((*parts, dim)))
+    counts = ends.to(torch.int32)
+    one = fixed_attention.launches(query, key, value, counts, sums, last, arrived, 0.25, False)
+    assert (
+        len(one) == 1
+        and len(fixed_attention.launches(query, key, value, counts, sums, last, None, 0.25, False)) == 2
+    )
+    assert fixed_attention._arrival_counts(query.device, arrivals.SIZE + 1) is None  # too many tiles
+
+
+def test_where_the_last_chunk_cannot_merge_a_second_kernel_merges(monkeypatch, caplog):
+    """The loader's check turns the last chunk's merging off where it fails and the second
+    kernel passes: the kernel still attends, one launch more a layer."""
+    launches = fixed_attention.launches
+
+    def broken(query, key, value, counts, chunk_sums, out, arrived, scale, gpu):
+        if arrived is not None:
+            raise RuntimeError("no atomics here")
+        return launches(query, key, value, counts, chunk_sums, out, arrived, scale, gpu)
+
+    monkeypatch.setattr(fixed_attention, "launches", broken)
+    monkeypatch.setattr(fixed_attention, "_last_merges_failed", set())
+    assert fixed_attention.works.__wrapped__(DEVICE, torch.float32, 16) is None
+    assert "merged by a second kernel" in caplog.text and "float64 attention instead" not in caplog.text
+    assert fixed_attention._arrival_counts(torch.device(DEVICE), 1) is None
 
 
 def test_a_query_that_sees_no_key_gets_zeros():
@@ -173,6 +219,7 @@ def test_a_kernel_that_fails_or_miscomputes_here_leaves_float64_attention(
 
     fixed_attention.works.cache_clear()
     monkeypatch.setattr(fixed_attention, "attend", broken)
+    monkeypatch.setattr(fixed_attention, "_last_merges_failed", set())  # the check tries both mergings
     try:
         assert not fixed_attention.serves(kernel_pair.target)
         assert not StaticLM(kernel_pair.target, 0).fixed_attention

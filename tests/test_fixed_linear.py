@@ -13,7 +13,7 @@ from decode_case import DEVICE, TRITON_KERNELS, engine_outputs, feed_ragged
 from torch import nn
 
 from pipeline.decode.static_lm import StaticLM
-from pipeline.models import fixed_attention, fixed_linear
+from pipeline.models import arrivals, fixed_attention, fixed_linear
 from pipeline.models.loading import ModelRef, load_pair
 
 pytestmark = TRITON_KERNELS
@@ -62,7 +62,7 @@ def test_the_last_part_adds_the_parts_as_a_second_kernel_does(dtype, rows, monke
     last = fixed_linear.product(x, weight, b)
     assert torch.equal(last, fixed_linear._multiply(x, weight, b, last_adds=False))
     assert not counts.any()
-    assert fixed_linear._arrival_counts(x.device, fixed_linear.COUNTERS + 1) is None  # too many tiles
+    assert fixed_linear._arrival_counts(x.device, arrivals.SIZE + 1) is None  # too many tiles
 
 
 def test_where_the_last_part_cannot_add_a_second_kernel_adds(monkeypatch, caplog):

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.models import fixed_attention, fixed_linear
+from pipeline.models import arrivals, fixed_attention, fixed_linear
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -67,12 +67,14 @@ def _product_launches(rows: int, outputs: int, inner: int, bias: bool, dtype=tor
     count = fixed_linear.parts(outputs, inner)[0]
     out = torch.empty((rows, outputs), dtype=dtype)
     sums = out if count == 1 else torch.empty((count, rows, outputs))
-    counts = torch.zeros(fixed_linear.COUNTERS, dtype=torch.int32) if last_adds else None
+    counts = torch.zeros(arrivals.SIZE, dtype=torch.int32) if last_adds else None
     b = torch.empty(outputs, dtype=dtype) if bias else None
     return fixed_linear.launches(x, weight, b, sums, out, counts, gpu=True)
 
 
-def _attention_launches(slots, width, heads, kv_heads, dim, length, dtype=torch.bfloat16):
+def _attention_launches(slots, width, heads, kv_heads, dim, length, dtype=torch.bfloat16, last_merges=True):
+    """Attention's launches as on a GPU, a tile's chunks merged by its last chunk (`last_merges`)
+    or by a second kernel."""
     query = torch.empty((slots, heads, width, dim), dtype=dtype)
     key, value = (torch.empty((slots, kv_heads, length, dim), dtype=dtype) for _ in range(2))
     counts = torch.empty((slots, width), dtype=torch.int32)
@@ -80,7 +82,8 @@ def _attention_launches(slots, width, heads, kv_heads, dim, length, dtype=torch.
     parts = (slots, kv_heads, tiles, -(-length // fixed_attention.CHUNK), fixed_attention.ROWS)
     sums = (torch.empty(parts), torch.empty(parts), torch.empty((*parts, dim)))
     out = torch.empty((slots, width, heads, dim), dtype=dtype)
-    return fixed_attention.launches(query, key, value, counts, sums, out, dim**-0.5, gpu=True)
+    arrived = torch.zeros(arrivals.SIZE, dtype=torch.int32) if last_merges else None
+    return fixed_attention.launches(query, key, value, counts, sums, out, arrived, dim**-0.5, gpu=True)
 
 
 @pytest.mark.parametrize("last_adds", [True, False])
@@ -91,13 +94,15 @@ def test_a_product_compiles_one_program_whatever_its_rows(outputs, inner, bias, 
         assert _programs(_product_launches(rows, outputs, inner, bias, last_adds=last_adds)) == alone, rows
 
 
+@pytest.mark.parametrize("last_merges", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(12, 2, 128), (9, 3, 64)])  # the 1.5B's, SmolLM2-135M's
-def test_attention_compiles_one_program_whatever_the_pass(heads, kv_heads, dim):
+def test_attention_compiles_one_program_whatever_the_pass(heads, kv_heads, dim, last_merges):
     """A query's program may follow neither the pass's width, nor its slots, nor the cache's
     length (which the slots' sizing sets: a speculative job reserves room for its drafts)."""
-    alone = _programs(_attention_launches(1, 1, heads, kv_heads, dim, 449))
+    alone = _programs(_attention_launches(1, 1, heads, kv_heads, dim, 449, last_merges=last_merges))
     for slots, width, length in [(1, 2, 449), (3, 8, 449), (64, 16, 449), (1, 1, 200), (2, 4, 4000)]:
-        assert _programs(_attention_launches(slots, width, heads, kv_heads, dim, length)) == alone
+        planned = _attention_launches(slots, width, heads, kv_heads, dim, length, last_merges=last_merges)
+        assert _programs(planned) == alone
 
 
 def _compile_all(dtype: torch.dtype) -> None:
@@ -107,6 +112,7 @@ def _compile_all(dtype: torch.dtype) -> None:
     planned += _product_launches(16, 1536, 1536, True, dtype, last_adds=False)  # the second kernel adding
     for heads, kv_heads, dim in [(12, 2, 128), (9, 3, 64)]:
         planned += _attention_launches(2, 4, heads, kv_heads, dim, 449, dtype)
+        planned += _attention_launches(2, 4, heads, kv_heads, dim, 449, dtype, last_merges=False)
     for kernel, _, arguments, settings in planned:
         compiled = _compile(kernel, arguments, settings)
         assert compiled.asm["cubin"], kernel

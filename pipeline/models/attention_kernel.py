@@ -5,8 +5,11 @@ slot's pass whose heads share the key/value head, in order. `attend_chunks` runs
 tile and CHUNK of the slot's positions (the split of flash-decoding, so that one slot's long
 context is read by many programs at once): it reads that chunk's keys and values in blocks of
 BLOCK, in order, with an online softmax in float32, each row masked past its own `visible` count,
-and writes the chunk's running maximum, sum and weighted values. `combine` then merges a tile's
-chunks in order. A row's arithmetic is its own: a tile's products compute each row from that row
+and writes the chunk's running maximum, sum and weighted values. A tile's chunks are then merged
+in order (`merge_chunks`): with LAST_MERGES by the tile's last chunk to finish, which counts the
+chunks done in `counts` (an arrival counter a tile, left at zero for the next launch; the
+pattern of `linear_kernel`'s split products), else by a second kernel, `combine`; the same code
+either way, so the same bits. A row's arithmetic is its own: a tile's products compute each row from that row
 alone, with fixed shapes, and its sums run over the same chunks and blocks whatever the other rows
 are, so a query gets the same bits in a pass of 1 token or 16, of 1 slot or 64, whatever the
 slots' length. Keys are read once per tile and chunk rather than once per query: a batch-64 verify
@@ -36,6 +39,8 @@ def attend_chunks(
     top_ptr,
     total_ptr,
     acc_ptr,
+    out_ptr,
+    counts_ptr,
     q_slot,
     q_head,
     q_token,
@@ -45,6 +50,9 @@ def attend_chunks(
     v_slot,
     v_head,
     v_position,
+    out_slot,
+    out_token,
+    out_head,
     kv_heads,
     tiles,
     chunks,
@@ -57,6 +65,7 @@ def attend_chunks(
     CHUNK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    LAST_MERGES: tl.constexpr,
 ):
     slot = tl.program_id(0)
     kv = tl.program_id(1)
@@ -109,6 +118,17 @@ def attend_chunks(
         tl.store(top_ptr + part * ROWS + r, top)
         tl.store(total_ptr + part * ROWS + r, total)
         tl.store(acc_ptr + (part * ROWS + r[:, None]) * DIM + d[None, :], acc)
+    if LAST_MERGES:
+        # Counted done only once every thread's sums are stored (a chunk past every row's keys
+        # counts too); the count releases them to the GPU and, for the last chunk, acquires the others'.
+        tl.debug_barrier()
+        counter = counts_ptr + (slot * kv_heads + kv) * tiles + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == chunks - 1:
+            tl.debug_barrier()
+            merge_chunks(visible_ptr, top_ptr, total_ptr, acc_ptr, out_ptr, out_slot, out_token, out_head,
+                         slot, kv, tile, kv_heads, tiles, chunks, group, width,
+                         DIM, ROWS, CHUNK, ".cg")  # fmt: skip
+            tl.store(counter, 0)  # for the next launch, which runs after this one ends
 
 
 @triton.jit(do_not_specialize=PASS_SHAPE)
@@ -130,9 +150,19 @@ def combine(
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    kv = tl.program_id(1)
-    tile = tl.program_id(2)
+    merge_chunks(visible_ptr, top_ptr, total_ptr, acc_ptr, out_ptr, out_slot, out_token, out_head,
+                 tl.program_id(0), tl.program_id(1), tl.program_id(2), kv_heads, tiles, chunks, group, width,
+                 DIM, ROWS, CHUNK, "")  # fmt: skip
+
+
+@triton.jit
+def merge_chunks(
+    visible_ptr, top_ptr, total_ptr, acc_ptr, out_ptr, out_slot, out_token, out_head,
+    slot, kv, tile, kv_heads, tiles, chunks, group, width,
+    DIM: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """A tile's chunks merged in order, each row's own sums, into its output (`CACHE` ".cg":
+    read from L2, where the other programs' chunks are)."""
     row = tile * ROWS + tl.arange(0, ROWS)
     real = row < width * group
     token = row // group
@@ -145,9 +175,9 @@ def combine(
     acc = tl.zeros((ROWS, DIM), tl.float32)
     for chunk in range(0, tl.cdiv(tl.max(seen, axis=0), CHUNK)):  # in order, each row's own sums
         part = ((slot * kv_heads + kv) * tiles + tile) * chunks + chunk
-        their_top = tl.load(top_ptr + part * ROWS + r)
-        their_total = tl.load(total_ptr + part * ROWS + r)
-        their_acc = tl.load(acc_ptr + (part * ROWS + r[:, None]) * DIM + d[None, :])
+        their_top = tl.load(top_ptr + part * ROWS + r, cache_modifier=CACHE)
+        their_total = tl.load(total_ptr + part * ROWS + r, cache_modifier=CACHE)
+        their_acc = tl.load(acc_ptr + (part * ROWS + r[:, None]) * DIM + d[None, :], cache_modifier=CACHE)
         new_top = tl.maximum(top, their_top)
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)
         ours, theirs = tl.exp(top - shift), tl.exp(their_top - shift)

@@ -25,6 +25,8 @@ import logging
 
 import torch
 
+from pipeline.models import arrivals
+
 log = logging.getLogger(__name__)
 
 # Keys per step of a tile's program: part of the order a query's sums take, so fixed.
@@ -36,6 +38,11 @@ ROWS = 16
 CHUNK = 256
 # Tests set it: the static path attends with the kernel on a CPU too, run by Triton's interpreter.
 CPU_INTERPRETED = False
+# A tile's chunks merged by its last chunk to finish, in one launch, rather than by a second
+# kernel (`attention_kernel`): the same bits either way, one launch fewer a layer. `works` turns
+# it off on a device where it fails the check and the second kernel passes.
+LAST_MERGES = True
+_last_merges_failed: set[str] = set()  # devices where `works` found the last chunk's merging wrong
 
 
 @functools.cache
@@ -61,33 +68,47 @@ def serves(model: torch.nn.Module) -> bool:
 
 @functools.cache
 def works(device: str, dtype: torch.dtype, dim: int) -> str | None:
-    """Why the kernel cannot attend here (None: it can), from one small call checked against
-    float64 attention. Why: a Triton or driver the kernel does not compile on, or miscomputes
-    on, must cost a job its speed only (the float64 attention then), never its outputs or its
-    start (a failed compile would fail every pass, graphs or not)."""
+    """Why the kernel cannot attend here (None: it can), from one small call over two chunks
+    checked against float64 attention and against the chunks merged by a second kernel. Why: a
+    Triton or driver the kernel does not compile on, or miscomputes on, must cost a job its speed
+    only, never its outputs or its start (a failed compile would fail every pass, graphs or not):
+    where only the last chunk's merging fails, the second kernel merges (`LAST_MERGES`); where
+    more fails, the float64 attention runs."""
+    reason = _check(device, dtype, dim)
+    if reason is not None and _arrival_counts(torch.device(device), 1) is not None:
+        log.warning(
+            "fixed-order attention on %s (%s): %s; chunks merged by a second kernel", device, dtype, reason
+        )
+        _last_merges_failed.add(device)
+        reason = _check(device, dtype, dim)
+    if reason is not None:
+        log.warning(
+            "fixed-order attention kernel not used on %s (%s): %s; float64 attention instead",
+            device,
+            dtype,
+            reason,
+        )
+    return reason
+
+
+def _check(device: str, dtype: torch.dtype, dim: int) -> str | None:
     generator = torch.Generator().manual_seed(0)
     query, key, value = (
         torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
-        for shape in ((2, 4, 3, dim), (2, 2, 80, dim), (2, 2, 80, dim))
+        for shape in ((2, 4, 3, dim), (2, 2, CHUNK + 44, dim), (2, 2, CHUNK + 44, dim))
     )
-    visible = torch.tensor([[70, 71, 72], [1, 2, 80]], device=device)
+    visible = torch.tensor([[CHUNK + 10, CHUNK + 11, CHUNK + 12], [1, 2, CHUNK + 44]], device=device)
     try:
-        out = attend(query, key, value, visible, dim**-0.5).double()
+        out = attend(query, key, value, visible, dim**-0.5)
+        if not torch.equal(_attend(query, key, value, visible, dim**-0.5, last_merges=False), out):
+            return "the last chunk's merging differs from the second kernel's"
     except Exception as error:  # noqa: BLE001 - any failure of the kernel means: not here
-        reason = f"{type(error).__name__}: {error}"[:300]
-    else:
-        expected = reference(query, key, value, visible, dim**-0.5)
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        if torch.allclose(out, expected, atol=tolerance, rtol=tolerance):
-            return None
-        reason = f"its result is {(out - expected).abs().max().item():.2e} from float64 attention's"
-    log.warning(
-        "fixed-order attention kernel not used on %s (%s): %s; float64 attention instead",
-        device,
-        dtype,
-        reason,
-    )
-    return reason
+        return f"{type(error).__name__}: {error}"[:300]
+    expected = reference(query, key, value, visible, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    if torch.allclose(out.double(), expected, atol=tolerance, rtol=tolerance):
+        return None
+    return f"its result is {(out.double() - expected).abs().max().item():.2e} from float64 attention's"
 
 
 def used(model: torch.nn.Module) -> bool:
@@ -126,6 +147,19 @@ def attend(
     a kv head in groups); visible [slots, width] integers. Returns [slots, width, heads, dim] in
     the query's dtype, as `transformers`' attention functions do. An op of its own so that a
     compiled pass (`torch.compile`) calls it as it is."""
+    return _attend(query, key, value, visible, scale)
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    last_merges: bool = True,
+) -> torch.Tensor:
+    """`attend`, a tile's chunks merged by its last chunk where `last_merges` and the device
+    allows (`_arrival_counts`), else by a second kernel (`works` compares the two)."""
     slots, heads, width, dim = query.shape
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     counts = visible.to(torch.int32).contiguous()
@@ -134,11 +168,21 @@ def attend(
     top, total = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))
     acc = torch.empty((*parts, dim), dtype=torch.float32, device=query.device)
     out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
+    arrived = _arrival_counts(query.device, slots * key.shape[1] * tiles) if last_merges else None
+    chunk_sums = (top, total, acc)
     for kernel, grid, arguments, settings in launches(
-        query, key, value, counts, (top, total, acc), out, scale, query.is_cuda
+        query, key, value, counts, chunk_sums, out, arrived, scale, query.is_cuda
     ):
         kernel[grid](*arguments, **settings)
     return out
+
+
+def _arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The arrival counters (`arrivals`) where the last chunk merges on `device` (None: a second
+    kernel merges)."""
+    if not LAST_MERGES or str(device) in _last_merges_failed:
+        return None
+    return arrivals.counters(device, needed)
 
 
 def _tiles(width: int, group: int) -> int:
@@ -156,14 +200,16 @@ def launches(
     counts: torch.Tensor,
     chunk_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     out: torch.Tensor,
+    arrived: torch.Tensor | None,
     scale: float,
     gpu: bool,
 ) -> list[tuple]:
     """`attend`'s kernel launches, (kernel, grid, arguments, settings) each: the chunks' sums
-    (`chunk_sums`: running maximum, sum and weighted values) then their merge into `out`; `gpu`:
-    as on a GPU (tensor cores), else as the interpreter runs them. One owner of the arguments, so
-    that tests/test_kernel_programs.py can ask Triton which program each launch would compile
-    for a GPU, on a machine without one."""
+    (`chunk_sums`: running maximum, sum and weighted values) merged into `out` by each tile's
+    last chunk, counted in `arrived` (zeros, one a tile), or with `arrived` None by a second
+    kernel; `gpu`: as on a GPU (tensor cores), else as the interpreter runs them. One owner of
+    the arguments, so that tests/test_kernel_programs.py can ask Triton which program each
+    launch would compile for a GPU, on a machine without one."""
     from pipeline.models import attention_kernel
 
     slots, heads, width, dim = query.shape
@@ -173,24 +219,30 @@ def launches(
     shape = (kv_heads, tiles, chunks, group, width)
     # float32 products in float32 (not TF32), bf16 ones on the tensor cores; the interpreter's in float32
     exact = query.dtype == torch.float32 or not gpu
-    attend_arguments = (query, key, value, counts, *chunk_sums, *query.stride()[:3], *key.stride()[:3])
-    attend_arguments += (*value.stride()[:3], *shape, scale)
-    precision = dict(PRECISION="ieee" if exact else "tf32", UPCAST=not gpu)
+    last_merges = arrived is not None
+    attend_arguments = (query, key, value, counts, *chunk_sums, out, arrived if last_merges else counts)
+    attend_arguments += (
+        *query.stride()[:3],
+        *key.stride()[:3],
+        *value.stride()[:3],
+        *out.stride()[:3],
+        *shape,
+        scale,
+    )
+    precision = dict(PRECISION="ieee" if exact else "tf32", UPCAST=not gpu, LAST_MERGES=last_merges)
     settings = dict(DIM=dim, ROWS=ROWS, CHUNK=CHUNK)
-    return [
+    planned = [
         (
             attention_kernel.attend_chunks,
             (slots, kv_heads, tiles * chunks),
             attend_arguments,
             dict(settings, BLOCK=BLOCK, **precision),
-        ),
-        (
-            attention_kernel.combine,
-            (slots, kv_heads, tiles),
-            (counts, *chunk_sums, out, *out.stride()[:3], *shape),
-            settings,
-        ),
+        )
     ]
+    if not last_merges:
+        combine_arguments = (counts, *chunk_sums, out, *out.stride()[:3], *shape)
+        planned.append((attention_kernel.combine, (slots, kv_heads, tiles), combine_arguments, settings))
+    return planned
 
 
 @attend.register_fake

@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from pipeline.models import fixed_attention, streamed
+from pipeline.models import arrivals, fixed_attention, streamed
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,6 @@ WARPS, STAGES = 4, 4
 # of a 1.5B layer's 7). Free as the launch settings are; `works` turns it off on a device where
 # it fails the check and the second kernel passes.
 LAST_ADDS = True
-# Arrival counters a device keeps for split products, zero between launches: a product of up to
-# 4,096 rows (256 row tiles × at most 170 output tiles, past which a product is not split).
-COUNTERS = 1 << 16
-_counters: dict[str, torch.Tensor] = {}
 _last_adds_failed: set[str] = set()  # devices where `works` found the last part's adding wrong
 
 
@@ -96,17 +92,11 @@ def _multiply(
 
 
 def _arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's arrival counters where the last part adds and they are enough for `needed`
-    tiles (None: a second kernel adds). Made once a device, never inside a CUDA graph's capture,
-    where the buffer would be the graph's (`works` makes it as the model loads)."""
+    """The arrival counters (`arrivals`) where the last part adds on `device` (None: a second
+    kernel adds)."""
     if not LAST_ADDS or str(device) in _last_adds_failed:
         return None
-    counts = _counters.get(str(device))
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _counters[str(device)] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return counts if needed <= counts.numel() else None
+    return arrivals.counters(device, needed)
 
 
 def launches(
