@@ -77,7 +77,7 @@ def attend_chunks(
     head = kv * group + row % group
     seen = tl.load(visible_ptr + slot * width + token, mask=real, other=0)
     last = tl.max(seen, axis=0)
-    if chunk * CHUNK < last:  # a chunk past every row's keys: `combine` never reads it
+    if chunk * CHUNK < last:  # a chunk past every row's keys: the merge never reads it
         d = tl.arange(0, DIM)
         q_at = q_ptr + slot * q_slot + head[:, None] * q_head + token[:, None] * q_token + d[None, :]
         q = tl.load(q_at, mask=real[:, None], other=0.0)
