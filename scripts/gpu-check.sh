@@ -93,12 +93,13 @@ EOF
         tests/test_static_lm.py tests/test_fusion.py tests/test_fixed_attention.py tests/test_fixed_linear.py 2>&1 |
         tee "$res/tests-static.log" | tail -15
     # the fixed-order attention kernel alone against the float64 attention it replaced, the
-    # 1.5B target's shapes, batch 1 and 64, 400 and 4,000 cached tokens (the dry run: a small check in Triton's interpreter)
+    # 1.5B target's shapes, batch 1 and 64, 400 and 4,000 cached tokens, beside its chunks merged
+    # by a second kernel and chunks of 64 and 128 positions (the dry run: a small check in Triton's interpreter)
     echo "== attention alone ($(date +%T))"
     if [ -n "${DRY:-}" ]; then
-        TRITON_INTERPRET=1 timeout 60 python3 scripts/gpu_attention.py --batches 1,2 --contexts 40 --out "$res/attention.txt"
+        TRITON_INTERPRET=1 timeout 60 python3 scripts/gpu_attention.py --batches 1,2 --contexts 40 --chunks 64 --out "$res/attention.txt"
     else
-        timeout 60 python3 scripts/gpu_attention.py --out "$res/attention.txt"
+        timeout 90 python3 scripts/gpu_attention.py --out "$res/attention.txt"
     fi 2>&1 | tail -16
     # the fixed-order products alone against the padded row blocks they replaced and cuBLAS as
     # the rows come, the 1.5B target's weights at 1 to 256 rows

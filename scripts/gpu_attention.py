@@ -3,14 +3,17 @@ the float64 attention it replaced, on a target's shapes, at batch 1 and 64 and w
 16; and whether sampled queries get the same bits alone as in a batch-64 width-16 pass.
 
     python scripts/gpu_attention.py [--heads 12 --kv-heads 2 --dim 128 --contexts 400,4000]
-        [--batches 1,64] [--out FILE]
+        [--batches 1,64] [--chunks 64,128] [--out FILE]
 
 The defaults are the Qwen2.5-Coder-1.5B target's attention. Seconds are device time per call,
-medians of `triton.testing.do_bench`; the float64 attention is timed over a float64 cache, as
+medians of `triton.testing.do_bench_cudagraph`; the float64 attention is timed over a float64 cache, as
 the static path kept it before the kernel (docs/gpu.md). Without a GPU it runs the same steps
 on the CPU in Triton's interpreter (TRITON_INTERPRET=1, `gpu-check.sh`'s dry run), timed
 roughly: a check of the script, not of the kernel. Beside the kernel's time stands its time with
-a tile's chunks merged by a second kernel (`fixed_attention.LAST_MERGES` off).
+a tile's chunks merged by a second kernel (`fixed_attention.LAST_MERGES` off), and with `--chunks`
+the positions a program reads (`fixed_attention.CHUNK`, 256; a 400-token context at batch 1 makes
+only 4 programs) set otherwise. Calls are replayed in a CUDA graph, as the static path replays
+its passes.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ def main() -> None:
         help="cached tokens before the pass's (a long one: the split's case)",
     )
     parser.add_argument("--batches", default="1,64")
+    parser.add_argument(
+        "--chunks",
+        default="64,128",
+        help="other positions a program reads (fixed_attention.CHUNK) to time the kernel with",
+    )
     parser.add_argument("--out", type=Path)
     o = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,12 +96,20 @@ def compare(o: argparse.Namespace, device: str, context: int, slots: int, check:
         )
         # the chunks merged by a second kernel rather than by the last chunk (LAST_MERGES)
         second = partial(fixed_attention._attend, query, keys, values, visible, scale, last_merges=False)
-        ours, theirs, two = (timed(f, device) for f in (fixed, float64, second))
+        ours, theirs, two = (timed(f, device, graph=True) for f in (fixed, float64, second))
         gap = (fixed().double() - float64()[0].double()).abs().max().item()
+        # other chunk sizes (positions a program reads: more programs for a short context at batch 1)
+        by_chunk = []
+        for chunk in (int(c) for c in o.chunks.split(",") if c):
+            kept, fixed_attention.CHUNK = fixed_attention.CHUNK, chunk
+            try:
+                by_chunk.append(f"{chunk}: {timed(fixed, device, graph=True):.1f}")
+            finally:
+                fixed_attention.CHUNK = kept
         lines.append(
             f"context {context:>5} batch {slots:>2} width {width:>2}: fixed-order {ours:7.1f} (second "
-            f"kernel merging {two:7.1f}), float64 {theirs:7.1f} ({theirs / ours:.2f}x), "
-            f"largest difference {gap:.2e}"
+            f"kernel merging {two:7.1f}; chunks of {', '.join(by_chunk) or '-'}), float64 {theirs:7.1f} "
+            f"({theirs / ours:.2f}x), largest difference {gap:.2e}"
         )
     if check:  # the last pass (width 16): sampled queries alone, one token, one slot
         whole = fixed()
