@@ -76,7 +76,7 @@ def test_the_last_chunk_merges_the_chunks_as_a_second_kernel_does(dtype):
     )
     query = torch.randn(slots, heads, width, dim, generator=generator).to(DEVICE, dtype)
     ends = torch.tensor([[300, 301, 302, 303, 304], [7, 8, 9, length - 1, length]], device=DEVICE)
-    arrived = fixed_attention._arrival_counts(query.device, 1)
+    arrived = fixed_attention.LAST_MERGES.counters(query.device, 1)
     assert arrived is not None
     last = fixed_attention.attend(query, key, value, ends, dim**-0.5)
     assert torch.equal(last, fixed_attention._attend(query, key, value, ends, dim**-0.5, last_merges=False))
@@ -89,7 +89,7 @@ def test_the_last_chunk_merges_the_chunks_as_a_second_kernel_does(dtype):
         len(one) == 1
         and len(fixed_attention.launches(query, key, value, counts, sums, last, None, 0.25, False)) == 2
     )
-    assert fixed_attention._arrival_counts(query.device, arrivals.SIZE + 1) is None  # too many tiles
+    assert fixed_attention.LAST_MERGES.counters(query.device, arrivals.SIZE + 1) is None  # too many tiles
 
 
 def test_where_the_last_chunk_cannot_merge_a_second_kernel_merges(monkeypatch, caplog):
@@ -103,10 +103,10 @@ def test_where_the_last_chunk_cannot_merge_a_second_kernel_merges(monkeypatch, c
         return launches(query, key, value, counts, chunk_sums, out, arrived, scale, gpu)
 
     monkeypatch.setattr(fixed_attention, "launches", broken)
-    monkeypatch.setattr(fixed_attention, "_last_merges_failed", set())
+    monkeypatch.setattr(fixed_attention.LAST_MERGES, "failed", set())
     assert fixed_attention.works.__wrapped__(DEVICE, torch.float32, 16) is None
-    assert "merged by a second kernel" in caplog.text and "float64 attention instead" not in caplog.text
-    assert fixed_attention._arrival_counts(torch.device(DEVICE), 1) is None
+    assert "a second kernel adds" in caplog.text and "float64 attention instead" not in caplog.text
+    assert fixed_attention.LAST_MERGES.counters(torch.device(DEVICE), 1) is None
 
 
 def test_a_query_that_sees_no_key_gets_zeros():
@@ -219,7 +219,7 @@ def test_a_kernel_that_fails_or_miscomputes_here_leaves_float64_attention(
 
     fixed_attention.works.cache_clear()
     monkeypatch.setattr(fixed_attention, "attend", broken)
-    monkeypatch.setattr(fixed_attention, "_last_merges_failed", set())  # the check tries both mergings
+    monkeypatch.setattr(fixed_attention.LAST_MERGES, "failed", set())  # the check tries both mergings
     try:
         assert not fixed_attention.serves(kernel_pair.target)
         assert not StaticLM(kernel_pair.target, 0).fixed_attention

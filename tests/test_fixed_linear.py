@@ -54,7 +54,7 @@ def test_the_last_part_adds_the_parts_as_a_second_kernel_does(dtype, rows, monke
     weight = torch.randn(48, 1100, generator=generator).to(DEVICE, dtype)
     b = torch.randn(48, generator=generator).to(DEVICE, dtype)
     assert fixed_linear.parts(48, 1100)[0] == 3
-    counts = fixed_linear._arrival_counts(x.device, 1)
+    counts = fixed_linear.LAST_ADDS.counters(x.device, 1)
     assert counts is not None
     sums, out = torch.empty((3, rows, 48), device=DEVICE), torch.empty((rows, 48), device=DEVICE, dtype=dtype)
     assert len(fixed_linear.launches(x, weight, b, sums, out, counts, False)) == 1  # one launch
@@ -62,7 +62,7 @@ def test_the_last_part_adds_the_parts_as_a_second_kernel_does(dtype, rows, monke
     last = fixed_linear.product(x, weight, b)
     assert torch.equal(last, fixed_linear._multiply(x, weight, b, last_adds=False))
     assert not counts.any()
-    assert fixed_linear._arrival_counts(x.device, arrivals.SIZE + 1) is None  # too many tiles
+    assert fixed_linear.LAST_ADDS.counters(x.device, arrivals.SIZE + 1) is None  # too many tiles
 
 
 def test_where_the_last_part_cannot_add_a_second_kernel_adds(monkeypatch, caplog):
@@ -76,10 +76,10 @@ def test_where_the_last_part_cannot_add_a_second_kernel_adds(monkeypatch, caplog
         return launches(x, weight, bias, sums, out, counts, gpu)
 
     monkeypatch.setattr(fixed_linear, "launches", broken)
-    monkeypatch.setattr(fixed_linear, "_last_adds_failed", set())
+    monkeypatch.setattr(fixed_linear.LAST_ADDS, "failed", set())
     assert fixed_linear.works.__wrapped__(DEVICE, torch.float32) is None
-    assert "added by a second kernel" in caplog.text and "row blocks" not in caplog.text
-    assert fixed_linear._arrival_counts(torch.device(DEVICE), 1) is None
+    assert "a second kernel adds" in caplog.text and "row blocks" not in caplog.text
+    assert fixed_linear.LAST_ADDS.counters(torch.device(DEVICE), 1) is None
 
 
 def test_no_rows_make_no_outputs():
@@ -214,7 +214,7 @@ def test_a_kernel_that_fails_or_miscomputes_here_leaves_the_row_blocks(
 
     fixed_linear.works.cache_clear()
     monkeypatch.setattr(fixed_linear, "product", broken)
-    monkeypatch.setattr(fixed_linear, "_last_adds_failed", set())  # the check tries both addings
+    monkeypatch.setattr(fixed_linear.LAST_ADDS, "failed", set())  # the check tries both addings
     fixed_attention.CPU_INTERPRETED = True
     try:
         assert not fixed_linear.serves(kernel_pair.target)

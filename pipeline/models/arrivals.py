@@ -10,7 +10,12 @@ inside a CUDA graph's capture, where the buffer would be the graph's own memory.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
+
+log = logging.getLogger(__name__)
 
 # Counters a device: a product of up to 4,096 rows (256 row tiles × at most 170 output tiles,
 # past which a product is not split), attention over 64 slots × 16 tokens × 6 query heads a
@@ -28,3 +33,29 @@ def counters(device: torch.device, needed: int) -> torch.Tensor | None:
             return None
         buffer = _buffers[str(device)] = torch.zeros(SIZE, dtype=torch.int32, device=device)
     return buffer if needed <= buffer.numel() else None
+
+
+class LastAdds:
+    """Whether a kernel's last program to finish adds the others' sums: on (`on`, free as a
+    launch setting is) unless the loader's check found it wrong on a device (`failed`), where a
+    second kernel adds instead: the same bits, one launch more."""
+
+    def __init__(self) -> None:
+        self.on = True
+        self.failed: set[str] = set()
+
+    def counters(self, device: torch.device, needed: int) -> torch.Tensor | None:
+        """The arrival counters where the last program adds on `device` (None: a second kernel)."""
+        if not self.on or str(device) in self.failed:
+            return None
+        return counters(device, needed)
+
+    def checked(self, check: Callable[[], str | None], device: str, what: str) -> str | None:
+        """`check()`'s reason the kernel cannot run on `device` (None: it can), asked again with
+        a second kernel adding where it fails with the last program adding."""
+        reason = check()
+        if reason is not None and self.counters(torch.device(device), 1) is not None:
+            log.warning("%s on %s: %s; a second kernel adds the sums instead", what, device, reason)
+            self.failed.add(device)
+            reason = check()
+        return reason

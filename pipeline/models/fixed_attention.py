@@ -39,10 +39,8 @@ CHUNK = 256
 # Tests set it: the static path attends with the kernel on a CPU too, run by Triton's interpreter.
 CPU_INTERPRETED = False
 # A tile's chunks merged by its last chunk to finish, in one launch, rather than by a second
-# kernel (`attention_kernel`): the same bits either way, one launch fewer a layer. `works` turns
-# it off on a device where it fails the check and the second kernel passes.
-LAST_MERGES = True
-_last_merges_failed: set[str] = set()  # devices where `works` found the last chunk's merging wrong
+# kernel (`attention_kernel`): the same bits either way, one launch fewer a layer.
+LAST_MERGES = arrivals.LastAdds()
 
 
 @functools.cache
@@ -74,13 +72,9 @@ def works(device: str, dtype: torch.dtype, dim: int) -> str | None:
     only, never its outputs or its start (a failed compile would fail every pass, graphs or not):
     where only the last chunk's merging fails, the second kernel merges (`LAST_MERGES`); where
     more fails, the float64 attention runs."""
-    reason = _check(device, dtype, dim)
-    if reason is not None and _arrival_counts(torch.device(device), 1) is not None:
-        log.warning(
-            "fixed-order attention on %s (%s): %s; chunks merged by a second kernel", device, dtype, reason
-        )
-        _last_merges_failed.add(device)
-        reason = _check(device, dtype, dim)
+    reason = LAST_MERGES.checked(
+        lambda: _check(device, dtype, dim), device, f"fixed-order attention ({dtype})"
+    )
     if reason is not None:
         log.warning(
             "fixed-order attention kernel not used on %s (%s): %s; float64 attention instead",
@@ -159,7 +153,7 @@ def _attend(
     last_merges: bool = True,
 ) -> torch.Tensor:
     """`attend`, a tile's chunks merged by its last chunk where `last_merges` and the device
-    allows (`_arrival_counts`), else by a second kernel (`works` compares the two)."""
+    allows (`LAST_MERGES`), else by a second kernel (`works` compares the two)."""
     slots, heads, width, dim = query.shape
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     counts = visible.to(torch.int32).contiguous()
@@ -168,21 +162,13 @@ def _attend(
     top, total = (torch.empty(parts, dtype=torch.float32, device=query.device) for _ in range(2))
     acc = torch.empty((*parts, dim), dtype=torch.float32, device=query.device)
     out = torch.empty((slots, width, heads, dim), dtype=query.dtype, device=query.device)
-    arrived = _arrival_counts(query.device, slots * key.shape[1] * tiles) if last_merges else None
+    arrived = LAST_MERGES.counters(query.device, slots * key.shape[1] * tiles) if last_merges else None
     chunk_sums = (top, total, acc)
     for kernel, grid, arguments, settings in launches(
         query, key, value, counts, chunk_sums, out, arrived, scale, query.is_cuda
     ):
         kernel[grid](*arguments, **settings)
     return out
-
-
-def _arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The arrival counters (`arrivals`) where the last chunk merges on `device` (None: a second
-    kernel merges)."""
-    if not LAST_MERGES or str(device) in _last_merges_failed:
-        return None
-    return arrivals.counters(device, needed)
 
 
 def _tiles(width: int, group: int) -> int:

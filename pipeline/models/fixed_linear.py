@@ -47,10 +47,8 @@ PROGRAMS = 256
 WARPS, STAGES = 4, 4
 # A split product's parts added by the tile's last part to finish, in one launch, rather than by a
 # second kernel (`linear_kernel`): the same bits either way, one launch fewer a split product (5
-# of a 1.5B layer's 7). Free as the launch settings are; `works` turns it off on a device where
-# it fails the check and the second kernel passes.
-LAST_ADDS = True
-_last_adds_failed: set[str] = set()  # devices where `works` found the last part's adding wrong
+# of a 1.5B layer's 7).
+LAST_ADDS = arrivals.LastAdds()
 
 
 def parts(outputs: int, inner: int) -> tuple[int, int]:
@@ -74,7 +72,7 @@ def _multiply(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, last_adds: bool = True
 ) -> torch.Tensor:
     """`product`, its parts added by the last part where `last_adds` and the device allows
-    (`_arrival_counts`), else by a second kernel (`works` compares the two)."""
+    (`LAST_ADDS`), else by a second kernel (`works` compares the two)."""
     rows, inner = x.shape
     outputs = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -85,18 +83,10 @@ def _multiply(
         return out
     sums = out if count == 1 else torch.empty((count, rows, outputs), dtype=torch.float32, device=x.device)
     tiles = -(-rows // ROWS) * -(-outputs // BLOCK_N)
-    counts = _arrival_counts(x.device, tiles) if count > 1 and last_adds else None
+    counts = LAST_ADDS.counters(x.device, tiles) if count > 1 and last_adds else None
     for kernel, grid, arguments, settings in launches(x, weight, bias, sums, out, counts, x.is_cuda):
         kernel[grid](*arguments, **settings)
     return out
-
-
-def _arrival_counts(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The arrival counters (`arrivals`) where the last part adds on `device` (None: a second
-    kernel adds)."""
-    if not LAST_ADDS or str(device) in _last_adds_failed:
-        return None
-    return arrivals.counters(device, needed)
 
 
 def launches(
@@ -163,13 +153,7 @@ def works(device: str, dtype: torch.dtype) -> str | None:
     added by a second kernel. Why: a Triton or driver it does not compile on, or miscomputes on,
     must cost a job its speed only, never its outputs or its start: where only the last part's
     adding fails, the second kernel adds (`LAST_ADDS`); where more fails, the row blocks run."""
-    reason = _check(device, dtype)
-    if reason is not None and _arrival_counts(torch.device(device), 1) is not None:
-        log.warning(
-            "fixed-order products on %s (%s): %s; their parts added by a second kernel", device, dtype, reason
-        )
-        _last_adds_failed.add(device)
-        reason = _check(device, dtype)
+    reason = LAST_ADDS.checked(lambda: _check(device, dtype), device, f"fixed-order products ({dtype})")
     if reason is not None:
         log.warning("fixed-order products not used on %s (%s): %s; row blocks instead", device, dtype, reason)
     return reason
