@@ -36,17 +36,16 @@ def counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 
 class LastAdds:
-    """Whether a kernel's last program to finish adds the others' sums: on (`on`, free as a
-    launch setting is) unless the loader's check found it wrong on a device (`failed`), where a
-    second kernel adds instead: the same bits, one launch more."""
+    """Whether a kernel's last program to finish adds the others' sums: yes, unless the loader's
+    check found it wrong on a device (`failed`), where a second kernel adds instead: the same
+    bits, one launch more."""
 
     def __init__(self) -> None:
-        self.on = True
         self.failed: set[str] = set()
 
     def counters(self, device: torch.device, needed: int) -> torch.Tensor | None:
         """The arrival counters where the last program adds on `device` (None: a second kernel)."""
-        if not self.on or str(device) in self.failed:
+        if str(device) in self.failed:
             return None
         return counters(device, needed)
 
