@@ -548,7 +548,23 @@ def test_a_draining_batch_follows_the_batch_size_it_drained_from():
     assert both.judged == {8, 64} and not both.is_off(8) and both.is_off(40) and not both.is_off(4)
 
 
-def test_a_gated_engine_stays_lossless(case):
+def test_a_resting_gate_asks_in_no_round_and_probes_in_none_then_goes_on_as_it_was():
+    """The actor stood down (`StandDown`, its pairs slower): no round asks, not even where
+    drafting pays or a probe is due; taken up again, the gate judges as before it rested."""
+    gate = DraftingGate(probe_every=8, probe_share=1.0)
+    _run_gate(gate, 3, 40, drafting_rate=70.0, plain_rate=100.0)  # off at 3 rows, probes due
+    _run_gate(gate, 5, 10, drafting_rate=200.0, plain_rate=100.0)  # drafting pays at 5 rows
+    gate.resting = True
+    assert not any(_run_gate(gate, 3, 100, drafting_rate=70.0, plain_rate=100.0))
+    assert not any(_run_gate(gate, 5, 100, drafting_rate=200.0, plain_rate=100.0))
+    assert not gate.probing and 3 in gate.off and 5 not in gate.off
+    gate.resting = False
+    assert all(_run_gate(gate, 5, 8, drafting_rate=200.0, plain_rate=100.0))
+    assert any(_run_gate(gate, 3, 64, drafting_rate=70.0, plain_rate=100.0))  # its probes again
+
+
+@pytest.mark.parametrize("resting", [False, True])
+def test_a_gated_engine_stays_lossless(case, resting):
     """With drafting slower than plain decoding the gate stops asking mid-batch; the outputs are
     the target's own whichever rounds asked."""
     target, draft, tokenizer, prompts, eos, refs = case
@@ -556,9 +572,11 @@ def test_a_gated_engine_stays_lossless(case):
         target, draft, eos_token_ids=eos, pad_token_id=0, config=EngineConfig(drafter="auto", probe_every=4)
     )
     engine.gate.off.update(range(1, 9))  # as if every batch size had been judged slower drafting
+    engine.gate.resting = resting  # or the actor stood down: no round asks, none probes
     outputs, stats = engine.generate(prompts, MAX_NEW, batch_size=3)
     assert [o.tokens for o in outputs] == refs
     assert engine.gate.rounds.get((False, 3), 0) > 0  # rounds that asked nothing ran
+    assert (stats.asked_rounds == 0) == resting
 
 
 def _copier_rounds(

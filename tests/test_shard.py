@@ -219,3 +219,52 @@ def test_a_shard_that_drafted_nothing_records_no_acceptance_rate(tiny_pair_dirs,
     assert "no round drafted" in printed.output
     total = next(line for line in printed.output.splitlines() if line.startswith("TOTAL")).split()
     assert total[4] == "-", printed.output  # TOTAL rows err tokens alpha
+
+
+class DrafterClockedEngine(ClockedEngine):
+    """A ClockedEngine whose speculative decodes take `speculative` seconds (a hundredth more
+    each time: pairs that agree without being equal) and target-only ones `target_only`;
+    records whether the gate was resting at each call."""
+
+    def __init__(self, speculative: float, target_only: float):
+        super().__init__([])
+        self.times = {None: speculative, "none": target_only}
+        self.resting: list[bool] = []
+
+    def generate(self, prompts, max_new_tokens, sampling, *, drafter=None, **kwargs):
+        self.seconds = [self.times[drafter] * (1 + 0.01 * len(self.calls))]
+        self.resting.append(self.gate.resting)
+        return super().generate(prompts, max_new_tokens, sampling, drafter=drafter, **kwargs)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_an_actor_whose_pairs_measure_drafting_slower_stands_down_for_its_next_shards(
+    tiny_pair_dirs, tiny_models, tmp_path, adaptive
+):
+    """Drafting at 0.8x target-only: after the 2nd shard (two pairs, the first interval) the actor
+    decodes 2 shards without asking the drafters, then drafts again; each shard's stats and the
+    job's totals say which. A fixed gamma is the user's call: it never stands down."""
+    clean_corpus(Storage(str(tmp_path / "in")), shards=5, rows=4)
+    data = job_dict(tiny_pair_dirs, str(tmp_path / "in"), str(tmp_path / "out"), batch_size=4)
+    data["input"]["keep_columns"] = []
+    data["drafter"]["adaptive"] = adaptive
+    data["execution"].update(speedup_sample=0.25, speedup_sample_tokens=0, speedup_sample_budget=0.0)
+    engine = DrafterClockedEngine(speculative=1.0, target_only=0.8)
+    processor = ShardProcessor(spec_from_dict(data), engine, tiny_models[2])
+    records, resting = [], []
+    for s in range(5):
+        engine.resting = []
+        records.append(processor.process(str(tmp_path / "in" / f"part-{s:03d}.parquet"), f"part-{s:03d}"))
+        resting.append(set(engine.resting))
+    if not adaptive:
+        assert resting == [{False}] * 5 and all("stand_down" not in r for r in records)
+        assert job_totals(records)["shards_stood_down"] == 0
+        return
+    assert resting == [{False}, {False}, {True}, {True}, {False}]  # every decode of a shard alike
+    assert [r["stand_down"]["rested"] for r in records] == [False, False, True, True, False]
+    second, last = records[1]["stand_down"], records[4]["stand_down"]
+    assert second["pooled_ci95"][1] < 1 and second["rest_shards_left"] == 2
+    assert last["stand_downs"] == 1 and last["rested_shards"] == 2
+    assert job_totals(records)["shards_stood_down"] == 2
+    printed = CliRunner().invoke(main, ["stats", str(tmp_path / "out")])
+    assert "drafting stood down in 2 of 5 shards" in printed.output, printed.output

@@ -137,11 +137,16 @@ class DraftingGate:
     PLAIN_KEPT = 5  # plain rounds whose fastest is the plain rate
     # rows -> smoothed seconds a round spent asking the drafters, their model passes aside
     _asking: dict[int, float] = field(default_factory=dict)
+    # the actor stood down: its measured pairs lay wholly below 1 (`pipeline.job.speedup.StandDown`,
+    # whose own probe is a shard drafting again): no round asks, none probes
+    resting: bool = False
 
     def asks(self, rows: int) -> bool:
         """Should this round of `rows` rows ask the drafters?"""
-        self._since_switch += 1
         self.probing = False
+        if self.resting:
+            return False
+        self._since_switch += 1
         if self.is_off(rows):
             if self._probe_left:  # the last probe found nothing to draft yet: it goes on
                 self._probe_left -= 1

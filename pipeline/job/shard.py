@@ -25,7 +25,7 @@ from pipeline.decode.stats import BatchStats
 from pipeline.job.ids import id_key
 from pipeline.job.layout import shard_paths
 from pipeline.job.prompts import OverlongDocument, PromptBuilder
-from pipeline.job.speedup import sample_chunks
+from pipeline.job.speedup import StandDown, sample_chunks
 from pipeline.job.stats import UNREADABLE, ShardStats, SpeedupSample
 from pipeline.spec import JobSpec
 from pipeline.storage import ShardReadError, Storage, StorageError, open_shard
@@ -102,6 +102,9 @@ class ShardProcessor:
         # pairs this actor has timed: which half goes first alternates over all of them, not
         # within a shard, or a job of one-pair shards would time the same half first every time
         self.pairs = 0
+        # whether the actor drafts at all, judged after each shard by the pairs it measured;
+        # a fixed gamma (`drafter.adaptive: false`) is the user's call, as for the gate
+        self.stand_down = StandDown() if spec.drafter.adaptive and spec.drafter.kind != "none" else None
 
     # -- the unit of work ---------------------------------------------------------------------
 
@@ -143,7 +146,10 @@ class ShardProcessor:
 
         # a learning head trains on the rows of the shards before this one (`refine_head`)
         refined = self.engine.refine_head()
+        rested = self.engine.gate.resting = bool(self.stand_down and self.stand_down.resting)
         decoded, totals, sample = self._decode_measured([p.ids for p in prompts])
+        if self.stand_down:
+            self.stand_down.after_shard(sample.pair_seconds)
 
         out_rows = []
         for row, prompt, (output, latency) in zip(good, prompts, decoded):
@@ -172,6 +178,8 @@ class ShardProcessor:
         self.output.write_parquet(paths["outputs"], pa.Table.from_pylist(out_rows, schema=schema))
         self.output.write_parquet(paths["errors"], pa.Table.from_pylist(errors, schema=ERROR_SCHEMA))
         stats = self._stats(shard_url, name, rows, errors, totals, truncated, tokens_in, sample)
+        if self.stand_down:
+            stats.context["stand_down"] = self.stand_down.record(rested)
         if self.engine.learner:
             stats.context["head_online"] = refined
         stats.context.update(attempt=attempt, started=started, finished=time.time())

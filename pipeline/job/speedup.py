@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass, field
 
 FASTER, SLOWER, NO_DIFFERENCE = "faster", "slower", "no measurable difference"
 
@@ -74,6 +75,79 @@ def verdict(ci95: list[float] | None) -> str | None:
         return None
     low, high = ci95
     return FASTER if low > 1.0 else SLOWER if high < 1.0 else NO_DIFFERENCE
+
+
+@dataclass
+class StandDown:
+    """Whether an actor drafts at all, judged by the pairs it measured: once those since it last
+    took up drafting pool to an interval wholly below 1, it stands down for a few shards.
+
+    Why: `DraftingGate` judges drafting round by round, from whole rounds' rates, and keeps
+    asking where asking costs next to nothing beside a pass; a round's rate cannot see what a
+    speculative decode spends outside its rounds (a row admitted to the drafters, an output
+    joining the suffix drafter's corpus, the draft model catching up), nor the text changing
+    between the rounds it compares. The pairs time all of it, on the same rows both ways, and are
+    what the job's speedup is. A job whose drafts were seldom accepted ran at 0.74x target-only,
+    "slower", drafting from its first shard to its last.
+    So after each shard the actor pools the pairs measured since it last took up drafting (the
+    last `window` of them); where their interval lies wholly below 1 it stands down: the next
+    `first_rest` shards decode without asking the drafters, rounds as target-only's (the gate's
+    `resting`; the pairs go on timing what that path costs), and then it drafts again, its new
+    pairs judging afresh: the probe, a shard's worth of pairs at least. Each stand-down after
+    another rests twice as many shards, up to `longest_rest`; pairs that lie wholly above 1 set
+    it back to `first_rest`. Pairs whose interval holds 1 leave drafting on: a difference the
+    job cannot measure is the gate's to judge.
+    Lossless either way: standing down only stops drafts, which change how many tokens a pass
+    checks, never which.
+    """
+
+    first_rest: int = 2
+    longest_rest: int = 16
+    window: int = 32
+    # [speculative, target-only] seconds of the pairs measured since drafting last resumed
+    pairs: list[list[float]] = field(default_factory=list)
+    rest_left: int = 0  # shards still to decode stood down
+    next_rest: int = 2  # shards the next stand-down rests
+    stand_downs: int = 0
+    rested_shards: int = 0
+    pooled: dict | None = None  # what the pairs said at the last judgement (`paired_speedup`)
+
+    def __post_init__(self) -> None:
+        self.next_rest = self.first_rest
+
+    @property
+    def resting(self) -> bool:
+        """Whether the actor's next shard decodes without asking the drafters."""
+        return self.rest_left > 0
+
+    def after_shard(self, pairs: list[list[float]]) -> None:
+        """A shard's pairs, measured as it decoded (resting or not); judges the next shard."""
+        if self.resting:  # the pairs timed the stood-down path: they say nothing of drafting
+            self.rest_left -= 1
+            self.rested_shards += 1
+            return
+        self.pairs = (self.pairs + [list(p) for p in pairs])[-self.window :]
+        self.pooled = paired_speedup(self.pairs)
+        said = verdict(self.pooled["ci95"])
+        if said == SLOWER:
+            self.rest_left, self.pairs = self.next_rest, []
+            self.next_rest = min(2 * self.next_rest, self.longest_rest)
+            self.stand_downs += 1
+        elif said == FASTER:
+            self.next_rest = self.first_rest
+
+    def record(self, rested: bool) -> dict:
+        """For the shard's stats: whether it decoded stood down, and the actor's state after it."""
+        pooled = self.pooled or {}
+        return {
+            "rested": rested,
+            "rest_shards_left": self.rest_left,
+            "pairs_judged": len(self.pairs),
+            "pooled_measured": pooled.get("measured"),
+            "pooled_ci95": pooled.get("ci95"),
+            "stand_downs": self.stand_downs,
+            "rested_shards": self.rested_shards,
+        }
 
 
 def t975(df: int) -> float:

@@ -291,6 +291,12 @@ class JobTotals:
         seconds = sum(s.speedup.seconds for s in self.shards)
         return _rate(seconds, self.decoded.wall_seconds + seconds)
 
+    @property
+    def shards_stood_down(self) -> int:
+        """Shards an actor decoded without asking the drafters, its pairs having measured
+        drafting slower (`pipeline.job.speedup.StandDown`)."""
+        return sum(bool(s.context.get("stand_down", {}).get("rested")) for s in self.shards)
+
     def to_json(self) -> dict:
         decoded, sample = self.decoded, self.speedup
         measured = sample.measured
@@ -316,6 +322,7 @@ class JobTotals:
             "sample_rows": sample.sample_rows,
             "sample_identical_rows": sample.identical_rows,
             "sample_share": self.sample_share,
+            "shards_stood_down": self.shards_stood_down,
         }
 
 

@@ -145,6 +145,11 @@ def print_shard_table(stats: list[dict], failed: list[dict] | None = None) -> bo
             f"speedup sample: {sp['pairs']} pairs, median pair {_ratio(median)}; "
             f"measuring took {totals.sample_share:.0%} of the shards' time"
         )
+    if totals.shards_stood_down:
+        click.echo(
+            f"drafting stood down in {totals.shards_stood_down} of {len(records)} shards: the actor's "
+            f"pairs had measured it slower than target-only (taken up again after a rest)"
+        )
     if sample.identical_rows is not None:
         click.echo(
             f"target-only check: {sample.identical_rows}/{sample.sample_rows} sampled rows identical "
