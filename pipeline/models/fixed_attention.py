@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from pipeline.models import arrivals
+from pipeline.models import arrivals, child_check
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,17 @@ def works(device: str, dtype: torch.dtype, dim: int) -> str | None:
     Triton or driver the kernel does not compile on, or miscomputes on, must cost a job its speed
     only, never its outputs or its start (a failed compile would fail every pass, graphs or not):
     where only the last chunk's merging fails, the second kernel merges (`LAST_MERGES`); where
-    more fails, the float64 attention runs."""
-    reason = LAST_MERGES.checked(
-        lambda: _check(device, dtype, dim), device, f"fixed-order attention ({dtype})"
-    )
+    more fails, the float64 attention runs. On a GPU the check runs first in a child process
+    (`child_check`: a kernel that faults there would fail every later call of this one)."""
+    reason = None
+    if child_check.isolates(device):
+        reason = child_check.verdict(
+            f"{__name__}:works_in_child", device, str(dtype).removeprefix("torch."), str(dim)
+        )
+    if reason is None:
+        reason = LAST_MERGES.checked(
+            lambda: _check(device, dtype, dim), device, f"fixed-order attention ({dtype})"
+        )
     if reason is not None:
         log.warning(
             "fixed-order attention kernel not used on %s (%s): %s; float64 attention instead",
@@ -83,6 +90,11 @@ def works(device: str, dtype: torch.dtype, dim: int) -> str | None:
             reason,
         )
     return reason
+
+
+def works_in_child(device: str, dtype: str, dim: str) -> str | None:
+    """`works`, as `child_check` calls it in its child process (arguments as text)."""
+    return works(device, getattr(torch, dtype), int(dim))
 
 
 def _check(device: str, dtype: torch.dtype, dim: int) -> str | None:

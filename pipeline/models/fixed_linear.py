@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from pipeline.models import arrivals, fixed_attention, streamed
+from pipeline.models import arrivals, child_check, fixed_attention, streamed
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,22 @@ def works(device: str, dtype: torch.dtype) -> str | None:
     not) checked against float64, against their own rows alone and, split, against the parts
     added by a second kernel. Why: a Triton or driver it does not compile on, or miscomputes on,
     must cost a job its speed only, never its outputs or its start: where only the last part's
-    adding fails, the second kernel adds (`LAST_ADDS`); where more fails, the row blocks run."""
-    reason = LAST_ADDS.checked(lambda: _check(device, dtype), device, f"fixed-order products ({dtype})")
+    adding fails, the second kernel adds (`LAST_ADDS`); where more fails, the row blocks run.
+    On a GPU the check runs first in a child process (`child_check`: a kernel that faults
+    there would fail every later call of this one)."""
+    reason = None
+    if child_check.isolates(device):
+        reason = child_check.verdict(f"{__name__}:works_in_child", device, str(dtype).removeprefix("torch."))
+    if reason is None:
+        reason = LAST_ADDS.checked(lambda: _check(device, dtype), device, f"fixed-order products ({dtype})")
     if reason is not None:
         log.warning("fixed-order products not used on %s (%s): %s; row blocks instead", device, dtype, reason)
     return reason
+
+
+def works_in_child(device: str, dtype: str) -> str | None:
+    """`works`, as `child_check` calls it in its child process (arguments as text)."""
+    return works(device, getattr(torch, dtype))
 
 
 def _check(device: str, dtype: torch.dtype) -> str | None:
