@@ -267,9 +267,9 @@ def test_calibrate_command_prints_json_and_caches_it(tiny_pair_dirs, tmp_path, m
     assert "draft head step" in text and "of a width-1 target pass" in text
     assert "head" not in printed  # only when asked
     # how far from the limit: the pass's bandwidth beside the memory's own pace, measured here
-    roof = written["copy_bandwidth_gb_s"]
+    roof = written["read_bandwidth_gb_s"]
     share = written["bandwidth_gb_s"]["target"] / roof
-    assert roof > 0.5 and f"a copy of far more than the caches hold: {roof:.1f} GB/s" in text
+    assert roof > 0.5 and f"reading far more than the caches hold: {roof:.1f} GB/s" in text
     assert f"reads its weights at {share:.0%} of it" in text
 
     bad = CliRunner().invoke(main, ["calibrate", "--pair", "tiny", "--widths", "2,4"])

@@ -53,7 +53,7 @@ def measure_alternating(pairs: list[LoadedPair], *args, runs: int = 3, **kwargs)
         }
         kept = {k: first[k] for k in ("context", "draft_vocab")}
         result = summary(pair, passes, prefill, runs=runs, pair_name=first["pair"]["name"], **kept)
-        result["copy_bandwidth_gb_s"] = statistics.median(d["copy_bandwidth_gb_s"] for d in done)
+        result["read_bandwidth_gb_s"] = statistics.median(d["read_bandwidth_gb_s"] for d in done)
         result["seconds"] = time.perf_counter() - began
         merged.append(result)
     return merged
@@ -122,11 +122,11 @@ def format_table(result: dict[str, Any]) -> str:
                 else ""
             )
         )
-        roof = result.get("copy_bandwidth_gb_s")
-        if roof:  # how far from the limit: the machine's own copy, bytes read and written
+        roof = result.get("read_bandwidth_gb_s")
+        if roof:  # how far from the limit: the machine's own reading of a large tensor
             share = result["bandwidth_gb_s"]["target"] / roof
             lines.append(
-                f"the memory's pace, a copy of far more than the caches hold: {roof:.1f} GB/s; the "
+                f"the memory's pace, reading far more than the caches hold: {roof:.1f} GB/s; the "
                 f"target's width-1 pass reads its weights at {share:.0%} of it"
             )
     head = result.get("head")
