@@ -32,7 +32,7 @@ def test_a_check_that_passes_or_finds_the_kernel_wrong_answers_from_the_child_an
     assert child_check.verdict("child_check_targets:finds_it_wrong", "cpu") == wrong
 
 
-def test_a_check_that_faults_or_hangs_ends_the_child_only():
+def test_a_check_that_faults_or_hangs_ends_the_child_only_and_is_asked_again(home):
     reason = child_check.verdict("child_check_targets:faults", "cpu")
     assert reason.startswith("its check ended a child process (signal 6)")
     assert "illegal memory access" in reason  # the child's last words
@@ -40,6 +40,14 @@ def test_a_check_that_faults_or_hangs_ends_the_child_only():
     assert reason == "its check did not end within 3 s in a child process"
     # this process goes on using its device
     assert torch.ones(2).sum().item() == 2.0
+    # no answer is kept: perhaps a passing shortage, the next process asks again
+    assert not (home / "models" / "kernel-checks").exists()
+
+
+def test_an_unwritable_cache_costs_the_keeping_only(home):
+    (home / "models").mkdir()
+    (home / "models" / "kernel-checks").write_text("a file where the directory would go")
+    assert child_check.verdict("child_check_targets:passes", "cpu") is None
 
 
 def test_verdicts_are_kept_apart_by_check_and_arguments():
@@ -66,12 +74,12 @@ def test_the_loaders_checks_launch_no_kernel_where_the_child_found_one_faulting(
     monkeypatch.setattr(child_check, "isolates", lambda device: True)
     launched = []
     monkeypatch.setattr(kernel, "_check", lambda *a: launched.append(a))
-    monkeypatch.setattr(child_check, "_run", lambda *a: "its check ended a child process (signal 11): ")
+    faulted = (False, "its check ended a child process (signal 11): ")
+    monkeypatch.setattr(child_check, "_run", lambda *a: faulted)
     assert kernel.works("cpu", torch.float32, *args).startswith("its check ended a child process")
     assert launched == []
     kernel.works.cache_clear()
-    monkeypatch.setattr(child_check, "_run", lambda *a: None)
-    monkeypatch.setenv("PIPELINE_HOME", str(child_check.cache_dir()) + "-2")  # no kept verdict
+    monkeypatch.setattr(child_check, "_run", lambda *a: (True, None))
     assert kernel.works("cpu", torch.float32, *args) is None and len(launched) == 1
     kernel.works.cache_clear()
 

@@ -11,9 +11,11 @@ on a GPU are the ones that could fault. So on CUDA each check runs first in a ch
 (`verdict`), where a fault, a crash or a hang ends the child only; the parent then uses the
 kernel only where the child found it right, and checks it again itself.
 
-The child's verdict is kept on disk, keyed by the device's name, the torch and Triton versions,
+The child's answer is kept on disk, keyed by the device's name, the torch and Triton versions,
 the kernels' sources and the check's arguments, so a machine's actors pay it once (a process,
-CUDA's start and the kernels' compile, which Triton's own cache then keeps for the parent).
+CUDA's start and the kernels' compile, which Triton's own cache then keeps for the parent). A
+child that ended without an answer (a fault, a crash, a hang, perhaps a passing shortage of
+memory) is not kept: the next process asks again rather than lose the kernel for good.
 """
 
 from __future__ import annotations
@@ -47,27 +49,35 @@ def verdict(target: str, *args: str, timeout: float = TIMEOUT_S) -> str | None:
     None) fails in a child process, or why the child ended without an answer (None: the check
     passed there). Kept on disk per device, versions and kernel sources (`_key`)."""
     path = cache_dir() / "kernel-checks" / f"{_key(target, args)}.json"
-    if path.exists():
+    try:
         return json.loads(path.read_text())["reason"]
-    reason = _run(target, args, timeout)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"target": target, "args": list(args), "reason": reason}))
+    except (OSError, ValueError, KeyError):  # none kept (or unreadable): ask a child
+        pass
+    answered, reason = _run(target, args, timeout)
+    if answered:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"target": target, "args": list(args), "reason": reason}))
+        except OSError as error:  # a read-only cache: asked again next time, no harm
+            log.info("kernel check not kept at %s: %s", path, error)
     return reason
 
 
-def _run(target: str, args: tuple[str, ...], timeout: float) -> str | None:
+def _run(target: str, args: tuple[str, ...], timeout: float) -> tuple[bool, str | None]:
+    """(whether the child answered, the reason): a child that answered gives the check's own
+    reason; one that ended otherwise, how it ended."""
     env = {**os.environ, IN_CHILD: "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     command = [sys.executable, "-m", __name__, target, *args]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"its check did not end within {timeout:.0f} s in a child process"
+        return False, f"its check did not end within {timeout:.0f} s in a child process"
     answer = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
     if not answer or not answer[0].startswith("{"):
         tail = " ".join(done.stderr.strip().splitlines()[-3:])[-300:]
         how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
-        return f"its check ended a child process ({how}): {tail}"
-    return json.loads(answer[0])["reason"]
+        return False, f"its check ended a child process ({how}): {tail}"
+    return True, json.loads(answer[0])["reason"]
 
 
 def _key(target: str, args: tuple[str, ...]) -> str:
