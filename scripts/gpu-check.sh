@@ -174,6 +174,8 @@ EOF
     # every decoding test on CUDA takes another three minutes: the session's second call
     # (`tests -n 8`), or here with ALL_TESTS=1
     [ -n "${ALL_TESTS:-}" ] && step 200 tests $xdist
+    echo "== issue 37's lines from the reports ($(date +%T))"
+    python3 scripts/gpu_acceptance.py "$res" --pair $pair | tee "$res/acceptance.txt"
     echo "== done ($(date +%T))"
     pack
     ;;
@@ -219,6 +221,8 @@ smol)
     echo "== a round's host parts, auto at batch 64, the gate held open ($(date +%T))"
     timeout 90 python3 scripts/gpu_profile.py smollm2 "$res" --batch 64 --docs "$docs" --new 64 --drafter auto \
         --split-only --always-ask 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
+    echo "== issue 37's lines from the reports ($(date +%T))"
+    python3 scripts/gpu_acceptance.py "$res" | tee "$res/acceptance.txt"
     echo "== done ($(date +%T))"
     pack
     ;;
