@@ -43,13 +43,10 @@ def check(directory: Path, pair: str = PAIR) -> list[str]:
     smol1 = newest(directory, "*bench-*-smollm2-licenses-batch1.json")
     smol64 = newest(directory, "*bench-*-smollm2-licenses-batch64.json")
     job = newest(directory, "*tiny-job-*-ray.json")
-    machine = next((r["machine"] for r in (calibrate, stock) if r), None) or (bench1 or {}).get(
-        "meta", {}
-    ).get("machine")
-    out = [
-        f"issue 37 from {directory}: {machine.get('gpu') if machine else 'no machine named'}, commit "
-        f"{machine.get('git_commit') if machine else '?'}"
-    ]
+    machine = next((r["machine"] for r in (calibrate, stock) if r), None)
+    machine = machine or (bench1 or {}).get("meta", {}).get("machine") or {}
+    gpu, commit = machine.get("gpu") or "no GPU", machine.get("git_commit") or "?"
+    out = [f"issue 37 from {directory}: {gpu}, commit {commit}"]
 
     ours = rows(bench1, 1).get("ours target-only")
     rate = ours["tokens_per_second"] if ours else None
@@ -68,7 +65,7 @@ def check(directory: Path, pair: str = PAIR) -> list[str]:
             "bandwidth of a width-1 target pass",
             achieved
             and f"{achieved:,.0f} GB/s"
-            + (f", {share:.0%} of the {pace:,.0f} GB/s a read of 1 GiB reaches" if share else ""),
+            + (f", {share:.0%} of the {pace:,.0f} GB/s a large read reaches" if share else ""),
             share is not None and share >= 0.4,
             ">= 40% of the card's; here of the read, below its rated figure",
         )

@@ -72,8 +72,8 @@ def test_each_line_beside_its_bar(tmp_path):
     assert lines[0] == f"issue 37 from {tmp_path}: NVIDIA H200, commit abc1234"
     assert lines[1:] == [
         f"holds    {pair}, batch 1, target-only: 700 tok/s (bar: >= 600)",
-        "holds    bandwidth of a width-1 target pass: 2,800 GB/s, 67% of the 4,200 GB/s a read of "
-        "1 GiB reaches (bar: >= 40% of the card's; here of the read, below its rated figure)",
+        "holds    bandwidth of a width-1 target pass: 2,800 GB/s, 67% of the 4,200 GB/s a large read "
+        "reaches (bar: >= 40% of the card's; here of the read, below its rated figure)",
         "holds    target pass at widths 1, 8, 16, batch 1: w=1 1.10 ms, w=8 1.18 ms, w=16 1.20 ms: "
         "1.09x apart (bar: <= 1.15x)",
         "FAILS    draft step / target pass: 0.55 (bar: <= 0.4)",
