@@ -27,6 +27,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.models.pairs import cache_dir
@@ -42,6 +43,18 @@ SOURCES = ("linear_kernel.py", "attention_kernel.py", "fixed_linear.py", "fixed_
 def isolates(device: str) -> bool:
     """Whether checks on `device` run in a child first: a GPU's, outside such a child."""
     return device.startswith("cuda") and not os.environ.get(IN_CHILD)
+
+
+def first_in_child(
+    device: str, target: str, args: tuple[str, ...], check: Callable[[], str | None]
+) -> str | None:
+    """Why a kernel cannot run on `device` (None: it can): on a GPU, `target` called with `args`
+    in a child first (`verdict`), and only where the child found it right, `check()` here."""
+    if isolates(device):
+        reason = verdict(target, *args)
+        if reason is not None:
+            return reason
+    return check()
 
 
 def verdict(target: str, *args: str, timeout: float = TIMEOUT_S) -> str | None:

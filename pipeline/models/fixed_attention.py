@@ -73,15 +73,14 @@ def works(device: str, dtype: torch.dtype, dim: int) -> str | None:
     where only the last chunk's merging fails, the second kernel merges (`LAST_MERGES`); where
     more fails, the float64 attention runs. On a GPU the check runs first in a child process
     (`child_check`: a kernel that faults there would fail every later call of this one)."""
-    reason = None
-    if child_check.isolates(device):
-        reason = child_check.verdict(
-            f"{__name__}:works_in_child", device, str(dtype).removeprefix("torch."), str(dim)
-        )
-    if reason is None:
-        reason = LAST_MERGES.checked(
+    reason = child_check.first_in_child(
+        device,
+        f"{__name__}:works_in_child",
+        (device, str(dtype).removeprefix("torch."), str(dim)),
+        lambda: LAST_MERGES.checked(
             lambda: _check(device, dtype, dim), device, f"fixed-order attention ({dtype})"
-        )
+        ),
+    )
     if reason is not None:
         log.warning(
             "fixed-order attention kernel not used on %s (%s): %s; float64 attention instead",

@@ -155,11 +155,12 @@ def works(device: str, dtype: torch.dtype) -> str | None:
     adding fails, the second kernel adds (`LAST_ADDS`); where more fails, the row blocks run.
     On a GPU the check runs first in a child process (`child_check`: a kernel that faults
     there would fail every later call of this one)."""
-    reason = None
-    if child_check.isolates(device):
-        reason = child_check.verdict(f"{__name__}:works_in_child", device, str(dtype).removeprefix("torch."))
-    if reason is None:
-        reason = LAST_ADDS.checked(lambda: _check(device, dtype), device, f"fixed-order products ({dtype})")
+    reason = child_check.first_in_child(
+        device,
+        f"{__name__}:works_in_child",
+        (device, str(dtype).removeprefix("torch.")),
+        lambda: LAST_ADDS.checked(lambda: _check(device, dtype), device, f"fixed-order products ({dtype})"),
+    )
     if reason is not None:
         log.warning("fixed-order products not used on %s (%s): %s; row blocks instead", device, dtype, reason)
     return reason
