@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 from decode_case import (
     BATCH8_DRAFT,
@@ -836,6 +837,29 @@ def test_the_native_search_weighs_every_candidate_as_numpy_does_bit_for_bit(case
         assert native == arrays, trial
         compared += native[0].cap > 0 or native[0].gamma > 0
     assert compared > 200, "too few rounds chose to draft to compare their rates"
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_the_native_lay_out_writes_the_copies_arrays_numpy_writes(case, coarse):
+    """`search.cpp`'s `lay_out` fills `_Copies`' arrays (from uninitialized memory) with the very
+    numbers numpy's lays out: the drafts, every expected sum (in order, ==), the survivals, how
+    many chances each offer has, which columns hold one. A sum off in its last bit, a cell left
+    unwritten or a chance read past an offer's drafts fails it."""
+    lib = search.library()
+    if lib is None:
+        pytest.skip("search.cpp cannot be built here")
+    compared = 0
+    for trial, policy, options, _ in _random_rounds(case, coarse, 600):
+        if len(options.offers) == 1 or options.gamma_cap <= 0:
+            continue
+        native = _Copies(options.offers, options.gamma_cap, policy._survival, lib)
+        arrays = _Copies(options.offers, options.gamma_cap, policy._survival)
+        for name in ("tokens", "expected", "survivals", "survival_lengths", "held"):
+            mine, reference = getattr(native, name), getattr(arrays, name)
+            assert mine.dtype == reference.dtype and np.array_equal(mine, reference), (trial, name)
+        assert native.longest == arrays.longest, trial
+        compared += native.held.any()
+    assert compared > 200, "too few rounds with copies to compare"
 
 
 def test_the_environment_can_keep_the_search_in_numpy(monkeypatch, case):

@@ -710,7 +710,9 @@ class Policy:
 
 def _lay_out(offers: list[list[Offer]], gamma_cap: int, survival) -> _Copies | _LoneCopies:
     """A round's copies as `Policy.best` weighs them: a lone row's in Python, more rows' in arrays."""
-    return (_LoneCopies if len(offers) == 1 else _Copies)(offers, gamma_cap, survival)
+    if len(offers) == 1:
+        return _LoneCopies(offers, gamma_cap, survival)
+    return _Copies(offers, gamma_cap, survival, search.library())
 
 
 class _LoneCopies:
@@ -746,15 +748,13 @@ class _Copies:
     drafts offered up to `gamma_cap`, the expected tokens of its first k drafts, k = 0..., and
     its survival (P(it gains at least k tokens), k = 1..., `survival_lengths` of them known)."""
 
-    def __init__(self, offers: list[list[Offer]], gamma_cap: int, survival):
+    def __init__(self, offers: list[list[Offer]], gamma_cap: int, survival, lib: ctypes.CDLL | None = None):
+        """`lib`: `search.library()`, which lays the arrays out in one call (at 3 rows the
+        numpy below cost a round's lookups and search together, some twenty operations on
+        arrays of a few dozen numbers); None: the numpy, the reference."""
         rows, self.width = len(offers), max([1, *map(len, offers)])  # a column held by none: no offers
         self.offers = offers
-        self.tokens = np.zeros((rows, self.width), dtype=np.int64)
-        self.expected = np.ones((rows, self.width, gamma_cap + 1))
-        self.survivals = np.ones((rows, self.width, gamma_cap + 1))
-        self.survival_lengths = np.ones((rows, self.width), dtype=np.int64)
-        self.held = np.zeros((rows, self.width), dtype=bool)
-        self.columns = np.arange(self.width)  # an offer's column, for indexing [rows, offers, k]
+        shape, span = (rows, self.width), gamma_cap + 1  # span: k = 0..gamma_cap
         # Offers of one source and depth share their chances, a shorter one the first of a
         # longer one's (a head's are its own): each group's chances are asked for once, as deep
         # as its deepest offer, and every offer is written from its group's row of one table.
@@ -774,25 +774,50 @@ class _Copies:
                 elif drafts > deepest[group]:
                     deepest[group] = drafts
                 places.append((i, j, group, drafts))
-        if places:
-            chances = np.ones((len(firsts), gamma_cap + 1))  # past a group's last chance: unread
-            known_by_group = np.empty(len(firsts), dtype=np.int64)
-            for group, (offer, drafts) in enumerate(zip(firsts, deepest)):
-                own = survival(offer._replace(tokens=drafts), gamma_cap)
-                chances[group, : len(own)] = own
-                known_by_group[group] = len(own)
-            sums = np.cumsum(chances, axis=1)  # summed in order, as `sum` would
-            i, j, group, drafts = np.array(places, dtype=np.int64).T
-            group = group[:, None]
-            k = np.arange(gamma_cap + 1)[None, :]
-            most = known_by_group[group]
-            known = np.minimum(drafts[:, None] + 1, most)  # the chances each offer has
-            self.tokens[i, j] = drafts
-            self.expected[i, j] = sums[group, np.minimum(k, known - 1)]  # no more past its last chance
-            self.survivals[i, j] = np.where(k < known, chances[group, np.minimum(k, most - 1)], 1.0)
-            self.survival_lengths[i, j] = known[:, 0]
-            self.held[i, j] = True
+        chances: list[float] = []  # `span` a group, each group's: past its last chance, unread ones
+        known_by_group: list[int] = []
+        for offer, drafts in zip(firsts, deepest):
+            own = survival(offer._replace(tokens=drafts), gamma_cap)
+            chances += own
+            chances += [1.0] * (span - len(own))
+            known_by_group.append(len(own))
+        if lib is not None:
+            self.tokens = np.empty(shape, dtype=np.int64)
+            self.expected = np.empty((*shape, span))
+            self.survivals = np.empty((*shape, span))
+            self.survival_lengths = np.empty(shape, dtype=np.int64)
+            self.held = np.empty(shape, dtype=bool)
+            search.lay_out(lib, self, places, chances, known_by_group)
+        else:
+            self._lay_out(
+                places, np.array(chances).reshape(-1, span), np.array(known_by_group, dtype=np.int64)
+            )
+        self.columns = np.arange(self.width)  # an offer's column, for indexing [rows, offers, k]
         self.longest = int(self.tokens.max(initial=0))
+
+    def _lay_out(
+        self, places: list[tuple[int, int, int, int]], chances: np.ndarray, known_by_group: np.ndarray
+    ) -> None:
+        """The arrays from the offers' places and their groups' chances, in numpy."""
+        rows, depth = len(self.offers), chances.shape[1]
+        self.tokens = np.zeros((rows, self.width), dtype=np.int64)
+        self.expected = np.ones((rows, self.width, depth))
+        self.survivals = np.ones((rows, self.width, depth))
+        self.survival_lengths = np.ones((rows, self.width), dtype=np.int64)
+        self.held = np.zeros((rows, self.width), dtype=bool)
+        if not places:
+            return
+        sums = np.cumsum(chances, axis=1)  # summed in order, as `sum` would
+        i, j, group, drafts = np.array(places, dtype=np.int64).T
+        group = group[:, None]
+        k = np.arange(depth)[None, :]
+        most = known_by_group[group]
+        known = np.minimum(drafts[:, None] + 1, most)  # the chances each offer has
+        self.tokens[i, j] = drafts
+        self.expected[i, j] = sums[group, np.minimum(k, known - 1)]  # no more past its last chance
+        self.survivals[i, j] = np.where(k < known, chances[group, np.minimum(k, most - 1)], 1.0)
+        self.survival_lengths[i, j] = known[:, 0]
+        self.held[i, j] = True
 
     def source(self, row: int, offer: int) -> str:
         return self.offers[row][offer].source

@@ -73,6 +73,39 @@ double drain_advance(const Copies& copies, const std::vector<int64_t>& chosen, c
 
 extern "C" {
 
+// `policy._Copies`' arrays from its places, as its numpy lays them out (the reference): every
+// cell written, so the caller's arrays need no filling. `places`: each offer's row, column,
+// group and drafts; `chances`: each group's survival, `depth` a group, `known` of them read
+// (ones past them). A group's sums run in order, as numpy's cumsum adds.
+void lay_out(int64_t rows, int64_t width, int64_t depth, int64_t count, const int64_t* places, int64_t groups,
+             const double* chances, const int64_t* known, int64_t* tokens, double* expected, double* survivals,
+             int64_t* survival_lengths, uint8_t* held) {
+    std::fill(tokens, tokens + rows * width, 0);
+    std::fill(expected, expected + rows * width * depth, 1.0);
+    std::fill(survivals, survivals + rows * width * depth, 1.0);
+    std::fill(survival_lengths, survival_lengths + rows * width, 1);
+    std::fill(held, held + rows * width, 0);
+    std::vector<double> sums(groups * depth);
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t k = 0; k < depth; ++k) {
+            const double c = chances[g * depth + k];
+            sums[g * depth + k] = k == 0 ? c : sums[g * depth + k - 1] + c;
+        }
+    }
+    for (int64_t p = 0; p < count; ++p) {
+        const int64_t* place = places + 4 * p;
+        const int64_t cell = place[0] * width + place[1], g = place[2], drafts = place[3];
+        const int64_t most = known[g], reads = std::min(drafts + 1, most);
+        for (int64_t k = 0; k < depth; ++k) {
+            expected[cell * depth + k] = sums[g * depth + std::min(k, reads - 1)];
+            survivals[cell * depth + k] = k < reads ? chances[g * depth + std::min(k, most - 1)] : 1.0;
+        }
+        tokens[cell] = drafts;
+        survival_lengths[cell] = reads;
+        held[cell] = 1;
+    }
+}
+
 // `Policy.best` for `copies.rows` > 1 rows: the candidates (cap, gamma), caps 0..caps-1 each
 // with gammas 0..gammas-1, tried in that order; one replaces the best so far only where its
 // rate beats `best_rate` by the margin. Returns 1 and writes the best's cap, gamma and each

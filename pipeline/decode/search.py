@@ -1,5 +1,6 @@
 """The policy's search over a round's candidates in C++ (`search.cpp`): `Policy.best` for more
-than one row, every (cap, gamma) weighed row by row in one call.
+than one row, every (cap, gamma) weighed row by row in one call, and the copies' arrays it
+weighs laid out (`policy._Copies`) in another.
 
 Why: at 64 rows the search in numpy (`policy._Candidates`) took 0.5-0.7 ms a round, some forty
 array operations on arrays of a few hundred numbers, beside a captured GPU pass of a
@@ -38,6 +39,14 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     pointer, integer, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    lib.lay_out.restype = None
+    lib.lay_out.argtypes = [
+        *[integer] * 4,  # rows, width, depth, count
+        pointer,  # places
+        integer,  # groups
+        *[pointer] * 2,  # chances, known
+        *[pointer] * 5,  # tokens, expected, survivals, survival_lengths, held
+    ]
     lib.best_candidate.restype = integer
     lib.best_candidate.argtypes = [
         *[integer] * 3,  # rows, width, depth
@@ -59,6 +68,36 @@ def library() -> ctypes.CDLL | None:
         pointer,  # out_rate
     ]
     return lib
+
+
+def lay_out(
+    lib: ctypes.CDLL,
+    copies: _Copies,
+    places: list[tuple[int, int, int, int]],
+    chances: list[float],
+    known: list[int],
+) -> None:
+    """Fills `copies`' arrays (allocated, unfilled) from its offers' `places` (row, column,
+    group, drafts) and its groups' `chances` (`known` of each group's `depth` read, in one flat
+    list), as `_Copies`' numpy does."""
+    places_array = np.array(places, dtype=np.int64)
+    chances_array = np.array(chances, dtype=np.float64)
+    known_array = np.array(known, dtype=np.int64)
+    rows, width, depth = copies.expected.shape
+    lib.lay_out(
+        rows,
+        width,
+        depth,
+        len(places),
+        places_array.ctypes.data,
+        len(known),
+        chances_array.ctypes.data,
+        known_array.ctypes.data,
+        *(
+            a.ctypes.data
+            for a in (copies.tokens, copies.expected, copies.survivals, copies.survival_lengths, copies.held)
+        ),
+    )
 
 
 def best_candidate(
