@@ -289,14 +289,10 @@ class StaticLM(BatchedLM):
         graph = width_of(longest)
         return self.capacity * graph if graph else len(lengths) * longest
 
-    def sync(self, seqs: list[list[int]]) -> list[list[int]]:
-        """As `BatchedLM.sync`; rolling back is forgetting how many tokens are cached."""
-        unfed = []
-        for i, seq in enumerate(seqs):
-            keep = self._agreeing(i, seq)
-            del self.tokens[i][keep:]
-            unfed.append(seq[keep:])
-        return unfed
+    def _roll_back(self, row: int, keep: int) -> None:
+        """As `BatchedLM._roll_back`: forgetting how many tokens are cached (rejected ones are
+        overwritten in place)."""
+        del self.tokens[row][keep:]
 
     def select(self, rows: list[int]) -> None:
         self.row_slots = [self.row_slots[r] for r in rows]
