@@ -97,6 +97,26 @@ def test_copies_are_priced_by_how_their_acceptance_runs():
     assert runs.tried == [1.5] and runs.accepted == [1.0]
 
 
+def test_a_survival_is_asked_once_until_its_counts_change():
+    """`survival` keeps its answers (the policy asks for every source and depth every round)
+    only while they hold: a round observed, or counts set anew, gives what a fresh one gives."""
+
+    def fresh(runs):
+        return AcceptanceByPosition(
+            runs.prior, runs.weight, runs.decay, list(runs.tried), list(runs.accepted)
+        )
+
+    runs = AcceptanceByPosition(prior=0.4, weight=1.0, decay=0.9)
+    before = runs.survival(4)
+    assert runs.survival(4) is before and runs.survival(2) == fresh(runs).survival(2)
+    runs.observe([(4, 4), (1, 3)])
+    assert runs.survival(4) != before and runs.survival(4) == fresh(runs).survival(4)
+    runs.observe([])  # nothing drafted: nothing learnt, the same answers
+    assert runs.survival(4) == fresh(runs).survival(4)
+    runs.tried, runs.accepted = [10.0, 10.0], [0.0, 0.0]  # counts set anew (as tests do)
+    assert runs.survival(4) == fresh(runs).survival(4) and runs.survival(4)[1] < 0.1
+
+
 def test_a_draining_round_is_worth_how_far_it_brings_the_last_row_in():
     """With no prompt waiting, the batch ends when its row with most tokens left does."""
 

@@ -121,6 +121,8 @@ class AcceptanceByPosition:
     decay: float = 0.97
     tried: list[float] = field(default_factory=list)  # by position: drafts the target tested
     accepted: list[float] = field(default_factory=list)
+    # `survival`'s answers while `tried` and `accepted` are the lists they were computed from
+    _survivals: tuple | None = field(default=None, repr=False, compare=False)
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         """One round's rows: (accepted, drafted) each. A row tested its accepted drafts and the
@@ -151,10 +153,20 @@ class AcceptanceByPosition:
         return self.rates(position + 1)[-1]
 
     def survival(self, drafts: int) -> list[float]:
-        """P(a row verifying `drafts` drafts gains at least k tokens), k = 1..drafts+1."""
-        chances = [1.0]
-        for rate in self.rates(drafts):
-            chances.append(chances[-1] * rate)
+        """P(a row verifying `drafts` drafts gains at least k tokens), k = 1..drafts+1.
+
+        The same list for the same question until `observe` (which makes new lists of counts):
+        the policy asks it for every source and depth every round (at 64 rows, a tenth of its
+        choice), and reads it only."""
+        known = self._survivals
+        if known is None or known[0] is not self.tried or known[1] is not self.accepted:
+            known = self._survivals = (self.tried, self.accepted, {})
+        chances = known[2].get(drafts)
+        if chances is None:
+            chances = [1.0]
+            for rate in self.rates(drafts):
+                chances.append(chances[-1] * rate)
+            known[2][drafts] = chances
         return chances
 
 
@@ -345,7 +357,8 @@ class CostModel:
     def catch_up_time(self, step: int, catch_up: int) -> float:
         """Extra seconds a warm draft needs before its next proposal, beyond an ordinary step.
 
-        `step` is what an ordinary step costs in tokens (one per row), `catch_up` what the
+        `step` is what an ordinary step costs in tokens (as the draft's runner counts a pass of
+        one token a row: a static runner's every slot), `catch_up` what the
         first pass costs when rows must feed the tokens the draft has not seen. That only
         matters when some row fell more than the usual 1–2 tokens behind (rows served by
         prompt lookup for a while).
