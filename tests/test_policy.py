@@ -38,6 +38,7 @@ from pipeline.decode.policy import (
     _lay_out,
 )
 from pipeline.decode.settings import DRAFT_MODEL, HEAD, PROMPT_LOOKUP, SUFFIX, EngineConfig
+from pipeline.decode.static_lm import width_of
 
 
 def test_a_pass_size_measured_once_in_a_slow_spell_is_tried_again(case):
@@ -92,6 +93,24 @@ def _policy_with_costs(case, costs: CostModel, alpha: float, **config) -> Policy
     # a long history at exactly `alpha` at every position, outweighing the prior
     policy.model_rates = AcceptanceByPosition(prior=alpha, weight=1e9)
     return policy
+
+
+def test_a_draining_static_batch_prices_plain_passes_as_its_runner_measured_them(case):
+    """A static runner's pass computes every slot at its graph's width (`StaticLM.pass_tokens`):
+    5 rows left of 8 slots cost what 8 rows do, and that is the size their passes were measured
+    at. Priced as 5 tokens, plain decoding was never measured there, and every round of a
+    draining batch decoded plainly whatever its copies were worth."""
+    slots = 8
+    costs = measured_costs({slots * w: 0.001 * (1 + 0.02 * w) for w in (1, 2, 4, 8)}, {})
+    policy = _policy_with_costs(case, costs, alpha=0.5)
+    policy.copy_rates[(PROMPT_LOOKUP, 4)] = AcceptanceByPosition(prior=0.95, weight=1e6)
+    policy.target.pack = False
+    policy.target.pass_tokens = lambda lengths: slots * width_of(max(lengths))
+    rows = 5
+    offers = [[Offer(PROMPT_LOOKUP, 6, 4)] for _ in range(rows)]
+    choice = policy.choose(RoundOptions(offers, False, 6, rows * 40, 0.0, None))
+    assert choice.cap > 0 and set(choice.sources) == {PROMPT_LOOKUP}
+    assert policy._plain_bar(rows)[0] == pytest.approx(rows / 0.00102 * (1 + policy.config.min_gain))
 
 
 def test_a_cold_draft_speculates_only_when_the_rounds_left_repay_its_prefill(case):
@@ -713,7 +732,7 @@ def _best_row_by_row(policy: Policy, options: RoundOptions, from_model: list[flo
     """`Policy.best` as it was written before it weighed every row at once: a plain reference."""
     offers, gamma_cap, rows = options.offers, options.gamma_cap, len(options.offers)
     draft_time = policy.costs.draft_time(rows) or 0.0
-    plain_seconds = policy.costs.target_time(rows)
+    plain_seconds = policy.costs.target_time(policy.target.pass_tokens([1] * rows))
     per_token = 0.0
     if policy.target.pack and rows > 1:
         per_token = max((policy.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
@@ -763,7 +782,8 @@ def _best_row_by_row(policy: Policy, options: RoundOptions, from_model: list[flo
 
 def _random_rounds(case, coarse: bool, trials: int):
     """(trial, policy, options, from_model) for `trials` random rounds: 1 to 64 rows, lookup,
-    suffix and head offers, the draft model or not, draining or not, packed passes or padded.
+    suffix and head offers, the draft model or not, draining or not, packed passes, padded
+    ones, or a static runner's (every slot, some empty, at the graph width holding the widest).
     `coarse`: chances of 0, 1/2 and 1 only, so that offers, the draft model and plain tie."""
     rng = random.Random(0)
 
@@ -776,6 +796,11 @@ def _random_rounds(case, coarse: bool, trials: int):
     for trial in range(trials):
         policy = _policy_with_costs(case, costs, alpha=chance(), min_gain=rng.choice([0.0, 0.02]))
         policy.target.pack = rng.random() < 0.5
+        slots = rng.choice([0, 0, 1, 5])  # where not 0, priced as `StaticLM` counts a pass
+        if slots and not policy.target.pack:
+            policy.target.pass_tokens = lambda lengths, more=slots: (
+                (len(lengths) + more - 1) * (width_of(max(lengths)) or max(lengths))
+            )
         for source, depth in [(PROMPT_LOOKUP, d) for d in (1, 2, 3, 4)] + [
             (SUFFIX, d) for d in (1, 2, 4, 8, 16)
         ]:

@@ -165,7 +165,7 @@ class SpeculativeEngine:
         self.decode_text = decode_text
         self.max_context = getattr(target.config, "max_position_embeddings", None)
         self.costs = CostModel()
-        self.policy = Policy(self.config, self.costs, self.target)
+        self.policy = Policy(self.config, self.costs, self.target, self.draft.lm if self.draft else None)
         self.gate = DraftingGate(self.config.probe_every)
 
     def generate(
@@ -730,7 +730,7 @@ class SpeculativeEngine:
         lm = self.draft.lm
         if lm.cold:
             return self.costs.prefill_time("draft", lm.prefill_tokens(seqs))
-        return self.costs.catch_up_time(len(seqs), lm.catch_up_tokens(seqs))
+        return self.costs.catch_up_time(lm.pass_tokens([1] * len(seqs)), lm.catch_up_tokens(seqs))
 
     def static_record(self) -> dict | None:
         """The static pass path's graphs (capture seconds and memory) per model; None without it."""

@@ -394,6 +394,7 @@ class Policy:
     config: EngineConfig
     costs: CostModel
     target: BatchedLM  # prices a pass by its rows' lengths (`pass_tokens`)
+    draft: BatchedLM | None = None  # the draft model's runner, which prices its steps alike
     # The draft model's acceptance by position: how often its j-th draft is accepted when the
     # ones before it were. Measured as the copies' is, so that the two compare fairly: accepted
     # per drafted token would count the drafts after a row's first miss as misses, when the
@@ -451,7 +452,7 @@ class Policy:
             gamma = gamma_cap if options.use_model and not all(options.offers) else 0
             first = [offers[0].source if offers else None for offers in options.offers]
             return Choice(gamma_cap, gamma, [s or (DRAFT_MODEL if gamma else None) for s in first])
-        if not self.costs.has_target(rows):
+        if not self.costs.has_target(self._plain_tokens(rows)):
             # Measure plain decoding at this batch size first: every choice is compared with it.
             return plain
         self._rounds_since_plain += 1
@@ -476,7 +477,7 @@ class Policy:
                 # pay here (verify passes too dear, or a catch-up the rounds left cannot repay).
                 # A probe also risks the draft's catch-up (a whole prefill when cold), which a
                 # poor acceptance found by the probe may never repay: it may risk only a share.
-                plain_left = options.remaining / rows * self.costs.target_time(rows)
+                plain_left = options.remaining / rows * self.costs.target_time(self._plain_tokens(rows))
                 affordable = options.catch_up <= self.config.probe_budget * plain_left
                 hopeful = iid_survival(self.config.probe_alpha, gamma_cap)
                 if affordable and self.best(options, hopeful, copies).gamma:
@@ -498,7 +499,7 @@ class Policy:
         if copying and len(copier_seconds or ()) > 1 and token_seconds:
             gained = self._copy_gains(copies, cap, sources)
             worth = {s: n * token_seconds for s, n in gained.items()}
-            self.copiers.observe(copier_seconds, worth, self.costs.target_time(rows))
+            self.copiers.observe(copier_seconds, worth, self.costs.target_time(self._plain_tokens(rows)))
         return Choice(cap, gamma, sources)
 
     @staticmethod
@@ -543,7 +544,7 @@ class Policy:
         token_value = self.costs.token_seconds()
         if steps <= 1 or token_value is None:
             return gamma, None
-        step_seconds = self.costs.draft_time(rows) or 0.0
+        step_seconds = self.costs.draft_time(self._step_tokens(rows)) or 0.0
         copied = [min(options.offered(i, s), cap) for i, s in enumerate(sources)]
         model_rows = [i for i, s in enumerate(sources) if s == DRAFT_MODEL]
 
@@ -661,10 +662,22 @@ class Policy:
         best_rate, per_token = self._plain_bar(rows)
         return _Candidates(self, options, from_model, copies).best(best_rate, per_token, search.library())[0]
 
+    def _plain_tokens(self, rows: int) -> int:
+        """What a plain pass at `rows` rows costs in tokens, as the target's runner counts it
+        (`BatchedLM.pass_tokens`) and so as its passes were measured: a static runner's pass
+        computes every slot, so a draining batch's 40 rows of 64 cost 64 tokens, never measured
+        as 40 (its plain rate was never known there, and every round decoded plainly)."""
+        return self.target.pass_tokens([1] * rows)
+
+    def _step_tokens(self, rows: int) -> int:
+        """What a draft model's step at `rows` rows costs in tokens, as its runner counts it
+        (`_plain_tokens`' rule for the draft's passes)."""
+        return self.draft.pass_tokens([1] * rows) if self.draft is not None else rows
+
     def _plain_bar(self, rows: int) -> tuple[float, float]:
         """What a choice of `best` at `rows` > 1 rows must beat, plain decoding's rate with the
         margin, and the seconds an extra verify token costs (nothing in a padded pass)."""
-        plain_seconds = self.costs.target_time(rows)
+        plain_seconds = self.costs.target_time(self._plain_tokens(rows))
         per_token = 0.0
         if self.target.pack:
             per_token = max((self.costs.target_time(3 * rows) - plain_seconds) / (2 * rows), 0.0)
@@ -677,9 +690,12 @@ class Policy:
         whose draft model the row would not take is not tried; one with the draft model is worth
         the same at every cap where the row takes it, so only its first such cap can win."""
         costs, target = self.costs, self.target
-        best, best_rate = Choice(0, 0, [None]), 1 / costs.target_time(1) * (1 + self.config.min_gain)
+        best, best_rate = (
+            Choice(0, 0, [None]),
+            1 / costs.target_time(self._plain_tokens(1)) * (1 + self.config.min_gain),
+        )
         model_tokens = list(itertools.accumulate(from_model[: options.gamma_cap + 1]))  # summed in order
-        draft_time = costs.draft_time(1) or 0.0
+        draft_time = costs.draft_time(self._step_tokens(1)) or 0.0
         gammas = range(options.gamma_cap + 1) if options.use_model else range(1)
         seconds: dict[int, float] = {}  # a pass's seconds by its row's length
 
@@ -761,7 +777,7 @@ class _Copies:
         groups: dict[object, int] = {}  # a group's key -> its row of the table
         firsts: list[Offer] = []  # each group's first offer
         deepest: list[int] = []  # each group's most drafts
-        places: list[tuple[int, int, int, int]] = []  # each offer's row, column, group, drafts
+        places: list[int] = []  # each offer's row, column, group and drafts, one after another
         for i, row in enumerate(offers):
             for j, (source, tokens, depth, own) in enumerate(row):
                 key = (i, j) if own else (source, depth)
@@ -773,7 +789,7 @@ class _Copies:
                     deepest.append(drafts)
                 elif drafts > deepest[group]:
                     deepest[group] = drafts
-                places.append((i, j, group, drafts))
+                places += (i, j, group, drafts)
         chances: list[float] = []  # `span` a group, each group's: past its last chance, unread ones
         known_by_group: list[int] = []
         for offer, drafts in zip(firsts, deepest):
@@ -795,9 +811,7 @@ class _Copies:
         self.columns = np.arange(self.width)  # an offer's column, for indexing [rows, offers, k]
         self.longest = int(self.tokens.max(initial=0))
 
-    def _lay_out(
-        self, places: list[tuple[int, int, int, int]], chances: np.ndarray, known_by_group: np.ndarray
-    ) -> None:
+    def _lay_out(self, places: list[int], chances: np.ndarray, known_by_group: np.ndarray) -> None:
         """The arrays from the offers' places and their groups' chances, in numpy."""
         rows, depth = len(self.offers), chances.shape[1]
         self.tokens = np.zeros((rows, self.width), dtype=np.int64)
@@ -808,7 +822,7 @@ class _Copies:
         if not places:
             return
         sums = np.cumsum(chances, axis=1)  # summed in order, as `sum` would
-        i, j, group, drafts = np.array(places, dtype=np.int64).T
+        i, j, group, drafts = np.array(places, dtype=np.int64).reshape(-1, 4).T
         group = group[:, None]
         k = np.arange(depth)[None, :]
         most = known_by_group[group]
@@ -848,7 +862,7 @@ class _Candidates:
         self.draining = budgets is not None
         self.to_limit = policy.runs_to_limit.value if budgets else 0.0
         self.leads = np.array([max(budgets) - b for b in budgets] if budgets else [0] * rows, dtype=np.int64)
-        self.draft_time = policy.costs.draft_time(rows) or 0.0
+        self.draft_time = policy.costs.draft_time(policy._step_tokens(rows)) or 0.0
         self.pass_seconds: dict[int, float | None] = {}  # a pass's seconds by its cost in tokens
         self._chosen: np.ndarray | None = None  # [candidates from _start on, rows]: each row's source
         self._weighed: tuple | None = None  # (price, weighed, rates) of the candidates from _start on
@@ -889,6 +903,7 @@ class _Candidates:
                 best_rate,
                 per_token,
                 self.policy.target.pack,
+                self.policy.target.pass_tokens,
                 self.policy.costs.target_time,
             )
             if found is None:

@@ -14,7 +14,7 @@ namespace {
 
 constexpr double INF = std::numeric_limits<double>::infinity();
 
-typedef double (*PassSeconds)(int64_t cost);
+typedef double (*PassSeconds)(int64_t key);
 
 // A round's copies, laid out by `policy._Copies`: per row and offer column, the drafts
 // offered up to gamma_cap, the expected tokens of the first k, the survival, how many of
@@ -110,8 +110,9 @@ void lay_out(int64_t rows, int64_t width, int64_t depth, int64_t count, const in
 // with gammas 0..gammas-1, tried in that order; one replaces the best so far only where its
 // rate beats `best_rate` by the margin. Returns 1 and writes the best's cap, gamma and each
 // row's choice (0 plain, 1 the draft model, 2 + c its copy in column c) where one does, else 0.
-// `seconds(cost)`: a target pass's seconds by its cost in tokens (`BatchedLM.pass_tokens`,
-// packed: the tokens, else rows x the widest row).
+// `seconds(key)`: a target pass's seconds by its packed tokens where `pack`, else by its widest
+// row (the caller prices it as the runner counts it: rows x the widest, or a static runner's
+// every slot at its graph's width).
 int64_t best_candidate(int64_t rows, int64_t width, int64_t depth, const int64_t* tokens, const double* expected,
                        const double* survivals, const int64_t* survival_lengths, const uint8_t* held, int64_t caps,
                        int64_t gammas, const double* model_sums, const double* from_model, int64_t from_depth,
@@ -119,7 +120,7 @@ int64_t best_candidate(int64_t rows, int64_t width, int64_t depth, const int64_t
                        int64_t remaining, double best_rate, double per_token, int64_t pack, PassSeconds seconds,
                        int64_t* out_chosen, int64_t* out_cap_gamma, double* out_rate) {
     const Copies copies{rows, width, depth, tokens, expected, survivals, survival_lengths, held};
-    std::unordered_map<int64_t, double> known;  // a pass's seconds by its cost
+    std::unordered_map<int64_t, double> known;  // a pass's seconds by its key
     std::vector<double> weight(rows), row_tokens(rows);
     std::vector<int64_t> chosen(rows), lengths(rows);
     bool found = false;
@@ -175,9 +176,9 @@ int64_t best_candidate(int64_t rows, int64_t width, int64_t depth, const int64_t
             if (leads[r] == 0) furthest = std::min(furthest, row_tokens[r]);
         }
         if (gamma != 0 && !by_model_any) continue;  // the draft model would run for nobody
-        const int64_t cost = pack ? packed : rows * widest;
-        auto it = known.find(cost);
-        const double pass = it != known.end() ? it->second : (known[cost] = seconds(cost));
+        const int64_t key = pack ? packed : widest;
+        auto it = known.find(key);
+        const double pass = it != known.end() ? it->second : (known[key] = seconds(key));
         double round_seconds = static_cast<double>(gamma) * draft_time + pass;
         if (gamma > 0) {
             const double share = total / static_cast<double>(std::max<int64_t>(remaining, 1));

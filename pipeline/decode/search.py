@@ -73,13 +73,13 @@ def library() -> ctypes.CDLL | None:
 def lay_out(
     lib: ctypes.CDLL,
     copies: _Copies,
-    places: list[tuple[int, int, int, int]],
+    places: list[int],
     chances: list[float],
     known: list[int],
 ) -> None:
     """Fills `copies`' arrays (allocated, unfilled) from its offers' `places` (row, column,
-    group, drafts) and its groups' `chances` (`known` of each group's `depth` read, in one flat
-    list), as `_Copies`' numpy does."""
+    group, drafts: four numbers an offer) and its groups' `chances` (`known` of each group's
+    `depth` read, in one flat list), as `_Copies`' numpy does."""
     places_array = np.array(places, dtype=np.int64)
     chances_array = np.array(chances, dtype=np.float64)
     known_array = np.array(known, dtype=np.int64)
@@ -88,7 +88,7 @@ def lay_out(
         rows,
         width,
         depth,
-        len(places),
+        len(places) // 4,
         places_array.ctypes.data,
         len(known),
         chances_array.ctypes.data,
@@ -115,20 +115,24 @@ def best_candidate(
     best_rate: float,
     per_token: float,
     pack: bool,
+    pass_tokens: Callable[[list[int]], int],
     pass_seconds: Callable[[int], float | None],
 ) -> tuple[int, int, list[int], float] | None:
     """The candidate `_Candidates.first_better` would settle on from `best_rate` (caps
     0..caps-1, each with gammas 0..gammas-1): its cap, gamma, each row's choice (0 plain,
     1 the draft model, 2 + c the copy in column c) and its rate; None where none beats it. `leads`: each
-    row's tokens ahead of the row furthest behind in a drain (None: not draining)."""
+    row's tokens ahead of the row furthest behind in a drain (None: not draining). A pass is
+    priced by `pass_seconds` of its cost as the target's runner counts it (`pass_tokens`,
+    `BatchedLM.pass_tokens`): packed, its tokens; else its rows at its widest row's length,
+    which a static runner counts as every slot at the graph width holding it."""
     rows = copies.tokens.shape[0]
     draining = leads is not None
     leads = np.zeros(rows, dtype=np.int64) if leads is None else leads
     chosen = np.zeros(rows, dtype=np.int64)
     cap_gamma, rate = np.zeros(2, dtype=np.int64), np.zeros(1)
 
-    def priced(cost: int) -> float:  # None in a ctypes callback reads as 0.0, the cheapest: never
-        seconds = pass_seconds(cost)
+    def priced(key: int) -> float:  # None in a ctypes callback reads as 0.0, the cheapest: never
+        seconds = pass_seconds(key if pack else pass_tokens([key] * rows))
         return math.inf if seconds is None else seconds
 
     seconds = PASS_SECONDS(priced)
