@@ -48,8 +48,11 @@ def test_out_of_memory_halves_the_batch(tiny_models, processor, monkeypatch):
         return generate(prompts, *args, batch_size=batch_size, **kwargs)
 
     monkeypatch.setattr(processor.engine, "generate", generate_within_memory)
+    released = []  # the static runners' slots freed before each smaller retry
+    monkeypatch.setattr(processor.engine, "release_memory", lambda: released.append(1))
     stats = processor.process(str(root / "in" / "part-000.parquet"), "part-000")
     assert stats["oom_splits"] >= 1 and stats["rows_out"] == 5
+    assert len(released) == stats["oom_splits"]
     first = sizes.index(4)  # the rows outside the speedup sample's pairs, at the job's batch
     assert sizes[first + 1] == 2  # halved until it fit
     table = Storage(str(root / "out")).read_parquet("outputs/part-000.parquet")

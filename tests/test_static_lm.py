@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 
 import pytest
 import torch
@@ -267,6 +268,96 @@ def test_graphs_are_captured_without_autograd_whoever_asks(pairs, monkeypatch):
             m.setattr(p, "requires_grad", True)
         lm.reserve(2, 40)
     assert seen and set(seen) == {(False, False)}
+
+
+class _ReplayedGraph:
+    """What `_Graph` does on a GPU, less the CUDA graph: its replay runs the pass eagerly.
+    Capturing takes `CAPTURE_SECONDS` (compiling and capturing take seconds on a GPU)."""
+
+    CAPTURE_SECONDS = 0.3
+
+    def __init__(self, lm, width):
+        time.sleep(self.CAPTURE_SECONDS)
+        self.lm = lm
+
+    def replay(self, ids, positions, slots=None):
+        return self.lm._layers(ids.to(self.lm.device), positions.to(self.lm.device), slots, 0)
+
+
+def _on_a_fake_gpu(monkeypatch, graph) -> None:
+    """A CPU runner that takes `graph` for `_Graph` and answers CUDA's memory calls."""
+    monkeypatch.setattr(static_lm, "_Graph", graph)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+
+def test_a_capture_after_grown_slots_is_not_counted_as_a_pass(pairs, monkeypatch):
+    """Slots that grow mid-batch drop their graphs, and the next pass of each width captures
+    (and compiles) again: seconds that are no pass's. Counted as one, they went into the cost
+    model's measured passes (and a prefill's into its rate, which holds free places empty)."""
+    model = pairs[0].target
+    monkeypatch.setattr(model, "_static_store", None, raising=False)
+    _on_a_fake_gpu(monkeypatch, _ReplayedGraph)
+    lm = StaticLM(model, 0)
+    lm.use_graphs = True
+    lm.reserve(2, 40)
+    lm.reset(2)
+    prompts = [[5 + i % 50 for i in range(30)], [7 + i % 40 for i in range(20)]]
+    lm.forward(prompts, [1, 1])  # a prefill
+    lm.store.graphs.clear()  # as `grow` leaves them
+    before = lm.forward_seconds
+    lm.forward([[3], [4]], [1, 1])
+    assert 1 in lm.graphs and lm.forward_seconds - before < _ReplayedGraph.CAPTURE_SECONDS
+    lm.store.graphs.clear()
+    lm.add_rows(1)
+    before = lm.forward_seconds
+    lm.admit([[9 + i % 30 for i in range(25)]], [1])
+    assert static_lm.PREFILL in lm.graphs and lm.forward_seconds - before < _ReplayedGraph.CAPTURE_SECONDS
+
+
+def test_a_capture_out_of_memory_is_raised_other_failures_run_eagerly_and_say_so(pairs, monkeypatch, caplog):
+    """A graph that does not fit is the batch's size, which the shard answers by halving it
+    (`_generate_fitting`): turned into eager passes for good, the model's every pass would have
+    cost about ten times a replay's, at every batch size after. A kernel that cannot be
+    captured runs eagerly, and the log says so."""
+    model = pairs[0].target
+    monkeypatch.setattr(model, "_static_store", None, raising=False)
+
+    def no_room(lm, width):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    _on_a_fake_gpu(monkeypatch, no_room)
+    lm = StaticLM(model, 0)
+    lm.use_graphs = True
+    with pytest.raises(torch.OutOfMemoryError):
+        lm.reserve(2, 40)
+    assert lm.graphs_off is None and lm.store.prefill_off is None
+
+    def refused(lm, width):
+        raise RuntimeError("operation not permitted when stream is capturing (injected)")
+
+    monkeypatch.setattr(static_lm, "_Graph", refused)
+    with caplog.at_level("WARNING", logger="pipeline.decode.static_lm"):
+        lm.reserve(2, 40)
+    assert "RuntimeError" in lm.graphs_off and "eagerly" in caplog.text
+
+
+def test_a_batch_that_ran_out_of_memory_frees_its_slots_before_the_smaller_retry(pairs):
+    """`switch` keeps each batch size's slots (and graphs) for its next batch; a batch retried at
+    half its size after running out of memory (`_generate_fitting`) would then allocate the new
+    slots beside the old ones. `release_memory` drops them all; decoding after it is unchanged."""
+    static, _ = pairs
+    engine = SpeculativeEngine(static.target, static.draft, eos_token_ids=[1], pad_token_id=0)
+    prompts = [[5 + (i * k) % 50 for i in range(30)] for k in (1, 2, 3)]
+    first, _ = engine.generate(prompts, MAX_NEW, drafter="draft_model", batch_size=3)
+    engine.reserve(1, 30, MAX_NEW, "draft_model")
+    stores = (engine.target.store, engine.draft.lm.store)
+    assert all(3 in store.kept and store.capacity == 1 for store in stores)
+    engine.release_memory()
+    assert all(not store.kept and store.capacity == 0 and not store.keys for store in stores)
+    again, _ = engine.generate(prompts, MAX_NEW, drafter="draft_model", batch_size=2)
+    assert [r.tokens for r in again] == [r.tokens for r in first]
 
 
 def _scratch_pass(lm: StaticLM, width) -> tuple[torch.Tensor, torch.Tensor]:

@@ -732,6 +732,13 @@ class SpeculativeEngine:
             return self.costs.prefill_time("draft", lm.prefill_tokens(seqs))
         return self.costs.catch_up_time(lm.pass_tokens([1] * len(seqs)), lm.catch_up_tokens(seqs))
 
+    def release_memory(self) -> None:
+        """Free the static runners' slots and graphs (`StaticLM.release`), before a batch that ran
+        out of memory is decoded again at a smaller size."""
+        for lm in (self.target, self.draft.lm if self.draft else None):
+            if isinstance(lm, static_lm.StaticLM):
+                lm.release()
+
     def static_record(self) -> dict | None:
         """The static pass path's graphs (capture seconds and memory) per model; None without it."""
         runners = {"target": self.target, "draft": self.draft.lm if self.draft else None}

@@ -37,6 +37,7 @@ logits and greedy outputs.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import numpy as np
@@ -47,6 +48,8 @@ from pipeline.decode.batched_lm import BatchedLM, _cache_keyword, _Prefix
 from pipeline.decode.sampling import RowLogits
 from pipeline.models import fixed_attention, fixed_linear, invariant, streamed
 from pipeline.models.architecture import ADDITIVE, static_support
+
+log = logging.getLogger(__name__)
 
 # Widths (tokens per row) of the passes that replay a graph: a 1-token step, verify passes of up
 # to 15 drafts. A pass of W tokens runs in the narrowest of these that holds it.
@@ -140,6 +143,16 @@ class _Store:
         self.capacity = len(self.keys[0]) if self.keys else 0
         self.cache = _Slots(self.keys, self.values)
 
+    def release(self) -> None:
+        """Drop every slot and graph, this size's and those kept for others (`switch`). A batch
+        that ran out of memory is retried at half its size (`_generate_fitting`), and `switch`
+        would keep the slots of the size that did not fit beside the new ones."""
+        self.kept.clear()
+        self.keys, self.values, self.graphs = [], [], {}
+        self.capacity = self.length = 0
+        self.pool = None  # the graphs' memory, free once they are gone
+        self.cache = _Slots(self.keys, self.values)
+
     def grow(self, layers: int, shape: tuple, device: torch.device, length: int) -> None:
         """New slots of `shape` per layer (rows, kv heads, positions, dim) holding the old ones'
         contents; the graphs captured over the old ones are dropped."""
@@ -223,6 +236,11 @@ class StaticLM(BatchedLM):
         }
 
     # --- slots -----------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Free the model's slots and graphs (`_Store.release`); the next `reserve` makes new ones."""
+        self.row_slots, self.tokens = [], []
+        self.store.release()
 
     def reserve(self, rows: int, length: int) -> None:
         """Slots for `rows` rows of up to `length` tokens (prompt, output and drafts), and the
@@ -330,6 +348,8 @@ class StaticLM(BatchedLM):
         # rows of a draft catching up on whole prompts run eagerly, over those rows only
         wide = [i for i, b in enumerate(blocks) if len(b) > WIDTHS[-1]]
         narrow = [i for i, b in enumerate(blocks) if len(b) <= WIDTHS[-1]]
+        if narrow:  # captured (and compiled) now where grown slots dropped it: not a pass's seconds
+            self._graph(width_of(max(len(blocks[i]) for i in narrow)))
         began = time.perf_counter()
         for rows, run in ((wide, self._eager), (narrow, self._graph_pass)):
             if rows:
@@ -466,6 +486,7 @@ class StaticLM(BatchedLM):
         """Prefill rows (nothing of them cached), each from its template start, in passes of
         pieces (see the module docstring); the logits of each row's last `wanted` tokens."""
         self._take(0, max(map(len, blocks)))
+        self._graph(PREFILL)  # as `forward`'s: a capture is not a prefill's seconds
         began = time.perf_counter()
         self.fed_tokens = 0
         pieces: list[tuple[int, int, list[int]]] = []  # (row, offset in what it is fed, tokens)
@@ -650,12 +671,19 @@ class StaticLM(BatchedLM):
         free = torch.cuda.mem_get_info(self.device)[0]
         try:
             graph = _Graph(self, width)
+        except torch.OutOfMemoryError:
+            # not the kernels' fault: the batch does not fit, which the shard answers by halving
+            # it (`_generate_fitting`); passes run eagerly from here would cost ten times as much
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            raise
         except Exception as error:  # a kernel that cannot be captured: run eagerly, and say why
             reason = f"{type(error).__name__}: {error}"[:300]
             if width == PREFILL:  # prompts prefill eagerly, decode passes keep their graphs
                 self.store.prefill_off = reason
             else:
                 self.store.graphs_off = reason
+            log.warning("%s passes of this model run eagerly, not as CUDA graphs: %s", width, reason)
             torch.cuda.synchronize(self.device)
             return None
         self.graphs[width] = graph
@@ -705,12 +733,18 @@ def _compiled_layer(*args) -> torch.Tensor:
     global _compiled
     if _compiled is None:
         torch._dynamo.config.allow_unspec_int_on_nn_module = True  # one compile for every layer
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        # Every pass shape (slots x width, and the prefill's) of the target and the draft is a
+        # compile of its own. Past the limit a new shape would run eagerly, unsaid, and an eager
+        # pass rounds otherwise than a compiled one: a verify width against target-only's.
+        config = torch._dynamo.config
+        config.cache_size_limit = max(config.cache_size_limit, COMPILED_SHAPES)
+        config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 4 * COMPILED_SHAPES)
         _compiled = torch.compile(_run_layer, dynamic=False)
     return _compiled(*args)
 
 
 _compiled = None
+COMPILED_SHAPES = 1024  # pass shapes one process may compile (`_compiled_layer`)
 
 
 PREFILL = "prefill"  # `_Store.graphs`' key for the graph of a prefill pass

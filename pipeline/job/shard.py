@@ -331,6 +331,7 @@ class ShardProcessor:
         except torch.OutOfMemoryError:
             if size == 1:
                 raise
+            self.engine.release_memory()  # else the slots of the size that did not fit stay
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self.oom_splits += 1
