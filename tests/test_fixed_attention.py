@@ -177,6 +177,32 @@ def test_a_rows_logits_do_not_depend_on_its_pass_or_its_company(
             assert torch.allclose(own[0], theirs[0], atol=1e-4)
 
 
+def test_a_free_slot_attends_to_one_key_not_over_its_whole_slot(kernel_pair, monkeypatch):
+    """A pass of every slot computes the free ones too (their padding at the slot's scratch
+    positions, their outputs never read): each attends to one key, not over the whole slot, which
+    in a draining batch of 64 would read every free slot's keys each pass. The rows' own counts
+    are their positions; that their outputs stay target-only's, the drains of the tests beside
+    this one hold."""
+    seen = []
+    attend = fixed_attention.attend
+
+    def recorded(query, key, value, visible, scale):
+        seen.append(visible.clone())
+        return attend(query, key, value, visible, scale)
+
+    monkeypatch.setattr(fixed_attention, "attend", recorded)
+    lm = StaticLM(kernel_pair.target, 0)
+    lm.reserve(4, 60)
+    lm.reset(2)  # two rows in four slots
+    lm.forward([[5 + i % 40 for i in range(30)], [6 + i % 30 for i in range(20)]], [1, 1])
+    seen.clear()
+    lm.forward([[7], [8]], [1, 1])
+    (visible,) = seen[:1]
+    free = [slot for slot in range(4) if slot not in lm.row_slots]
+    assert visible.shape == (4, 1) and visible[free].eq(1).all()
+    assert visible[lm.row_slots, 0].tolist() == [31, 21]  # each row's keys up to its new token's own
+
+
 @pytest.mark.parametrize("drafter, batch_size", [("none", 3), ("prompt_lookup", 3), ("draft_model", 2)])
 def test_speculative_outputs_equal_target_only_one_row_at_a_time(kernel_pair, counted, drafter, batch_size):
     """Greedy speculative decoding at a batch on the kernel's passes gives target-only's

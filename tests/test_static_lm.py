@@ -18,7 +18,7 @@ from pipeline.decode.sampling import RowLogits, greedy_choices
 from pipeline.decode.settings import EngineConfig
 from pipeline.decode.static_lm import StaticLM
 from pipeline.decode.suffix import SuffixDrafter
-from pipeline.models import invariant
+from pipeline.models import invariant, loading
 from pipeline.models.architecture import static_support
 from pipeline.models.loading import ModelError, ModelRef, load_pair
 
@@ -220,6 +220,19 @@ def test_a_model_the_path_cannot_run_is_refused_or_left_dynamic(tiny_pair_dirs, 
             (path / name).write_bytes(source.read_bytes())
     with pytest.raises(ModelError, match="static_passes"):
         load_pair(ModelRef(path=str(path)), None, dtype="float32", device=DEVICE, static_passes=True)
+
+
+def test_a_model_spread_over_several_gpus_stays_on_the_dynamic_path(pairs, monkeypatch):
+    """With several GPUs visible the loader spreads a model over them (`device_map="auto"`);
+    a static runner's slots live on one device, and its passes would fail at the first layer
+    on another: such a model keeps the dynamic path (`_static_passes` says why)."""
+    model = pairs[1].target
+    assert static_support(model) is None
+    monkeypatch.setattr(model, "hf_device_map", {"model.layers.0": 0, "model.layers.1": 1}, raising=False)
+    assert "spread over 2 devices" in static_support(model)
+    assert loading._static_passes(None, "cuda", model, None) is False  # a GPU's default: off, said why
+    monkeypatch.setattr(model, "hf_device_map", {"model.layers.0": 0, "lm_head": 0}, raising=False)
+    assert static_support(model) is None
 
 
 def test_reserving_slots_captures_every_pass_shape_at_once(pairs, monkeypatch):

@@ -470,7 +470,7 @@ class StaticLM(BatchedLM):
         self.fed_tokens = len(rows) * width * steps
         self.features = []
         start, end = first[slots].tolist(), known[slots].tolist()
-        made = history[slots].tolist()
+        made = history[slots, : max(end, default=0)].tolist()  # not the slots' empty ends
         by_round = torch.stack(rounds, dim=1).tolist()  # [rows, steps, (drafted, accepted)]
         out, ran = [], []
         for n, (row, a, b) in enumerate(zip(rows, start, end)):
@@ -627,7 +627,11 @@ class StaticLM(BatchedLM):
         # attention stays the float64 products
         counts, mask = None, None
         if self.fixed_attention and not streamed.is_prefilling():
-            counts = (positions + 1).clamp(max=length).to(torch.int32)
+            # a free slot's padding (its output never read) sits in the slot's scratch positions:
+            # it attends to one key, not over the whole slot, which a draining batch's free
+            # slots read every pass (a row's padding never reaches them: `_size`)
+            free = positions >= self.total - WIDTHS[-1]
+            counts = torch.where(free, 1, (positions + 1).clamp(max=length)).to(torch.int32)
         else:
             keys = torch.arange(length, device=self.device)
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [rows, 1, width, keys]

@@ -31,6 +31,9 @@ def static_support(model: PreTrainedModel) -> str | None:
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ADDITIVE + BOOLEAN:
         return f"attention implementation {implementation!r}"
+    spread = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(spread) > 1:  # `device_map="auto"` over several GPUs: the slots live on one device
+        return f"the model is spread over {len(spread)} devices"
     base = model.base_model
     if not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "not a plain decoder stack"

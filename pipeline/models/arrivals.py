@@ -53,8 +53,12 @@ class LastAdds:
         """`check()`'s reason the kernel cannot run on `device` (None: it can), asked again with
         a second kernel adding where it fails with the last program adding."""
         reason = check()
-        if reason is not None and self.counters(torch.device(device), 1) is not None:
+        buffer = self.counters(torch.device(device), 1)
+        if reason is not None and buffer is not None:
             log.warning("%s on %s: %s; a second kernel adds the sums instead", what, device, reason)
             self.failed.add(device)
+            # a launch that counted wrong may have left counts set, and the other kernel, checked
+            # right, goes on counting on the same buffer
+            buffer.zero_()
             reason = check()
         return reason
