@@ -1,7 +1,10 @@
 """The models a GPU check runs, which must travel in a 64 MiB working tree (docs/gpu.md).
 
-    python3 scripts/gpu_models.py prepare [PAIR_DIR]   here: the Qwen2.5-Coder pair's configs and
-                                                       tokenizer into .gpu-carry/ (ignored by git),
+    .venv/bin/python scripts/gpu_models.py prepare [PAIR_DIR]
+                                                       here (the package's python: it imports
+                                                       Ray and the package): the Qwen2.5-Coder
+                                                       pair's configs and tokenizer into
+                                                       .gpu-carry/ (ignored by git),
                                                        the packages the GPU machine lacked,
                                                        unpacked into .gpu-carry/site, and Ray
                                                        packed as .gpu-carry/ray.tar.xz
@@ -38,6 +41,10 @@ PAIR = "qwen2.5-coder-shaped-random"
 
 
 def prepare(pair_dir: Path) -> None:
+    missing = [role for role in ("target", "draft") if not (pair_dir / role / "config.json").exists()]
+    if missing:  # else the call would carry no shapes, and fail there, after a machine's start
+        install = "`pipeline models install qwen2.5-coder`"
+        sys.exit(f"no {' or '.join(missing)} config under {pair_dir}: {install} first")
     for role in ("target", "draft"):
         (CARRY / role).mkdir(parents=True, exist_ok=True)
         for name in FILES:
@@ -249,8 +256,8 @@ if __name__ == "__main__":
         default = Path.home() / ".cache/spec-pipeline/models/qwen2.5-coder"
         prepare(Path(sys.argv[2]) if len(sys.argv) > 2 else default)
         fetch_site()
+        fetch_smollm2()  # before Ray: the first two calls need it, the job's call Ray
         fetch_ray()
-        fetch_smollm2()
     elif what == "build" and len(sys.argv) == 3:
         build(Path(sys.argv[2]))
     elif what == "smol" and len(sys.argv) == 3:
