@@ -33,6 +33,7 @@ TOOLS = (
     "llama-cpp",
     "gpu-check",
     "profile",  # scripts/gpu_profile.py: where a round's time goes
+    "policy-bench",  # scripts/policy_bench.py: the policy's own time a round, synthetic rounds
     "history",
     "notes",
 )
