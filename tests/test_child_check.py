@@ -60,6 +60,18 @@ def test_verdicts_are_kept_apart_by_check_and_arguments():
     assert len(keys) == 4
 
 
+def test_the_current_gpu_named_cuda_or_cuda_0_keeps_one_verdict(monkeypatch):
+    """The loader checks a kernel on its parameters' device ("cuda:0"), `gpu_linear.py` and
+    `gpu_attention.py` on "cuda": one device, one verdict, one child's start and compile."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert child_check._key("m:f", ("cuda", "bfloat16")) == child_check._key("m:f", ("cuda:0", "bfloat16"))
+    assert child_check._key("m:f", ("cuda:1", "bfloat16")) != child_check._key("m:f", ("cuda:0", "bfloat16"))
+
+
 def test_only_a_gpu_outside_such_a_child_isolates(monkeypatch):
     assert child_check.isolates("cuda:0") and not child_check.isolates("cpu")
     monkeypatch.setenv(child_check.IN_CHILD, "1")

@@ -99,6 +99,8 @@ def _key(target: str, args: tuple[str, ...]) -> str:
 
     device = next((a for a in args if a.startswith("cuda")), None)
     name = torch.cuda.get_device_name(device) if device and torch.cuda.is_available() else "cpu"
+    if device == "cuda" and torch.cuda.is_available():  # the loader names it "cuda:0", scripts "cuda"
+        args = tuple(f"cuda:{torch.cuda.current_device()}" if a == device else a for a in args)
     try:
         triton = importlib.import_module("triton").__version__
     except ImportError:
