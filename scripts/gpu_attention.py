@@ -53,21 +53,40 @@ def main() -> None:
     o = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    lines = [
+    lines = Report(o.out)
+    lines.append(
         f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU, Triton interpreter'}, torch "
         f"{torch.__version__}; {o.heads} heads, {o.kv_heads} "
         f"key/value heads of {o.dim}, bf16; microseconds a call (median)"
-    ]
+    )
     # the loader's check, which also makes the arrival counters the last chunk's merging counts on
     lines.append(f"the loader's check: {fixed_attention.works(device, torch.bfloat16, o.dim) or 'passed'}")
     batches = [int(b) for b in o.batches.split(",")]
     for context in (int(c) for c in o.contexts.split(",")):
         for slots in batches:
-            lines += compare(o, device, context, slots, check=slots == batches[-1])
-    text = "\n".join(lines)
-    print(text)
-    if o.out:
-        o.out.write_text(text + "\n")
+            lines.extend(compare(o, device, context, slots, check=slots == batches[-1]))
+
+
+class Report(list):
+    """A report's lines, each printed and added to `out` (where given) as it comes: a run cut by
+    its step's time limit (`gpu-check.sh`) keeps what it measured."""
+
+    def __init__(self, out: Path | None):
+        super().__init__()
+        self.out = out
+        if out:
+            out.write_text("")
+
+    def append(self, line: str) -> None:
+        super().append(line)
+        print(line, flush=True)
+        if self.out:
+            with self.out.open("a") as file:
+                file.write(line + "\n")
+
+    def extend(self, lines) -> None:
+        for line in lines:
+            self.append(line)
 
 
 def compare(o: argparse.Namespace, device: str, context: int, slots: int, check: bool) -> list[str]:

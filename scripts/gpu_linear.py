@@ -32,7 +32,7 @@ from torch.nn import functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_attention import timed  # noqa: E402 (scripts/, the script's own folder)
+from gpu_attention import Report, timed  # noqa: E402 (scripts/, the script's own folder)
 
 from pipeline.models import fixed_linear, invariant  # noqa: E402
 
@@ -62,15 +62,16 @@ def main() -> None:
     rows = [int(r) for r in o.rows.split(",")]
     if o.sweep:
         picked = {k: shapes[k] for k in ("q+k+v", "gate, up", "down")}
-        return finish(o, sweep(picked, [rows[0], rows[-1]], device, dtype), echo=False)
-    lines = [
+        return sweep(picked, [rows[0], rows[-1]], device, dtype, Report(o.out))
+    lines = Report(o.out)
+    lines.append(
         f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU, Triton interpreter'}, torch "
         f"{torch.__version__}, {str(dtype).removeprefix('torch.')}; microseconds a call ("
         f"{'median, replayed in a graph' if device == 'cuda' else 'wall time, roughly'}) and GB/s of "
         f"weights; kernel: tiles of {fixed_linear.ROWS} rows x "
         f"{fixed_linear.BLOCK_N} outputs, inner steps of {fixed_linear.BLOCK_K}; blocks: "
         f"{invariant.GPU_ROWS} rows a call"
-    ]
+    )
     # the loader's check, which also makes the arrival counters before any graph is captured
     lines.append(f"the loader's check: {fixed_linear.works(device, dtype) or 'passed'}")
     torch.manual_seed(0)
@@ -107,26 +108,20 @@ def main() -> None:
             torch.equal(fixed_linear.product(x[r : r + 1], weight, bias), whole[r : r + 1]) for r in picks
         )
         lines.append(f"  bitwise alone as among {len(x)}: {same} of {len(picks)} rows")
-    finish(o, lines)
 
 
-def finish(o: argparse.Namespace, lines: list[str], echo: bool = True) -> None:
-    text = "\n".join(lines)
-    if echo:
-        print(text)
-    if o.out:
-        o.out.write_text(text + "\n")
-
-
-def sweep(shapes: dict[str, tuple[int, int]], rows: list[int], device: str, dtype: torch.dtype) -> list[str]:
-    """The kernel's microseconds a call under each setting (module constants, restored after)."""
+def sweep(
+    shapes: dict[str, tuple[int, int]], rows: list[int], device: str, dtype: torch.dtype, lines: Report
+) -> None:
+    """The kernel's microseconds a call under each setting (module constants, restored after),
+    into `lines` (a `Report`)."""
     settings = [
         (block_n, programs, warps, stages)
         for block_n in (16, 32, 64)
         for programs in (128, 256, 512)
         for warps, stages in ((4, 4), (2, 4), (4, 3))
     ]
-    lines = ["outputs a tile, programs wanted, warps, stages: microseconds a call (GB/s of weights)"]
+    lines.append("outputs a tile, programs wanted, warps, stages: microseconds a call (GB/s of weights)")
     kept = (fixed_linear.BLOCK_N, fixed_linear.PROGRAMS, fixed_linear.WARPS, fixed_linear.STAGES)
     torch.manual_seed(0)
     try:
@@ -148,10 +143,8 @@ def sweep(shapes: dict[str, tuple[int, int]], rows: list[int], device: str, dtyp
                 )
                 worst = cells[-1]
                 lines.append(f"{name} ({outputs} x {inner}), {n} rows: best {best}; worst {worst[0]:.1f}")
-                print(lines[-1], flush=True)  # a step cut by its time limit keeps what it measured
     finally:
         fixed_linear.BLOCK_N, fixed_linear.PROGRAMS, fixed_linear.WARPS, fixed_linear.STAGES = kept
-    return lines
 
 
 if __name__ == "__main__":
