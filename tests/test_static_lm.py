@@ -455,6 +455,8 @@ def test_compiled_passes_keep_every_drafters_output_equal_to_target_only(tiny_pa
         outputs[drafter] = [o.tokens for o in done]
     assert outputs["prompt_lookup"] == outputs["none"] and outputs["draft_model"] == outputs["none"]
     assert engine.target.graph_record()["compiled"] and torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # every pass shape compiled, none left to run eagerly past dynamo's default of 8 a function
+    assert torch._dynamo.config.cache_size_limit >= static_lm.COMPILED_SHAPES
     refs = [ModelRef(path=str(d)) for d in tiny_pair_dirs]
     with pytest.raises(ModelError, match="static pass path"):
         load_pair(*refs, dtype="float32", device=DEVICE, static_passes=False, compiled_passes=True)

@@ -741,8 +741,12 @@ def _compiled_layer(*args) -> torch.Tensor:
         # compile of its own. Past the limit a new shape would run eagerly, unsaid, and an eager
         # pass rounds otherwise than a compiled one: a verify width against target-only's.
         config = torch._dynamo.config
-        config.cache_size_limit = max(config.cache_size_limit, COMPILED_SHAPES)
-        config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 4 * COMPILED_SHAPES)
+        for name, least in (
+            ("cache_size_limit", COMPILED_SHAPES),
+            ("accumulated_cache_size_limit", 4 * COMPILED_SHAPES),
+        ):
+            if hasattr(config, name):  # (names of torch 2.4 to 2.13, later aliases)
+                setattr(config, name, max(getattr(config, name), least))
         _compiled = torch.compile(_run_layer, dynamic=False)
     return _compiled(*args)
 
