@@ -11,7 +11,9 @@ graph width at ROWS slots (3 ms a pass at width 1, 4% more a token; a draft step
 the median of `--repeats` calls each, in milliseconds: `Policy.choose` while prompts wait and
 while the batch drains (each row 1 to 64 tokens left), and one draft step's keep rule of the
 draft model (`Policy.draft_length`) and of a draft head (`Policy.head_length`), every row
-drafting. Prints Markdown, the machine first.
+drafting, at a round's first step (every row one draft long) and with rows 1 to 4 drafts long.
+Prints Markdown, the machine first. Times the `pipeline` package the path finds first: run
+from another worktree with `PYTHONPATH=<it>` for an A/B.
 """
 
 from __future__ import annotations
@@ -80,13 +82,16 @@ def figures(rows: int, seed: int, repeats: int) -> tuple[float, ...]:
     waiting, draining = round_for(rows, rng, False), round_for(rows, rng, True)
     seconds = {PROMPT_LOOKUP: 1e-4, SUFFIX: 1e-4}
     chances = [rng.random() for _ in range(rows)]
+    drafted = [rng.randint(1, 4) for _ in range(rows)]
     _, keep = policy.draft_length(waiting, 0, 4, [DRAFT_MODEL] * rows)
     rule = policy.head_length(0.0005)
     return (
         median_ms(lambda: policy.choose(waiting, copier_seconds=seconds), repeats),
         median_ms(lambda: policy.choose(draining, copier_seconds=seconds), repeats),
         median_ms(lambda: keep(chances, [1] * rows), repeats),
+        median_ms(lambda: keep(chances, drafted), repeats),
         median_ms(lambda: rule(chances, [1] * rows), repeats),
+        median_ms(lambda: rule(chances, drafted), repeats),
     )
 
 
@@ -102,8 +107,10 @@ def main() -> None:
     columns = (
         "choose, prompts waiting",
         "choose, draining",
-        "draft model's keep rule, a step",
-        "head's rule, a step",
+        "draft model's rule, first step",
+        "draft model's rule, 1-4 drafts",
+        "head's rule, first step",
+        "head's rule, 1-4 drafts",
     )
     print("| rows | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
