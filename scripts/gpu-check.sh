@@ -54,8 +54,12 @@ prepare() {
     python3 scripts/gpu_models.py build /tmp/gpu 2>&1 | tee "$res/models.log"
     pair=qwen2.5-coder-shaped-random
 }
-# written aside, then moved: a call cut short in the middle of packing keeps the last whole pack
-pack() { tar czf /tmp/gpu/reports.tgz.part -C "$res" . && mv -f /tmp/gpu/reports.tgz.part "$out/reports.tgz"; }
+# written aside, then moved: a call cut short in the middle of packing keeps the last whole pack;
+# console.log may grow while tar reads it (tar's status 1), which still packs the rest whole
+pack() {
+    tar --warning=no-file-changed -czf /tmp/gpu/reports.tgz.part -C "$res" .
+    [ $? -le 1 ] && mv -f /tmp/gpu/reports.tgz.part "$out/reports.tgz"
+}
 # one step of `all` or `smol`: this script again under its time limit (at most $1 s, see
 # `allowed`), its report under RES
 step() {

@@ -43,17 +43,20 @@ PACKED = "tokenizer.json.xz"  # the target's tokenizer.json, as it travels
 
 
 def prepare(pair_dir: Path) -> None:
-    missing = [role for role in ("target", "draft") if not (pair_dir / role / "config.json").exists()]
+    needed = [pair_dir / role / "config.json" for role in ("target", "draft")]
+    needed.append(pair_dir / "target" / "tokenizer.json")
+    missing = [str(path.relative_to(pair_dir)) for path in needed if not path.exists()]
     if missing:  # else the call would carry no shapes, and fail there, after a machine's start
         install = "`pipeline models install qwen2.5-coder`"
-        sys.exit(f"no {' or '.join(missing)} config under {pair_dir}: {install} first")
+        sys.exit(f"no {', '.join(missing)} under {pair_dir}: {install} first")
     for role in ("target", "draft"):
         (CARRY / role).mkdir(parents=True, exist_ok=True)
         for name in FILES:
             source = pair_dir / role / name
             if name == "tokenizer.json" and role == "draft":
                 continue  # the same file as the target's: carried once
-            if name == "tokenizer.json":  # 11.4 MB of JSON, 2 packed: the call carries 64 MiB
+            if name == "tokenizer.json":  # 11.4 MB of JSON, 1.4 packed: the call carries 64 MiB
+                (CARRY / role / name).unlink(missing_ok=True)  # an earlier prepare's, unpacked
                 (CARRY / role / PACKED).write_bytes(lzma.compress(source.read_bytes()))
             elif source.exists():
                 shutil.copy(source, CARRY / role / name)

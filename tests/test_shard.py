@@ -68,6 +68,28 @@ def test_out_of_memory_halves_the_batch(tiny_models, processor, monkeypatch):
         processor.process(str(root / "in" / "part-000.parquet"), "part-000")
 
 
+def test_a_warm_up_that_does_not_fit_is_skipped_not_the_shard(processor, monkeypatch):
+    """Reserving a pair's rows captures their slots' graphs on a GPU, which may not fit: the
+    warm-up is skipped and its memory freed, and the shard's decodes halve their batches where
+    they must, as before the static path raised a capture's out-of-memory (it ran eagerly)."""
+    processor, root = processor
+    reserve = processor.engine.reserve
+    refused = []
+
+    def first_does_not_fit(*args, **kwargs):
+        if not refused:
+            refused.append(args)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected: capturing the slots' graphs)")
+        return reserve(*args, **kwargs)
+
+    released = []
+    monkeypatch.setattr(processor.engine, "reserve", first_does_not_fit)
+    monkeypatch.setattr(processor.engine, "release_memory", lambda: released.append(1))
+    monkeypatch.setattr(processor, "warm_paths", set())  # every path to warm again
+    stats = processor.process(str(root / "in" / "part-000.parquet"), "part-000")
+    assert refused and released and stats["rows_out"] == 5 and stats["status"] == "ok"
+
+
 def test_missing_column_is_a_shard_error_naming_the_columns(processor):
     processor, root = processor
     Storage(str(root / "in")).write_parquet("renamed.parquet", pa.table({"id": ["x"], "body": ["text"]}))

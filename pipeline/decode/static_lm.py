@@ -629,7 +629,8 @@ class StaticLM(BatchedLM):
         if self.fixed_attention and not streamed.is_prefilling():
             # a free slot's padding (its output never read) sits in the slot's scratch positions:
             # it attends to one key, not over the whole slot, which a draining batch's free
-            # slots read every pass (a row's padding never reaches them: `_size`)
+            # slots read every pass. No row's token reaches them (`_size`), nor its padding in a
+            # graph pass; an eager group's short rows pad there, outputs never read either.
             free = positions >= self.total - WIDTHS[-1]
             counts = torch.where(free, 1, (positions + 1).clamp(max=length)).to(torch.int32)
         else:

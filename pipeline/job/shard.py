@@ -8,6 +8,7 @@ is complete only when its stats exist, and a re-run redoes any shard without the
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import socket
@@ -331,11 +332,20 @@ class ShardProcessor:
         except torch.OutOfMemoryError:
             if size == 1:
                 raise
-            self.engine.release_memory()  # else the slots of the size that did not fit stay
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            self.oom_splits += 1
-            return self._generate_fitting(prompts, drafter, corpus, size // 2)
+        # retried out of the handler: its traceback holds the failed batch's frames, and their
+        # tensors, for as long as it runs
+        self._free_memory()
+        self.oom_splits += 1
+        return self._generate_fitting(prompts, drafter, corpus, size // 2)
+
+    def _free_memory(self) -> None:
+        """After a batch ran out of memory: the static runners' slots of every size
+        (`SpeculativeEngine.release_memory`, else those of the size that did not fit stay), the
+        garbage the failed batch left, the allocator's cache."""
+        self.engine.release_memory()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _decode_measured(self, prompts: list[list[int]]) -> tuple[list, BatchStats, SpeedupSample]:
         """Decode every row, the speedup sample's rows in matched pairs; return (output, latency)
@@ -416,11 +426,19 @@ class ShardProcessor:
         self.warm_paths.add(path)
         # the slots the real pair needs first: a warm-up on short heads must not size them
         longest = max(map(len, prompts))
-        self.engine.reserve(len(prompts), longest, self.spec.generation.max_new_tokens, mode)
-        heads = [p[:WARM_TOKENS] for p in prompts]
-        self.engine.generate(
-            heads, 2, self.sampling, drafter=mode, overlong="truncate", batch_size=len(heads), corpus=False
-        )
+        try:
+            self.engine.reserve(len(prompts), longest, self.spec.generation.max_new_tokens, mode)
+            heads = [p[:WARM_TOKENS] for p in prompts]
+            rows = len(heads)
+            self.engine.generate(
+                heads, 2, self.sampling, drafter=mode, overlong="truncate", batch_size=rows, corpus=False
+            )
+            return
+        except torch.OutOfMemoryError:
+            pass
+        # rows that do not fit (a capture of their slots' graphs): no warm-up; the decode that
+        # follows halves its batch where it must (`_generate_fitting`)
+        self._free_memory()
 
     # -- statistics -----------------------------------------------------------------------------
 
