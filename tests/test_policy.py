@@ -239,7 +239,7 @@ def test_the_draft_rules_price_each_length_among_the_rows_once_as_row_by_row(cas
     """The draft model's and the head's rules price the verify token a row's draft adds. A
     pass's cost depends on its rows' lengths, not on which row has which, so they price it once
     per length among the rows: a row at a time, each a list of every row, it was O(rows²) a draft
-    step (0.66 ms at 64 rows on a CPU). The verdicts are those of pricing every row alone,
+    step (docs/engine.md, "Draft length"). The verdicts are those of pricing every row alone,
     packed (a CPU) or padded to the widest row (where only the widest rows widen the pass)."""
     costs = measured_costs({t: 0.01 + 0.0004 * t for t in (200, 400, 800, 1600)}, {200: 0.004})
     costs.observe_round(1, 0.002)  # lately 2 ms per token

@@ -570,8 +570,8 @@ class Policy:
         (`BatchedLM.pass_tokens`: their sum, or their count and the longest), so every row of
         one length changed to one other gives the same pass: it is priced once. Priced a row at
         a time, each a list of every row, the draft model's and the head's rules cost O(rows²)
-        a draft step (0.66 and 0.34 ms at 64 rows on a CPU, beside a draft step of a few on a
-        GPU; about sixteen times that at 256 rows)."""
+        a draft step, milliseconds at 256 rows beside a GPU's draft step (docs/engine.md,
+        "Draft length")."""
         priced: dict[tuple[int, int], float] = {}
 
         def seconds(i: int, to: int) -> float:
@@ -882,7 +882,7 @@ class _Candidates:
         self.model_sums = np.asarray(model_sums, dtype=np.float64)
         self.draining = budgets is not None
         self.to_limit = policy.runs_to_limit.value if budgets else 0.0
-        most = max(budgets, default=0) if budgets else 0  # (once: a row at a time it was O(rows²))
+        most = max(budgets) if budgets else 0  # (once: a row at a time it was O(rows²))
         self.leads = np.array([most - b for b in budgets] if budgets else [0] * rows, dtype=np.int64)
         self.draft_time = policy.costs.draft_time(policy._step_tokens(rows)) or 0.0
         self.pass_seconds: dict[int, float | None] = {}  # a pass's seconds by its cost in tokens
