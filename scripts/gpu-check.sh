@@ -44,6 +44,12 @@ allowed() {
     echo $(($1 < left ? $1 : left))
 }
 skipped() { echo "== skipped, too little of the call's time left (BUDGET_S=${BUDGET_S:-}): $* ($(date +%T))"; }
+# a step of at most $1 s named $2 begins: `limit` set (`allowed`) and its header printed; or it is
+# skipped, and says so (the status fails)
+opened() {
+    limit=$(allowed "$1") || { skipped "$2"; return 1; }
+    echo "== $2 ($(date +%T), at most $limit s)"
+}
 prepare() {
     setup
     if [ -n "${DRY:-}" ]; then # the script's own check on a CPU: the tests' tiny pair, same steps
@@ -64,9 +70,8 @@ pack() {
 # `allowed`), its report under RES
 step() {
     local limit
-    limit=$(allowed "$1") || { skipped "${@:2}"; return 0; }
+    opened "$1" "${*:2}" || return 0
     shift
-    echo "== $* ($(date +%T), at most $limit s)"
     timeout -k 10 "$limit" "$0" "$res" "$@"
     pack
 }
@@ -130,33 +135,26 @@ EOF
     # and the last chunk's merging against a second kernel's (concurrency the interpreter never has)
     if [ -n "${SKIP_TESTS:-}" ]; then
         :
-    elif limit=$(allowed 100); then
-        echo "== static path and fusion tests ($(date +%T), at most $limit s)"
+    elif opened 100 "static path and fusion tests"; then
         PIPELINE_TEST_DEVICE=cuda timeout -k 10 "$limit" python3 -m pytest -q -p no:cacheprovider -o addopts= $xdist \
             tests/test_static_lm.py tests/test_fusion.py tests/test_fixed_attention.py tests/test_fixed_linear.py 2>&1 |
             tee "$res/tests-static.log" | tail -15
         pack
-    else
-        skipped "static path and fusion tests"
     fi
     # the fixed-order products alone against the padded row blocks they replaced and cuBLAS as
     # the rows come, the 1.5B target's weights at 1 to 256 rows
-    if limit=$(allowed 60); then
-        echo "== products alone ($(date +%T), at most $limit s)"
+    if opened 60 "products alone"; then
         if [ -n "${DRY:-}" ]; then
             TRITON_INTERPRET=1 timeout -k 10 "$limit" python3 scripts/gpu_linear.py --hidden 64 --intermediate 160 --kv 32 \
                 --vocab 320 --rows 1,20 --out "$res/linear.txt"
         else
             timeout -k 10 "$limit" python3 scripts/gpu_linear.py --out "$res/linear.txt"
         fi 2>&1 | tail -40
-    else
-        skipped "products alone"
     fi
     # the fixed-order attention kernel alone against the float64 attention it replaced, the
     # 1.5B target's shapes, batch 1 and 64, 400 and 4,000 cached tokens, beside its chunks merged
     # by a second kernel and chunks of 64 and 128 positions (the dry run: a small check in Triton's interpreter)
-    if limit=$(allowed 90); then
-        echo "== attention alone ($(date +%T), at most $limit s)"
+    if opened 90 "attention alone"; then
         if [ -n "${DRY:-}" ]; then
             TRITON_INTERPRET=1 timeout -k 10 "$limit" python3 scripts/gpu_attention.py --batches 1,2 --contexts 40 \
                 --chunks 64 --out "$res/attention.txt"
@@ -164,31 +162,23 @@ EOF
             timeout -k 10 "$limit" python3 scripts/gpu_attention.py --out "$res/attention.txt"
         fi 2>&1 | tail -16
         pack
-    else
-        skipped "attention alone"
     fi
     # the same passes with the padded row blocks the fixed-order products replaced (the A/B)
     NAME=$pair-block-linears step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --block-linears
     # target-only with one pass a round against four back to back (EngineConfig.plain_steps:
     # each pass's choices fed to the next on the device), runs alternated in one process
-    if limit=$(allowed 60); then
-        echo "== plain_steps 1 against 4, target-only, batch 1 ($(date +%T), at most $limit s)"
+    if opened 60 "plain_steps 1 against 4, target-only, batch 1"; then
         timeout -k 10 "$limit" python3 scripts/gpu_profile.py $pair "$res" --batch 1 --docs 2 --new 64 --plain-steps 1,4 \
             --runs 3 2>&1 | grep --line-buffered -v "^Loading weights" | tee -a "$res/profile.log"
         pack
-    else
-        skipped "plain_steps 1 against 4"
     fi
     # prompt lookup's rounds on the device against the host's (drafts all rejected on this pair:
     # what the loop costs where lookups never pay), batch 64
-    if limit=$(allowed 90); then
-        echo "== prompt lookup rounds on the device against the host's, batch 64 ($(date +%T), at most $limit s)"
+    if opened 90 "prompt lookup rounds on the device against the host's, batch 64"; then
         timeout -k 10 "$limit" python3 scripts/gpu_profile.py $pair "$res" --batch 64 --docs 128 --new 64 \
             --drafter prompt_lookup --lookup-steps 1,4 --runs 3 2>&1 | grep --line-buffered -v "^Loading weights" |
             tee -a "$res/profile.log"
         pack
-    else
-        skipped "prompt lookup rounds on the device"
     fi
     # q/k/v and gate/up fused (--fused-projections, off by default until this A/B says otherwise),
     # then the passes at batch 64 (every width's graph compiled and captured for 64 slots)
@@ -197,8 +187,7 @@ EOF
     NAME=$pair-float64-attention step 90 calibrate $pair --batch 1 --widths 1,8,16 --runs 3 --float64-attention
     NAME=$pair-batch64 step 150 calibrate $pair --batch 64 --widths 1,8,16 --runs 3
     # the products' free settings (outputs a tile, programs wanted, warps, stages), for the next constants
-    if limit=$(allowed 60); then
-        echo "== products' settings ($(date +%T), at most $limit s)"
+    if opened 60 "products' settings"; then
         if [ -n "${DRY:-}" ]; then
             TRITON_INTERPRET=1 timeout -k 10 "$limit" python3 scripts/gpu_linear.py --hidden 64 --intermediate 160 --kv 32 \
                 --vocab 320 --rows 1,20 --sweep --out "$res/linear-settings.txt"
@@ -206,8 +195,6 @@ EOF
             timeout -k 10 "$limit" python3 scripts/gpu_linear.py --rows 1,64 --sweep --out "$res/linear-settings.txt"
         fi 2>&1 | tail -8
         pack
-    else
-        skipped "products' settings"
     fi
     # a draft head's step on the GPU beside a width-1 pass (issue 39: the head drafts where a
     # verify pass costs the same at width 1 and 16), with as many output rows as the 1.5B's
@@ -239,13 +226,10 @@ job)
     python3 -c "import tarfile; tarfile.open('.gpu-carry/ray.tar.xz').extractall('/tmp/site-ray', filter='tar')"
     export PYTHONPATH="/tmp/site-ray:$PYTHONPATH" RAY_USAGE_STATS_ENABLED=0
     name=${DATE:+$DATE-}tiny-job-${MACHINE:-gpu}-qwen-shaped-random-ray
-    if limit=$(allowed 240); then
-        echo "== pipeline run on a GPU actor ($(date +%T), at most $limit s)"
+    if opened 240 "pipeline run on a GPU actor"; then
         timeout -k 10 "$limit" python3 scripts/tiny_job.py /tmp/gpu-job --shards 2 --rows 4 --max-new-tokens 32 \
             --drafter prompt_lookup --models /tmp/gpu/models/qwen-target,/tmp/gpu/models/qwen-draft --gpus 1 \
             --report "$res/$name.json" 2>&1 | grep --line-buffered -v "^Loading weights" | tee "$res/job.log" | tail -40
-    else
-        skipped "pipeline run on a GPU actor"
     fi
     echo "== done ($(date +%T))"
     pack
@@ -267,24 +251,18 @@ smol)
     docs=$(python3 -c "from pipeline.demo_data import CORPORA; print(min(256, len(CORPORA['licenses']())))")
     NAME=smollm2-licenses-batch64 step 200 bench smollm2 --tasks translate --corpus licenses --docs "$docs" --batches 64 \
         --max-new-tokens 64 --runs 3 --drafters prompt_lookup,suffix,auto --no-hf
-    if limit=$(allowed 90); then
-        echo "== a round's host parts, auto at batch 64, the gate held open ($(date +%T), at most $limit s)"
+    if opened 90 "a round's host parts, auto at batch 64, the gate held open"; then
         timeout -k 10 "$limit" python3 scripts/gpu_profile.py smollm2 "$res" --batch 64 --docs "$docs" --new 64 \
             --drafter auto --split-only --always-ask 2>&1 | grep --line-buffered -v "^Loading weights" |
             tee -a "$res/profile.log"
         pack
-    else
-        skipped "a round's host parts, auto at batch 64"
     fi
     # prompt lookup's rounds on the device, back to back (EngineConfig.lookup_steps 4), against
     # its rounds on the host, alternated in one process: off by default until this says
-    if limit=$(allowed 150); then
-        echo "== prompt lookup rounds on the device against the host's, batch 64 ($(date +%T), at most $limit s)"
+    if opened 150 "prompt lookup rounds on the device against the host's, batch 64"; then
         timeout -k 10 "$limit" python3 scripts/gpu_profile.py smollm2 "$res" --batch 64 --docs "$docs" --new 64 \
             --drafter prompt_lookup --lookup-steps 1,4 --runs 3 2>&1 | grep --line-buffered -v "^Loading weights" |
             tee -a "$res/profile.log"
-    else
-        skipped "prompt lookup rounds on the device, batch 64"
     fi
     echo "== issue 37's lines from the reports ($(date +%T))"
     python3 scripts/gpu_acceptance.py "$res" | tee "$res/acceptance.txt"
@@ -298,14 +276,11 @@ probe)
     prepare
     logged
     for batch in 1 64; do
-        if limit=$(allowed 150); then
-            echo "== profile, target-only, batch $batch ($(date +%T), at most $limit s)"
+        if opened 150 "profile, target-only, batch $batch"; then
             timeout -k 10 "$limit" python3 scripts/gpu_profile.py $pair "$res" --batch $batch \
                 --docs $((batch == 1 ? 2 : 128)) --new 64 2>&1 | grep --line-buffered -v "^Loading weights" |
                 tee -a "$res/profile.log"
             pack
-        else
-            skipped "profile, target-only, batch $batch"
         fi
     done
     NAME=qwen-shaped-target-eager-batch1 step 90 bench qwen-shaped-target --eager-passes \
